@@ -1,0 +1,241 @@
+"""Annotate a captured graph: per-node shapes, FLOPs and exactly which storages autograd keeps.
+
+Runs the graph once on fake tensors (no memory) through an ``fx.Interpreter``. After each node
+finishes, the tensors autograd packed during that node are attributed to it (after, not during:
+ops such as ReLU pack their own output before returning it). Each saved storage is classified as
+a parameter, a buffer, an input, a node's output (attributed to its producer) or an extra (a
+storage born inside the op: BN statistics, pooling indices, dropout noise). The same run then
+does the backward pass (and an optimizer step when one is named) under ``LiveStorageTracker``,
+which gives the peak of one training step from real lifetimes.
+
+Results go to ``node.meta["memopt_cost"]`` (a ``NodeCost``) and into the returned ``Estimate``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+import torch
+from torch import fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import FlopCounterMode
+
+from cost_model.fake import fake_copy
+from cost_model.op_registry import describe_target, op_kind
+from cost_model.optimizers import resolve_optimizer
+from cost_model.step import LossFn, compute_loss
+from cost_model.storage import LiveStorageTracker, SavedTensorRecorder, storage_key, storage_nbytes
+
+META_KEY = "memopt_cost"
+STATE_CATEGORIES = ("parameter", "buffer")
+
+
+@dataclass
+class SavedRef:
+    """A storage that a node keeps for backward."""
+
+    key: int
+    nbytes: int
+    category: str  # parameter | buffer | input | activation | extra
+    source: str  # the node whose output it is ("" for extras born inside the node)
+
+
+@dataclass
+class NodeCost:
+    name: str
+    op: str  # the op kind from the registry, or the target's name when the registry has none
+    kind: Optional[str]
+    target: str
+    shapes: List[tuple]
+    dtypes: List[str]
+    out_bytes: int
+    flops: int
+    saved: List[SavedRef] = field(default_factory=list)
+
+    @property
+    def saved_bytes(self) -> int:
+        """Bytes of the distinct non-state storages this node keeps (shared ones count fully here)."""
+        return sum({s.key: s.nbytes for s in self.saved if s.category not in STATE_CATEGORIES}.values())
+
+
+@dataclass
+class StorageRecord:
+    key: int
+    nbytes: int
+    category: str
+    producer: str
+    savers: List[str] = field(default_factory=list)
+
+
+@dataclass
+class Estimate:
+    """The cost model's answer for one training step. All byte counts are ints."""
+
+    nodes: Dict[str, NodeCost]
+    storages: Dict[int, StorageRecord]
+    saved_bytes: int
+    peak_bytes: int
+    breakdown: Dict[str, int]
+    device: str
+
+    def saved_by_category(self) -> Dict[str, int]:
+        out: Dict[str, int] = {}
+        for rec in self.storages.values():
+            out[rec.category] = out.get(rec.category, 0) + rec.nbytes
+        return out
+
+
+def _tensors(value: Any) -> List[torch.Tensor]:
+    return [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
+
+
+class _Annotator(fx.Interpreter):
+    def __init__(self, gm: fx.GraphModule, recorder: SavedTensorRecorder, flops: FlopCounterMode,
+                 state_keys: Dict[int, str]):
+        super().__init__(gm)
+        self.recorder = recorder
+        self.flop_counter = flops
+        self.state_keys = state_keys
+        self.producer: Dict[int, str] = {}
+        self.producer_op: Dict[str, str] = {}
+        self.costs: Dict[str, NodeCost] = {}
+        self.modules = dict(gm.named_modules())
+
+    def run_node(self, n: fx.Node) -> Any:
+        flops_before = self.flop_counter.get_total_flops()
+        self.recorder.take()  # saves between nodes (none expected) are not this node's
+        out = super().run_node(n)
+        outs = _tensors(out)
+        for t in outs:
+            self.producer.setdefault(storage_key(t), n.name)
+        self.producer_op[n.name] = n.op
+        saved = []
+        for s in self.recorder.take():
+            category = self.state_keys.get(s.key)
+            source = self.producer.get(s.key, "")
+            if category is None:
+                if not source:
+                    category = "extra"
+                else:
+                    category = "input" if self.producer_op.get(source) == "placeholder" else "activation"
+            saved.append(SavedRef(s.key, s.nbytes, category, source if category != "extra" else ""))
+        kind = op_kind(n, self.modules)
+        self.costs[n.name] = NodeCost(
+            name=n.name, op=kind or describe_target(n), kind=kind, target=describe_target(n),
+            shapes=[tuple(t.shape) for t in outs], dtypes=[str(t.dtype).replace("torch.", "") for t in outs],
+            out_bytes=sum(t.numel() * t.element_size() for t in outs),
+            flops=int(self.flop_counter.get_total_flops() - flops_before), saved=saved,
+        )
+        return out
+
+
+def _distinct_bytes(tensors) -> int:
+    return sum({storage_key(t): storage_nbytes(t) for t in tensors}.values())
+
+
+def annotate(gm: fx.GraphModule, args: tuple, kwargs: dict, *, device: Optional[str] = None,
+             optimizer: Any = None, loss_fn: Optional[LossFn] = None) -> Estimate:
+    """Run the cost model on ``gm`` for the example inputs and write ``node.meta[META_KEY]``.
+
+    ``device`` is the target device ("cpu" default, "cuda" works without a GPU); ``optimizer`` is
+    None, a name ("sgd", "adam", "adamw"), an Optimizer class or an instance, whose state is
+    simulated too; ``loss_fn`` maps the model output to a scalar (default: sum of every output).
+    """
+    from memopt.capture import flat_inputs, structured_output
+
+    target = torch.device(device or _model_device(gm))
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fake_gm, fargs, fkwargs = fake_copy(gm, args, kwargs, mode, target)
+    params = list(fake_gm.parameters())
+    buffers = list(fake_gm.buffers())
+    state_keys = {storage_key(b): "buffer" for b in buffers}
+    state_keys.update({storage_key(p): "parameter" for p in params})
+    flat = flat_inputs(fake_gm, fargs, fkwargs)
+    input_tensors = _tensors(flat)
+
+    # Run 1: attribution of saves and FLOPs, forward only. Saved-tensor hooks change when autograd
+    # frees saved tensors during backward, so the peak needs a second run without them.
+    recorder = SavedTensorRecorder()
+    flops = FlopCounterMode(display=False)
+    annotator = _Annotator(fake_gm, recorder, flops, state_keys)
+    with mode, flops, recorder:
+        out = annotator.run(*flat, enable_io_processing=False)
+    del out
+    # Run 2: one training step on fake tensors under the live-storage tracker.
+    tracker = LiveStorageTracker(preexisting=params + buffers + input_tensors)
+    with mode, tracker:
+        out = fx.Interpreter(fake_gm).run(*flat, enable_io_processing=False)
+        loss = compute_loss(structured_output(fake_gm, out), loss_fn)
+        del out
+        boundary = tracker.current
+        forward_keys = set(tracker.live_keys())
+        loss.backward()
+        del loss
+        fb_peak, keys_at_peak = tracker.peak, tracker.keys_at_peak
+        opt = _simulate_optimizer(optimizer, params, tracker)
+
+    storages: Dict[int, StorageRecord] = {}
+    for cost in annotator.costs.values():
+        for s in cost.saved:
+            if s.category in STATE_CATEGORIES:
+                continue
+            rec = storages.setdefault(s.key, StorageRecord(s.key, s.nbytes, s.category, s.source))
+            if cost.name not in rec.savers:
+                rec.savers.append(cost.name)
+    saved_bytes = sum(r.nbytes for r in storages.values())
+
+    param_bytes = _distinct_bytes(params + buffers)
+    input_bytes = _distinct_bytes(input_tensors)
+    grad_keys = {storage_key(p.grad) for p in params if p.grad is not None}
+    fb_total = opt.state_bytes + fb_peak  # steady state: the optimizer state exists during fwd/bwd
+    at_step = opt.step_peak > fb_total
+    keys = opt.keys_at_peak if at_step else keys_at_peak
+    parts = {"gradients": 0, "activations": 0, "transient": 0}
+    for k in keys:  # forward-born storages alive at the peak are activations; the rest is transient
+        if k in opt.state_keys:
+            continue
+        part = "gradients" if k in grad_keys else "activations" if k in forward_keys else "transient"
+        parts[part] += tracker.nbytes_of(k)
+    breakdown = {
+        "parameters_and_buffers": param_bytes,
+        "optimizer_state": opt.state_bytes,
+        "inputs": input_bytes,
+        **parts,
+        "activations_at_boundary": boundary,
+        "peak_phase": 1 if at_step else 0,  # 0: forward/backward, 1: optimizer step
+    }
+    peak = param_bytes + input_bytes + max(fb_total, opt.step_peak)
+    for node in gm.graph.nodes:
+        if node.name in annotator.costs:
+            node.meta[META_KEY] = annotator.costs[node.name]
+    return Estimate(annotator.costs, storages, saved_bytes, peak, breakdown, str(target))
+
+
+@dataclass
+class _OptimizerSim:
+    state_bytes: int = 0
+    step_peak: int = 0
+    keys_at_peak: List[int] = field(default_factory=list)
+    state_keys: set = field(default_factory=set)
+
+
+def _simulate_optimizer(optimizer: Any, params: List[torch.Tensor], tracker: LiveStorageTracker) -> _OptimizerSim:
+    """Two optimizer steps on the fake parameters: the first creates the state, the second is measured."""
+    resolved = resolve_optimizer(optimizer)
+    if resolved is None:
+        return _OptimizerSim()
+    cls, kwargs = resolved
+    opt = cls([p for p in params if p.requires_grad and p.grad is not None], **kwargs)
+    opt.step()
+    tracker.peak = tracker.current
+    opt.step()
+    state = [t for st in opt.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
+    return _OptimizerSim(_distinct_bytes(state), tracker.peak, tracker.keys_at_peak,
+                         {storage_key(t) for t in state})
+
+
+def _model_device(gm: fx.GraphModule) -> str:
+    for t in list(gm.parameters()) + list(gm.buffers()):
+        return str(t.device)
+    return "cpu"

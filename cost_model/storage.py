@@ -1,0 +1,148 @@
+"""Storage identity and live-memory tracking, shared by the estimator and `memopt.measure`.
+
+Autograd keeps *storages* alive, not tensor views: q, k and v that are views of one qkv buffer
+cost one buffer, and a small view keeps its whole base alive. Everything here therefore keys on
+the storage, never on the tensor.
+
+Two traps shape this file:
+- a storage's address is reused as soon as it is freed, so a key is only valid while we keep a
+  reference to the storage. We keep *weak* references (``StorageWeakRef``): a weak reference
+  keeps the StorageImpl object (and so its address, our key) reserved without keeping its data
+  alive, so keys stay unique and lifetimes stay those of the real run;
+- the peak must be measured over real lifetimes, so ``LiveStorageTracker`` asks after every op
+  which storages have died.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Iterable, List
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+
+def storage_key(tensor: torch.Tensor) -> int:
+    """Identity of the storage behind ``tensor`` (valid only while the storage is alive)."""
+    return StorageWeakRef(tensor.untyped_storage()).cdata
+
+
+def storage_nbytes(tensor: torch.Tensor) -> int:
+    return int(tensor.untyped_storage().nbytes())
+
+
+@dataclass
+class SavedTensor:
+    """One tensor that autograd packed for backward, in the order it was packed."""
+
+    key: int
+    nbytes: int
+    shape: tuple
+    dtype: torch.dtype
+    ref: StorageWeakRef  # reserves the key (address) without keeping the data alive
+
+
+class SavedTensorRecorder:
+    """Context manager recording every tensor autograd saves (via ``saved_tensors_hooks``).
+
+    The pack hook returns the tensor itself, so autograd keeps exactly what it would keep without
+    the hook. Only the innermost pair of saved-tensor hooks is active in PyTorch, so a model that
+    installs its own hooks (or uses checkpointing) hides its saves from this recorder.
+    """
+
+    def __init__(self) -> None:
+        self.saved: List[SavedTensor] = []
+        self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        ref = StorageWeakRef(tensor.untyped_storage())
+        self.saved.append(SavedTensor(ref.cdata, storage_nbytes(tensor), tuple(tensor.shape), tensor.dtype, ref))
+        return tensor
+
+    @staticmethod
+    def _unpack(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+    def take(self) -> List[SavedTensor]:
+        """Return the saves recorded since the last call and start a new batch."""
+        out, self.saved = self.saved, []
+        return out
+
+    def __enter__(self) -> "SavedTensorRecorder":
+        self._ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._ctx.__exit__(*exc)
+
+
+def distinct_saved_bytes(saved: Iterable[SavedTensor], exclude_keys: Iterable[int] = ()) -> int:
+    """Bytes of the distinct storages in ``saved``, leaving out ``exclude_keys`` (parameters, buffers)."""
+    excluded = set(exclude_keys)
+    seen: Dict[int, int] = {}
+    for s in saved:
+        if s.key not in excluded:
+            seen[s.key] = s.nbytes
+    return sum(seen.values())
+
+
+class LiveStorageTracker(TorchDispatchMode):
+    """Counts the bytes of every storage created by an op while the mode is active, over its life.
+
+    After each op the tracker drops the storages that have died (weak references) and records the
+    sum of those still alive; ``peak`` is the largest such sum. Storages that existed before the
+    mode was entered (parameters, inputs, optimizer state) must be passed as ``preexisting``: they
+    are never counted, even when an in-place op or a view (``weight.t()``) returns them again.
+    Callers add their bytes themselves.
+    Works on real and on fake tensors alike, so the estimator and the measurement use one rule.
+    ``keys_at_peak`` lists the storages alive at the peak, for a breakdown once the step is over.
+    """
+
+    def __init__(self, preexisting: Iterable[torch.Tensor] = ()) -> None:
+        super().__init__()
+        self._preexisting_refs = [StorageWeakRef(t.untyped_storage()) for t in preexisting]
+        self._preexisting = {r.cdata for r in self._preexisting_refs}
+        self._live: Dict[int, tuple] = {}  # key -> (weakref, nbytes)
+        self._live_ever: Dict[int, int] = {}  # key -> nbytes, for the breakdown at the peak
+        self._refs: List[StorageWeakRef] = []  # every ref ever taken: keeps keys unique for the run
+        self.current = 0
+        self.peak = 0
+        self.keys_at_peak: List[int] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self._add(t)
+        self._sweep()
+        return out
+
+    def _add(self, t: torch.Tensor) -> None:
+        try:
+            storage = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # tensors without storage (e.g. sparse)
+            return
+        ref = StorageWeakRef(storage)
+        if ref.cdata not in self._live and ref.cdata not in self._preexisting:
+            nbytes = int(storage.nbytes())
+            self._live[ref.cdata] = (ref, nbytes)
+            self._live_ever[ref.cdata] = nbytes
+            self._refs.append(ref)
+            self.current += nbytes
+
+    def _sweep(self) -> None:
+        dead = [k for k, (ref, _) in self._live.items() if ref.expired()]
+        for k in dead:
+            self.current -= self._live.pop(k)[1]
+        if self.current > self.peak:
+            self.peak = self.current
+            self.keys_at_peak = list(self._live)
+
+    def nbytes_of(self, key: int) -> int:
+        entry = self._live_ever.get(key)
+        return entry if entry is not None else 0
+
+    def live_keys(self) -> List[int]:
+        self._sweep()
+        return list(self._live)

@@ -1,0 +1,18 @@
+"""memopt: make PyTorch training fit in less memory by rewriting the model's graph.
+
+Public API: ``optimize``, ``Config``, ``estimate``, ``measure``, ``load``, ``OptimizedModule``,
+``Plan`` and the errors ``MemoptError``, ``TraceError``, ``BudgetError``, ``PassError``.
+"""
+from memopt.errors import BudgetError, MemoptError, PassError, TraceError
+from memopt.config import Config
+from memopt.plan import NodePlan, Plan
+from memopt.optimized import OptimizedModule
+from memopt.api import EstimateReport, estimate, load, optimize
+from memopt.measure import Measurement, measure
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BudgetError", "Config", "EstimateReport", "Measurement", "MemoptError", "NodePlan", "OptimizedModule",
+    "PassError", "Plan", "TraceError", "estimate", "load", "measure", "optimize", "__version__",
+]

@@ -1,0 +1,128 @@
+"""The public entry points: ``optimize``, ``estimate`` and ``load``."""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Union
+
+from torch import nn
+
+from cost_model.analysis import Estimate, NodeCost, annotate
+from cost_model.optimizers import resolve_optimizer
+from memopt.capture import capture, normalize_inputs
+from memopt.config import Config
+from memopt.errors import MemoptError
+from memopt.export import GRAPH_HEADER, graph_code
+from memopt.optimized import OptimizedModule
+from memopt.pipeline import validate_budget
+from memopt.plan import Plan
+
+
+def _check_model(model: Any) -> nn.Module:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}: {model!r:.80}")
+    if isinstance(model, OptimizedModule):
+        raise TypeError("model is already a memopt.OptimizedModule; pass its original_module to optimize again")
+    return model
+
+
+def _check_config(config: Any) -> Config:
+    if config is None:
+        return Config()
+    if not isinstance(config, Config):
+        raise TypeError(f"config must be a memopt.Config or None, got {type(config).__name__}: {config!r:.80}")
+    return config
+
+
+def optimize(model: nn.Module, budget_mb: Optional[float] = None, *, example_inputs: Any = None,
+             config: Optional[Config] = None, optimizer: Any = None) -> OptimizedModule:
+    """Rewrite ``model``'s training graph so that one training step fits ``budget_mb`` MiB.
+
+    Args:
+        model: any ``nn.Module``; it is never modified, and the result shares its parameters.
+        budget_mb: the peak memory of one training step to fit, in MiB (None: every safe default
+            rewrite). A budget the config cannot meet raises ``memopt.BudgetError``.
+        example_inputs: a tensor, a tuple of positional inputs or a dict of keyword inputs. With
+            them the model is captured and planned now; without them, at the first training forward
+            (and again, with a logged warning, whenever the input signature changes).
+        config: a ``memopt.Config`` (default ``Config()``: every technique at its safe default).
+        optimizer: the optimizer whose state counts in the budget: None, "sgd", "adam", "adamw",
+            an Optimizer class or instance.
+    """
+    model = _check_model(model)
+    budget_bytes = validate_budget(budget_mb)
+    config = _check_config(config)
+    resolve_optimizer(optimizer)  # validate early
+    om = OptimizedModule(model, config, budget_bytes, optimizer)
+    if example_inputs is not None:
+        om.prepare(example_inputs)
+    return om
+
+
+@dataclasses.dataclass
+class EstimateReport:
+    """``memopt.estimate``'s answer: the cost model alone, no rewrite."""
+
+    saved_bytes: int
+    peak_bytes: int
+    nodes: List[NodeCost]
+    breakdown: Dict[str, int]
+    plan: Plan
+
+    def report(self, *, top: Optional[int] = None, group: bool = True) -> str:
+        from memopt.report import render
+
+        return render(self.plan, top=top, group=group)
+
+
+def estimate(model: nn.Module, example_inputs: Any, *, device: Optional[str] = None, optimizer: Any = None,
+             loss_fn=None) -> EstimateReport:
+    """Run the cost model on fake tensors (no activation memory is allocated) and report the baseline."""
+    from memopt.pipeline import input_signature
+    from memopt.plan import node_plans
+
+    model = _check_model(model)
+    config = Config(device=device)
+    resolve_optimizer(optimizer)
+    args, kwargs = normalize_inputs(example_inputs)
+    was_training = model.training
+    model.train(True)
+    try:
+        captured = capture(model, args, kwargs)
+        est: Estimate = annotate(captured.graph_module, args, kwargs, device=config.device,
+                                 optimizer=optimizer, loss_fn=loss_fn)
+    finally:
+        model.train(was_training)
+    plan = Plan(model=type(model).__name__, capture=captured.method, device=est.device,
+                input_signature=input_signature(args, kwargs), torch_version=_torch_version(),
+                config=config.to_dict(), budget_bytes=None, baseline_saved_bytes=est.saved_bytes,
+                estimated_saved_bytes=est.saved_bytes, baseline_peak_bytes=est.peak_bytes,
+                estimated_peak_bytes=est.peak_bytes, baseline_breakdown=dict(est.breakdown),
+                estimated_breakdown=dict(est.breakdown), nodes=node_plans(est, est, {}))
+    return EstimateReport(est.saved_bytes, est.peak_bytes, list(est.nodes.values()), dict(est.breakdown), plan)
+
+
+def _torch_version() -> str:
+    import torch
+
+    return torch.__version__
+
+
+def load(model: nn.Module, directory: Union[str, Path], example_inputs: Any) -> OptimizedModule:
+    """Re-apply an exported plan (``om.export(directory)``) to ``model`` and check the graph matches.
+
+    Raises ``MemoptError`` when the re-built graph differs from the exported ``graph.py`` (a changed
+    model, torch version or memopt version): memopt never silently runs a different graph.
+    """
+    directory = Path(directory)
+    plan = Plan.load(directory / "plan.json")
+    config = Config.from_dict(plan.config)
+    om = optimize(model, None if plan.budget_bytes is None else plan.budget_bytes / 2**20,
+                  example_inputs=example_inputs, config=config)
+    expected = (directory / "graph.py").read_text()
+    actual = GRAPH_HEADER.format(model=om.plan.model, capture=om.plan.capture) + graph_code(om.graph_module)
+    if actual != expected:
+        raise MemoptError(f"the graph re-built from {directory / 'plan.json'} differs from {directory / 'graph.py'}; "
+                          f"the model, its inputs or the torch/memopt version changed since the export. "
+                          f"Run memopt.optimize again and re-export.")
+    return om

@@ -1,0 +1,125 @@
+"""Capture: turn an ``nn.Module`` into an ``fx.GraphModule`` that shares the model's state.
+
+``torch.fx.symbolic_trace`` comes first: its graph is at module level, so ``call_module`` nodes
+keep nn.Module identity (and hooks). When it fails (Python control flow on traced values, as in
+Hugging Face models), ``torch.export.export(strict=False)`` gives an ATen-level training graph.
+Either way the returned GraphModule is rebuilt on the *original* submodules, parameters and
+buffers, so training it trains the user's model.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Dict, Tuple
+
+import torch
+from torch import fx, nn
+
+from memopt.errors import TraceError
+
+log = logging.getLogger("memopt")
+
+Inputs = Tuple[Tuple[Any, ...], Dict[str, Any]]
+
+
+@dataclass
+class Captured:
+    graph_module: fx.GraphModule
+    method: str  # "symbolic_trace" or "export"
+
+
+def normalize_inputs(example_inputs: Any) -> Inputs:
+    """Accept a tensor, a tuple/list of positional inputs or a dict of keyword inputs."""
+    if isinstance(example_inputs, torch.Tensor):
+        return (example_inputs,), {}
+    if isinstance(example_inputs, (tuple, list)):
+        return tuple(example_inputs), {}
+    if isinstance(example_inputs, dict):
+        return (), dict(example_inputs)
+    raise TypeError(
+        f"example_inputs must be a tensor, a tuple/list of positional inputs or a dict of keyword "
+        f"inputs, got {type(example_inputs).__name__}: {example_inputs!r:.80}"
+    )
+
+
+def _resolve(root: nn.Module, target: str):
+    obj = root
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _rebuild_on_model(model: nn.Module, graph: fx.Graph, fallback: nn.Module | None) -> fx.GraphModule:
+    """A GraphModule whose attributes are the model's own objects (fallback: the export module's)."""
+    attrs: Dict[str, Any] = {}
+    for node in graph.nodes:
+        if node.op not in ("get_attr", "call_module"):
+            continue
+        try:
+            attrs[node.target] = _resolve(model, node.target)
+        except AttributeError:
+            if fallback is None:
+                raise
+            attrs[node.target] = _resolve(fallback, node.target)  # lifted constants of export
+    gm = fx.GraphModule(attrs, graph, class_name=type(model).__name__ + "Graph")
+    return gm
+
+
+def _drop_export_guards(graph: fx.Graph) -> None:
+    # export inserts a call to a guard module checking input shapes; it is not picklable and we
+    # re-capture on any new input signature ourselves (OptimizedModule), so it is safe to drop.
+    for node in list(graph.nodes):
+        if node.op == "call_module" and str(node.target).startswith("_guards") and not node.users:
+            graph.erase_node(node)
+
+
+def capture(model: nn.Module, args: tuple, kwargs: dict) -> Captured:
+    """Capture ``model`` on the example inputs; raise ``TraceError`` when neither path works."""
+    try:
+        traced = fx.symbolic_trace(model)
+        gm = _rebuild_on_model(model, traced.graph, None)
+        return Captured(gm, "symbolic_trace")
+    except Exception as fx_error:  # noqa: BLE001 - any tracing failure sends us to the export path
+        fx_msg = f"{type(fx_error).__name__}: {fx_error}"
+    log.info("memopt: symbolic_trace failed for %s (%s); trying torch.export", type(model).__name__, fx_msg)
+    was_training = model.training
+    try:
+        exported = torch.export.export(model, args, kwargs=kwargs, strict=False)
+        ep_module = exported.module()
+        graph = ep_module.graph
+        _drop_export_guards(graph)
+        graph.lint()
+        gm = _rebuild_on_model(model, graph, ep_module)
+        return Captured(gm, "export")
+    except Exception as export_error:  # noqa: BLE001
+        export_msg = f"{type(export_error).__name__}: {export_error}"
+    finally:
+        model.train(was_training)
+    first = lambda msg: msg.strip().splitlines()[0][:300] if msg.strip() else msg  # noqa: E731
+    raise TraceError(
+        f"memopt could not capture {type(model).__name__}.\n"
+        f"  torch.fx.symbolic_trace failed with: {first(fx_msg)}\n"
+        f"  torch.export.export(strict=False) failed with: {first(export_msg)}\n"
+        f"What to try: make the failing construct traceable (replace Python control flow on tensor "
+        f"values with torch.where / torch.cond), mark the submodule that contains it as a leaf "
+        f"(wrap it in a module and call torch.fx.wrap / a custom Tracer.is_leaf_module), or optimize "
+        f"the traceable submodules separately with memopt.optimize(submodule, ...)."
+    )
+
+
+def flat_inputs(gm: fx.GraphModule, args: tuple, kwargs: dict) -> list:
+    """The values of ``gm``'s placeholders, in order, for the model-level ``args`` and ``kwargs``."""
+    codegen = gm.graph._codegen
+    pytree_info = getattr(codegen, "pytree_info", None)
+    if pytree_info is not None and pytree_info.in_spec is not None:
+        from torch.fx._pytree import tree_flatten_spec
+        return list(tree_flatten_spec((args, kwargs), pytree_info.in_spec))
+    import inspect
+    bound = inspect.signature(gm.forward).bind(*args, **kwargs)
+    bound.apply_defaults()
+    return list(bound.arguments.values())
+
+
+def structured_output(gm: fx.GraphModule, out: Any) -> Any:
+    """Undo the output flattening of export graphs (identity for symbolic_trace graphs)."""
+    return gm.graph._codegen.process_outputs(out)

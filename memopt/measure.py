@@ -1,0 +1,138 @@
+"""``memopt.measure``: the ground truth. Runs real training steps and reports what they kept.
+
+Saved activations: every tensor autograd packs during a real forward (``saved_tensors_hooks``),
+storages counted once, parameters and buffers left out, the model's inputs and extras included.
+
+Peak memory of one steady-state training step (forward, backward and, when an optimizer is given,
+its step, after one warm-up step that creates the optimizer state):
+- on CUDA: ``torch.cuda.max_memory_allocated`` over the step (everything the caching allocator
+  handed out, fragmentation-free; other tensors the process holds on the device count too);
+- on CPU: the bytes of every tensor storage alive, tracked op by op with a ``TorchDispatchMode``
+  and weak storage references (``cost_model.storage.LiveStorageTracker``), plus the parameters,
+  buffers, inputs and optimizer state that exist before the step. This is what a
+  ``max_memory_allocated`` would report for CPU tensors; it does not include allocator slack or
+  memory that kernels allocate internally without creating tensors.
+
+The model's parameters, buffers, gradients and RNG state are restored afterwards, so measuring
+leaves the model as it was.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from cost_model.optimizers import resolve_optimizer
+from cost_model.step import LossFn, compute_loss
+from cost_model.storage import LiveStorageTracker, SavedTensorRecorder, distinct_saved_bytes, storage_key, storage_nbytes
+from memopt.capture import normalize_inputs
+from torch.utils._pytree import tree_flatten
+
+
+@dataclass
+class Measurement:
+    saved_bytes: int
+    peak_bytes: int
+    device: str
+    method: str
+
+
+def _distinct(tensors) -> int:
+    return sum({storage_key(t): storage_nbytes(t) for t in tensors}.values())
+
+
+class _Restore:
+    """Snapshot of parameters, buffers, grads and RNG; restored on exit."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def __enter__(self):
+        self.values = [(t, t.detach().clone()) for t in list(self.model.parameters()) + list(self.model.buffers())]
+        self.grads = [(p, p.grad) for p in self.model.parameters()]
+        self.rng = torch.get_rng_state()
+        self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+        self.training = self.model.training
+        return self
+
+    def __exit__(self, *exc) -> None:
+        with torch.no_grad():
+            for t, v in self.values:
+                t.copy_(v)
+        for p, g in self.grads:
+            p.grad = g
+        torch.set_rng_state(self.rng)
+        if self.cuda_rng is not None:
+            torch.cuda.set_rng_state_all(self.cuda_rng)
+        self.model.train(self.training)
+
+
+def measure(model: nn.Module, example_inputs: Any, loss_fn: Optional[LossFn] = None, *,
+            optimizer: Any = None) -> Measurement:
+    """Run real training steps of ``model`` on ``example_inputs`` and return measured bytes.
+
+    ``loss_fn`` maps the output to a scalar (default: the sum of every floating output);
+    ``optimizer`` (None, "sgd", "adam", "adamw", a class or an instance) adds a real optimizer step.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}: {model!r:.80}")
+    args, kwargs = normalize_inputs(example_inputs)
+    resolved = resolve_optimizer(optimizer)
+    params = list(model.parameters())
+    state_keys = {storage_key(t) for t in params + list(model.buffers())}
+    inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+    device = params[0].device if params else (inputs[0].device if inputs else torch.device("cpu"))
+
+    with _Restore(model):
+        model.train(True)
+        for p in params:
+            p.grad = None
+        # 1. saved activations
+        with SavedTensorRecorder() as recorder:
+            output = model(*args, **kwargs)
+        saved = distinct_saved_bytes(recorder.saved, state_keys)
+        compute_loss(output, loss_fn).backward()
+        del output, recorder
+        # 2. warm-up step (creates optimizer state), then the measured steady-state step
+        opt = None
+        if resolved is not None:
+            cls, kw = resolved
+            opt = cls([p for p in params if p.requires_grad], **kw)
+            opt.step()
+        for p in params:
+            p.grad = None
+        if device.type == "cuda":
+            peak, method = _cuda_peak(model, args, kwargs, loss_fn, opt, device)
+        else:
+            peak, method = _tracked_peak(model, args, kwargs, loss_fn, opt, params, inputs)
+        for p in params:
+            p.grad = None
+    return Measurement(int(saved), int(peak), str(device), method)
+
+
+def _step(model, args, kwargs, loss_fn, opt) -> None:
+    loss = compute_loss(model(*args, **kwargs), loss_fn)
+    loss.backward()
+    del loss
+    if opt is not None:
+        opt.step()
+
+
+def _tracked_peak(model, args, kwargs, loss_fn, opt, params, inputs):
+    state = [t for st in (opt.state.values() if opt else []) for t in st.values() if isinstance(t, torch.Tensor)]
+    preexisting = params + list(model.buffers()) + inputs + state
+    before = _distinct(preexisting)
+    tracker = LiveStorageTracker(preexisting)
+    with tracker:
+        _step(model, args, kwargs, loss_fn, opt)
+    return before + tracker.peak, "cpu tensor-storage tracking (TorchDispatchMode + weak storage refs)"
+
+
+def _cuda_peak(model, args, kwargs, loss_fn, opt, device):
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    _step(model, args, kwargs, loss_fn, opt)
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device), "torch.cuda.max_memory_allocated"

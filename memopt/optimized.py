@@ -1,0 +1,132 @@
+"""``OptimizedModule``: the user's model with a rewritten training graph and the same state.
+
+It registers the original model's own parameters, buffers and children as its own, so
+``state_dict()`` keys, ``parameters()`` (the same ``nn.Parameter`` objects) and ``train()/eval()``
+are those of the model. The rewritten ``GraphModule`` for each input signature lives outside the
+module tree (plain attributes), so nothing is registered twice. Training forwards (train mode,
+grad enabled) run the rewritten graph; every other forward runs the original model untouched.
+"""
+from __future__ import annotations
+
+import builtins
+import logging
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any, Optional, Tuple, Union
+
+import torch
+from torch import nn
+
+from memopt.capture import normalize_inputs
+from memopt.config import Config
+from memopt.errors import MemoptError
+from memopt.pipeline import Built, build, input_signature
+from memopt.plan import Plan
+
+log = logging.getLogger("memopt")
+
+MAX_SIGNATURES = 8  # captured graphs kept per module (least recently used dropped)
+
+
+class OptimizedModule(nn.Module):
+    """Returned by ``memopt.optimize``; train it as you trained the original model."""
+
+    def __init__(self, model: nn.Module, config: Config, budget_bytes: Optional[int], optimizer: Any) -> None:
+        super().__init__()
+        for name, p in model._parameters.items():
+            self.register_parameter(name, p)
+        for name, b in model._buffers.items():
+            self.register_buffer(name, b, persistent=name not in model._non_persistent_buffers_set)
+        for name, child in model._modules.items():
+            self.add_module(name, child)
+        self.training = model.training
+        # Plain attributes (object.__setattr__), not registered: they hold the same objects again.
+        object.__setattr__(self, "_memopt_model", model)
+        object.__setattr__(self, "_memopt_config", config)
+        object.__setattr__(self, "_memopt_budget", budget_bytes)
+        object.__setattr__(self, "_memopt_optimizer", optimizer)
+        object.__setattr__(self, "_memopt_built", OrderedDict())
+        object.__setattr__(self, "_memopt_last", None)
+
+    # ---------------------------------------------------------------- capture and planning
+    def _build_for(self, args: tuple, kwargs: dict) -> Built:
+        key = tuple(input_signature(args, kwargs))
+        built = self._memopt_built.get(key)
+        if built is None:
+            if self._memopt_built:
+                log.warning("memopt: new input signature %s for %s; capturing and planning again",
+                            list(key), type(self._memopt_model).__name__)
+            built = build(self._memopt_model, args, kwargs, self._memopt_config, self._memopt_budget,
+                          self._memopt_optimizer)
+            self._memopt_built[key] = built
+            while len(self._memopt_built) > MAX_SIGNATURES:
+                self._memopt_built.popitem(last=False)
+        else:
+            self._memopt_built.move_to_end(key)
+        object.__setattr__(self, "_memopt_last", built)
+        return built
+
+    def prepare(self, example_inputs: Any) -> "OptimizedModule":
+        """Capture and plan for ``example_inputs`` now (``optimize`` calls this when given inputs)."""
+        args, kwargs = normalize_inputs(example_inputs)
+        was_training = self._memopt_model.training
+        self._memopt_model.train(True)  # we plan the training graph
+        try:
+            self._build_for(args, kwargs)
+        finally:
+            self._memopt_model.train(was_training)
+        return self
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if not (self.training and torch.is_grad_enabled()):
+            return self._memopt_model(*args, **kwargs)
+        return self._build_for(args, kwargs).graph_module(*args, **kwargs)
+
+    def train(self, mode: bool = True) -> "OptimizedModule":
+        super().train(mode)
+        self._memopt_model.train(mode)
+        return self
+
+    # ---------------------------------------------------------------- inspection
+    @property
+    def original_module(self) -> nn.Module:
+        return self._memopt_model
+
+    @property
+    def graph_module(self) -> torch.fx.GraphModule:
+        return self._last().graph_module
+
+    @property
+    def plan(self) -> Plan:
+        """Every decision for the most recent input signature (a JSON-serialisable ``Plan``)."""
+        return self._last().plan
+
+    @property
+    def estimate(self):
+        return self._last().estimate
+
+    def _last(self) -> Built:
+        if self._memopt_last is None:
+            raise MemoptError(f"{type(self._memopt_model).__name__} has not been captured yet: pass "
+                              f"example_inputs to memopt.optimize or run one training forward first")
+        return self._memopt_last
+
+    def report(self, print: bool = False, *, top: Optional[int] = None, group: bool = True) -> str:  # noqa: A002
+        """The per-node memory table and totals; ``print=True`` also prints it."""
+        from memopt.report import render
+
+        text = render(self.plan, top=top, group=group)
+        if print:
+            builtins.print(text)
+        return text
+
+    def export(self, directory: Union[str, Path]) -> Path:
+        """Write graph.py, graph.dot, graph.graphml, plan.json and report.md into ``directory``."""
+        from memopt.export import export_directory
+
+        return export_directory(self, Path(directory))
+
+    def __repr__(self) -> str:
+        if self._memopt_last is None:
+            return f"OptimizedModule({type(self._memopt_model).__name__}, not captured yet)"
+        return self.report()

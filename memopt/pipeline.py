@@ -1,0 +1,92 @@
+"""capture -> annotate (cost model) -> rewrite (passes) -> annotate again -> plan, for one input signature."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, List, Optional
+
+import torch
+from torch import fx, nn
+from torch.utils._pytree import tree_flatten_with_path, keystr
+
+from cost_model.analysis import Estimate, annotate
+from memopt.capture import capture
+from memopt.config import Config
+from memopt.errors import BudgetError
+from memopt.plan import Plan, node_plans
+from memopt.report import fmt_bytes
+from passes.manager import passes_for, run_passes
+
+DECISION_KEY = "memopt_decision"  # passes write {"technique", "bits", "replaces", "reason"} here
+
+
+@dataclass
+class Built:
+    graph_module: fx.GraphModule
+    plan: Plan
+    baseline: Estimate
+    estimate: Estimate
+
+
+def input_signature(args: tuple, kwargs: dict) -> List[str]:
+    """One readable line per input leaf; two calls with equal signatures share a plan."""
+    out = []
+    for path, leaf in tree_flatten_with_path((args, kwargs))[0]:
+        if isinstance(leaf, torch.Tensor):
+            shape = ",".join(map(str, leaf.shape))
+            out.append(f"{keystr(path)}: {str(leaf.dtype).replace('torch.', '')}[{shape}] {leaf.device}"
+                       f"{' requires_grad' if leaf.requires_grad else ''}")
+        else:
+            out.append(f"{keystr(path)}: {type(leaf).__name__} {leaf!r:.40}")
+    return out
+
+
+def validate_budget(budget_mb: Any) -> Optional[int]:
+    """``budget_mb`` (MiB, None for no budget) -> bytes; anything else than a positive finite number is refused."""
+    if budget_mb is None:
+        return None
+    if isinstance(budget_mb, bool) or not isinstance(budget_mb, (int, float)):
+        raise TypeError(f"budget_mb must be a positive number of MiB or None, got "
+                        f"{type(budget_mb).__name__}: {budget_mb!r:.40}")
+    if not math.isfinite(budget_mb) or budget_mb <= 0:
+        raise ValueError(f"budget_mb must be a positive finite number of MiB or None, got {budget_mb!r}")
+    return int(budget_mb * 1024 * 1024)
+
+
+def build(model: nn.Module, args: tuple, kwargs: dict, config: Config, budget_bytes: Optional[int],
+          optimizer: Any = None) -> Built:
+    captured = capture(model, args, kwargs)
+    gm = captured.graph_module
+    baseline = annotate(gm, args, kwargs, device=config.device, optimizer=optimizer)
+    gm, records = run_passes(gm, passes_for(config))
+    modified = any(r.modified for r in records)
+    estimate = annotate(gm, args, kwargs, device=config.device, optimizer=optimizer) if modified else baseline
+    decisions = {n.name: n.meta[DECISION_KEY] for n in gm.graph.nodes if DECISION_KEY in n.meta}
+    plan = Plan(
+        model=type(model).__name__, capture=captured.method, device=estimate.device,
+        input_signature=input_signature(args, kwargs), torch_version=torch.__version__,
+        config=config.to_dict(), budget_bytes=budget_bytes,
+        baseline_saved_bytes=baseline.saved_bytes, estimated_saved_bytes=estimate.saved_bytes,
+        baseline_peak_bytes=baseline.peak_bytes, estimated_peak_bytes=estimate.peak_bytes,
+        baseline_breakdown=dict(baseline.breakdown), estimated_breakdown=dict(estimate.breakdown),
+        passes=[{"name": r.name, "modified": r.modified} for r in records],
+        nodes=node_plans(baseline, estimate, decisions),
+    )
+    if budget_bytes is not None and plan.estimated_peak_bytes > budget_bytes:
+        raise BudgetError(_budget_message(plan))
+    return Built(gm, plan, baseline, estimate)
+
+
+def _budget_message(plan: Plan) -> str:
+    top = sorted(plan.nodes, key=lambda n: -n.saved_bytes_after)[:5]
+    lines = [f"budget_mb={plan.budget_bytes / 2**20:.1f} ({fmt_bytes(plan.budget_bytes)}) cannot be met for "
+             f"{plan.model}: the smallest estimated peak with the current config is "
+             f"{fmt_bytes(plan.estimated_peak_bytes)} (parameters and buffers "
+             f"{fmt_bytes(plan.estimated_breakdown.get('parameters_and_buffers'))}, optimizer state "
+             f"{fmt_bytes(plan.estimated_breakdown.get('optimizer_state'))}).",
+             "Largest remaining consumers of saved activation memory:"]
+    for n in top:
+        fix = n.reason or "already rewritten"
+        lines.append(f"  {n.name} ({n.op}, {n.shape}): {fmt_bytes(n.saved_bytes_after)} - {fix}")
+    lines.append("Raise budget_mb, lower the batch size, or enable more techniques in memopt.Config.")
+    return "\n".join(lines)

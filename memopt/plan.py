@@ -1,0 +1,91 @@
+"""``om.plan``: a JSON-serialisable record of every decision, with baseline and estimated bytes."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Union
+
+from cost_model.analysis import Estimate, NodeCost
+
+
+@dataclass
+class NodePlan:
+    """The decision for one graph node."""
+
+    name: str
+    op: str
+    target: str
+    shape: str
+    dtype: str
+    flops: int
+    saved_bytes_before: int
+    technique: str = "exact"
+    bits: Optional[int] = None
+    saved_bytes_after: int = 0
+    reason: str = ""
+
+
+@dataclass
+class Plan:
+    """Every decision memopt made for one input signature. Bytes are ints."""
+
+    model: str
+    capture: str
+    device: str
+    input_signature: List[str]
+    torch_version: str
+    config: Dict[str, Any]
+    budget_bytes: Optional[int]
+    baseline_saved_bytes: int
+    estimated_saved_bytes: int
+    baseline_peak_bytes: int
+    estimated_peak_bytes: int
+    baseline_breakdown: Dict[str, int]
+    estimated_breakdown: Dict[str, int]
+    passes: List[Dict[str, Any]] = field(default_factory=list)
+    nodes: List[NodePlan] = field(default_factory=list)
+
+    def to_dict(self) -> Dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1, sort_keys=False)
+
+    def save(self, path: Union[str, Path]) -> None:
+        Path(path).write_text(self.to_json())
+
+    @classmethod
+    def from_dict(cls, data: Dict[str, Any]) -> "Plan":
+        data = dict(data)
+        data["nodes"] = [NodePlan(**n) for n in data.get("nodes", [])]
+        return cls(**data)
+
+    @classmethod
+    def load(cls, path: Union[str, Path]) -> "Plan":
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+
+def node_plans(baseline: Estimate, after: Estimate, decisions: Dict[str, Dict[str, Any]]) -> List[NodePlan]:
+    """One record per node of the rewritten graph, with the baseline bytes of the node it replaced."""
+    plans = []
+    for name, cost in after.nodes.items():
+        decision = decisions.get(name, {})
+        before: NodeCost = baseline.nodes.get(decision.get("replaces", name), cost)
+        plans.append(NodePlan(
+            name=name, op=cost.op, target=cost.target,
+            shape=" ".join("x".join(map(str, s)) for s in cost.shapes) or "-",
+            dtype=",".join(sorted(set(cost.dtypes))) or "-", flops=cost.flops,
+            saved_bytes_before=before.saved_bytes,
+            technique=decision.get("technique", "exact"), bits=decision.get("bits"),
+            saved_bytes_after=cost.saved_bytes,
+            reason=decision.get("reason", _default_reason(cost)),
+        ))
+    return plans
+
+
+def _default_reason(cost: NodeCost) -> str:
+    if cost.saved_bytes == 0:
+        return ""
+    return "no enabled technique rewrites this op"

@@ -1,0 +1,74 @@
+"""Per-node memory report (tabulate): node, op, shape, dtype, saved before/after, technique, bits."""
+from __future__ import annotations
+
+import re
+from typing import Dict, List, Optional, Tuple
+
+from tabulate import tabulate
+
+from memopt.plan import NodePlan, Plan
+
+MiB = 1024 * 1024
+
+
+def fmt_bytes(n: Optional[int]) -> str:
+    if n is None:
+        return "-"
+    if abs(n) >= 1024 ** 3:
+        return f"{n / 1024 ** 3:.2f} GiB"
+    if abs(n) >= MiB:
+        return f"{n / MiB:.2f} MiB"
+    if abs(n) >= 1024:
+        return f"{n / 1024:.1f} KiB"
+    return f"{n} B"
+
+
+def _group_key(n: NodePlan) -> Tuple:
+    # repeated blocks differ only in the numbers of their names (layer1_0_conv1, layer1_1_conv1)
+    return (re.sub(r"\d+", "#", n.name), n.op, n.shape, n.dtype, n.technique, n.bits,
+            n.saved_bytes_before, n.saved_bytes_after)
+
+
+def _rows(nodes: List[NodePlan], group: bool) -> List[Tuple[NodePlan, int]]:
+    if not group:
+        return [(n, 1) for n in nodes]
+    groups: Dict[Tuple, List] = {}
+    for n in nodes:
+        groups.setdefault(_group_key(n), [n, 0])[1] += 1
+    return [(first, count) for first, count in groups.values()]
+
+
+def render(plan: Plan, *, top: Optional[int] = None, group: bool = True, fmt: str = "simple") -> str:
+    """The report as text. ``top`` keeps the N largest consumers; ``group`` merges repeated blocks."""
+    nodes = [n for n in plan.nodes if n.saved_bytes_before or n.saved_bytes_after or n.technique != "exact"]
+    rows = _rows(nodes, group)
+    if top is not None:
+        rows = sorted(rows, key=lambda r: -r[0].saved_bytes_before * r[1])[:top]
+    table = [[n.name if count == 1 else f"{n.name} (x{count}: {re.sub(r'[0-9]+', '#', n.name)})",
+              n.op, n.shape, n.dtype, fmt_bytes(n.saved_bytes_before), n.technique,
+              n.bits if n.bits is not None else "-", fmt_bytes(n.saved_bytes_after)] for n, count in rows]
+    headers = ["node", "op", "output shape", "dtype", "saved before", "technique", "bits", "saved after"]
+    lines = [f"memopt report: {plan.model} (captured by {plan.capture}, planned for {plan.device})",
+             tabulate(table, headers=headers, tablefmt=fmt)]
+    if top is not None and len(nodes) > len(table):
+        lines.append(f"(showing the top {len(table)} rows of {len(_rows(nodes, group))})")
+    lines.append("")
+    lines.append(_totals(plan, fmt))
+    return "\n".join(lines)
+
+
+def _totals(plan: Plan, fmt: str) -> str:
+    b, e = plan.baseline_breakdown, plan.estimated_breakdown
+    parts = ["parameters_and_buffers", "optimizer_state", "inputs", "gradients", "activations",
+             "transient"]
+    table = [["saved activations (distinct storages)", fmt_bytes(plan.baseline_saved_bytes),
+              fmt_bytes(plan.estimated_saved_bytes)]]
+    table += [[f"  peak part: {p.replace('_', ' ')}", fmt_bytes(b.get(p)), fmt_bytes(e.get(p))] for p in parts]
+    table += [["activations at forward/backward boundary", fmt_bytes(b.get("activations_at_boundary")),
+               fmt_bytes(e.get("activations_at_boundary"))],
+              ["estimated peak of one training step", fmt_bytes(plan.baseline_peak_bytes),
+               fmt_bytes(plan.estimated_peak_bytes)],
+              ["budget", "", fmt_bytes(plan.budget_bytes) if plan.budget_bytes is not None else "none"]]
+    note = ("Per-node 'saved' counts every storage the node keeps; a storage kept by two nodes (a ReLU "
+            "output that is also the next conv's input) shows in both rows and once in the totals.")
+    return tabulate(table, headers=["total", "baseline", "optimized"], tablefmt=fmt) + "\n" + note

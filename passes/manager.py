@@ -1,0 +1,48 @@
+"""The pass manager: run passes in order, lint and recompile after each, name the pass on failure."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, List, Sequence, Tuple
+
+from torch import fx
+
+from memopt.errors import MemoptError, PassError
+from passes.base import PassFn, PassResult, registered_pass
+
+
+@dataclass
+class PassRecord:
+    name: str
+    modified: bool
+
+
+def passes_for(config: Any) -> List[Tuple[str, PassFn, Any]]:
+    """The passes a ``memopt.Config`` turns on, in field order: one per technique field not None."""
+    selected = []
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if value is None or not dataclasses.is_dataclass(value):
+            continue
+        entry = registered_pass(type(value))
+        if entry is not None:
+            selected.append((entry[0], entry[1], value))
+    return selected
+
+
+def run_passes(gm: fx.GraphModule, passes: Sequence[Tuple[str, PassFn, Any]]) -> Tuple[fx.GraphModule, List[PassRecord]]:
+    records = []
+    for name, fn, cfg in passes:
+        try:
+            result = fn(gm, cfg)
+            if not isinstance(result, PassResult):
+                raise TypeError(f"a pass must return PassResult, got {type(result).__name__}")
+            gm = result.graph_module
+            gm.graph.lint()
+            gm.recompile()
+        except MemoptError as e:
+            raise type(e)(f"pass '{name}' failed: {e}") from e
+        except Exception as e:  # noqa: BLE001 - re-raised with the pass named
+            raise PassError(f"pass '{name}' failed: {type(e).__name__}: {e}") from e
+        records.append(PassRecord(name, result.modified))
+    return gm, records
