@@ -142,27 +142,59 @@ def annotate(gm: fx.GraphModule, args: tuple, kwargs: dict, *, device: Optional[
     None, a name ("sgd", "adam", "adamw"), an Optimizer class or an instance, whose state is
     simulated too; ``loss_fn`` maps the model output to a scalar (default: sum of every output).
     """
-    from memopt.capture import flat_inputs, structured_output
+    from memopt.capture import flat_inputs
 
     target = torch.device(device or _model_device(gm))
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     fake_gm, fargs, fkwargs = fake_copy(gm, args, kwargs, mode, target)
-    params = list(fake_gm.parameters())
-    buffers = list(fake_gm.buffers())
-    state_keys = {storage_key(b): "buffer" for b in buffers}
-    state_keys.update({storage_key(p): "parameter" for p in params})
+    state_keys = {storage_key(b): "buffer" for b in fake_gm.buffers()}
+    state_keys.update({storage_key(p): "parameter" for p in fake_gm.parameters()})
     flat = flat_inputs(fake_gm, fargs, fkwargs)
-    input_tensors = _tensors(flat)
 
-    # Run 1: attribution of saves and FLOPs, forward only. Saved-tensor hooks change when autograd
-    # frees saved tensors during backward, so the peak needs a second run without them.
+    # Attribution of saves and FLOPs: forward only, under saved-tensor hooks.
     recorder = SavedTensorRecorder()
     flops = FlopCounterMode(display=False)
     annotator = _Annotator(fake_gm, recorder, flops, state_keys)
     with mode, flops, recorder:
         out = annotator.run(*flat, enable_io_processing=False)
     del out
-    # Run 2: one training step on fake tensors under the live-storage tracker.
+
+    storages: Dict[int, StorageRecord] = {}
+    for cost in annotator.costs.values():
+        for s in cost.saved:
+            if s.category in STATE_CATEGORIES:
+                continue
+            rec = storages.setdefault(s.key, StorageRecord(s.key, s.nbytes, s.category, s.source))
+            if cost.name not in rec.savers:
+                rec.savers.append(cost.name)
+    saved_bytes = sum(r.nbytes for r in storages.values())
+
+    # The autograd engine needs a real CUDA context for backward even on fake tensors, so without
+    # a GPU the step's timeline is simulated with CPU kernels (saves above stay CUDA's).
+    sim_device = target
+    if target.type == "cuda" and not torch.cuda.is_available():
+        sim_device = torch.device("cpu")
+    peak, breakdown = simulate_step(gm, args, kwargs, sim_device, optimizer, loss_fn)
+    breakdown["peak_simulated_on_" + sim_device.type] = 1
+    for node in gm.graph.nodes:
+        if node.name in annotator.costs:
+            node.meta[META_KEY] = annotator.costs[node.name]
+    return Estimate(annotator.costs, storages, saved_bytes, peak, breakdown, str(target))
+
+
+def simulate_step(gm: fx.GraphModule, args: tuple, kwargs: dict, device: torch.device, optimizer: Any,
+                  loss_fn: Optional[LossFn]):
+    """Peak bytes of one steady-state training step on fake tensors, and its parts at the peak.
+
+    Runs without saved-tensor hooks: hooks change when autograd frees saved tensors in backward.
+    """
+    from memopt.capture import flat_inputs, structured_output
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fake_gm, fargs, fkwargs = fake_copy(gm, args, kwargs, mode, device)
+    params, buffers = list(fake_gm.parameters()), list(fake_gm.buffers())
+    flat = flat_inputs(fake_gm, fargs, fkwargs)
+    input_tensors = _tensors(flat)
     tracker = LiveStorageTracker(preexisting=params + buffers + input_tensors)
     with mode, tracker:
         out = fx.Interpreter(fake_gm).run(*flat, enable_io_processing=False)
@@ -175,26 +207,16 @@ def annotate(gm: fx.GraphModule, args: tuple, kwargs: dict, *, device: Optional[
         fb_peak, keys_at_peak = tracker.peak, tracker.keys_at_peak
         opt = _simulate_optimizer(optimizer, params, tracker)
 
-    storages: Dict[int, StorageRecord] = {}
-    for cost in annotator.costs.values():
-        for s in cost.saved:
-            if s.category in STATE_CATEGORIES:
-                continue
-            rec = storages.setdefault(s.key, StorageRecord(s.key, s.nbytes, s.category, s.source))
-            if cost.name not in rec.savers:
-                rec.savers.append(cost.name)
-    saved_bytes = sum(r.nbytes for r in storages.values())
-
     param_bytes = _distinct_bytes(params + buffers)
     input_bytes = _distinct_bytes(input_tensors)
     grad_keys = {storage_key(p.grad) for p in params if p.grad is not None}
     fb_total = opt.state_bytes + fb_peak  # steady state: the optimizer state exists during fwd/bwd
     at_step = opt.step_peak > fb_total
-    keys = opt.keys_at_peak if at_step else keys_at_peak
     parts = {"gradients": 0, "activations": 0, "transient": 0}
-    for k in keys:  # forward-born storages alive at the peak are activations; the rest is transient
+    for k in (opt.keys_at_peak if at_step else keys_at_peak):
         if k in opt.state_keys:
             continue
+        # forward-born storages alive at the peak are activations; the rest is transient
         part = "gradients" if k in grad_keys else "activations" if k in forward_keys else "transient"
         parts[part] += tracker.nbytes_of(k)
     breakdown = {
@@ -203,13 +225,9 @@ def annotate(gm: fx.GraphModule, args: tuple, kwargs: dict, *, device: Optional[
         "inputs": input_bytes,
         **parts,
         "activations_at_boundary": boundary,
-        "peak_phase": 1 if at_step else 0,  # 0: forward/backward, 1: optimizer step
+        "peak_in_optimizer_step": int(at_step),
     }
-    peak = param_bytes + input_bytes + max(fb_total, opt.step_peak)
-    for node in gm.graph.nodes:
-        if node.name in annotator.costs:
-            node.meta[META_KEY] = annotator.costs[node.name]
-    return Estimate(annotator.costs, storages, saved_bytes, peak, breakdown, str(target))
+    return param_bytes + input_bytes + max(fb_total, opt.step_peak), breakdown
 
 
 @dataclass

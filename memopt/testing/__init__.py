@@ -1,0 +1,1 @@
+"""Test helpers shipped with memopt: the model zoo and the autograd audit."""
