@@ -1,0 +1,35 @@
+import importlib.util
+
+import pytest
+import torch
+
+from memopt.testing.zoo import ZOO
+
+HAS_TORCHVISION = importlib.util.find_spec("torchvision") is not None
+
+
+def zoo_params(names=None):
+    """pytest params over the zoo, skipping torchvision models when it is missing."""
+    out = []
+    for name in names or ZOO:
+        marks = []
+        if ZOO[name].needs_torchvision and not HAS_TORCHVISION:
+            marks.append(pytest.mark.skip(reason="torchvision is not installed"))
+        out.append(pytest.param(name, marks=marks, id=name))
+    return out
+
+
+def call(model, inputs):
+    """Call a model on example inputs given as a tensor, a tuple or a dict."""
+    if isinstance(inputs, dict):
+        return model(**inputs)
+    if isinstance(inputs, (tuple, list)):
+        return model(*inputs)
+    return model(inputs)
+
+
+def leaves(output):
+    return [t for t in torch.utils._pytree.tree_leaves(output) if isinstance(t, torch.Tensor)]
+
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
