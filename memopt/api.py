@@ -9,7 +9,7 @@ from torch import nn
 
 from cost_model.analysis import Estimate, NodeCost, annotate
 from cost_model.optimizers import resolve_optimizer
-from memopt.capture import capture, normalize_inputs
+from memopt.capture import capture, check_inputs, normalize_inputs
 from memopt.config import Config
 from memopt.errors import MemoptError
 from memopt.export import GRAPH_HEADER, graph_code
@@ -85,6 +85,7 @@ def estimate(model: nn.Module, example_inputs: Any, *, device: Optional[str] = N
     config = Config(device=device)
     resolve_optimizer(optimizer)
     args, kwargs = normalize_inputs(example_inputs)
+    check_inputs(model, args, kwargs)
     was_training = model.training
     model.train(True)
     try:

@@ -123,3 +123,23 @@ def flat_inputs(gm: fx.GraphModule, args: tuple, kwargs: dict) -> list:
 def structured_output(gm: fx.GraphModule, out: Any) -> Any:
     """Undo the output flattening of export graphs (identity for symbolic_trace graphs)."""
     return gm.graph._codegen.process_outputs(out)
+
+
+def check_inputs(model: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Refuse inputs that do not fit ``model.forward`` before anything is traced."""
+    import inspect
+
+    signature = inspect.signature(model.forward)
+    try:
+        signature.bind(*args, **kwargs)
+    except TypeError as e:
+        raise TypeError(f"example inputs do not match {type(model).__name__}.forward{signature}: {e} "
+                        f"(got {len(args)} positional and {sorted(kwargs)} keyword inputs)") from None
+    devices = {t.device for t in list(model.parameters()) + list(model.buffers())}
+    from torch.utils._pytree import tree_flatten_with_path, keystr
+
+    for path, leaf in tree_flatten_with_path((args, kwargs))[0]:
+        if isinstance(leaf, torch.Tensor) and devices and leaf.device not in devices and leaf.device.type != "meta":
+            raise ValueError(f"example input {keystr(path)} is on {leaf.device} but {type(model).__name__}'s "
+                             f"parameters are on {sorted(map(str, devices))}; move the inputs or the model "
+                             f"(model.to(device)) first")

@@ -10,7 +10,7 @@ from torch import fx, nn
 from torch.utils._pytree import tree_flatten_with_path, keystr
 
 from cost_model.analysis import Estimate, annotate
-from memopt.capture import capture
+from memopt.capture import capture, check_inputs
 from memopt.config import Config
 from memopt.errors import BudgetError
 from memopt.plan import Plan, node_plans
@@ -55,6 +55,7 @@ def validate_budget(budget_mb: Any) -> Optional[int]:
 
 def build(model: nn.Module, args: tuple, kwargs: dict, config: Config, budget_bytes: Optional[int],
           optimizer: Any = None) -> Built:
+    check_inputs(model, args, kwargs)
     captured = capture(model, args, kwargs)
     gm = captured.graph_module
     baseline = annotate(gm, args, kwargs, device=config.device, optimizer=optimizer)
