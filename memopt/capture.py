@@ -61,8 +61,11 @@ def _rebuild_on_model(model: nn.Module, graph: fx.Graph, fallback: nn.Module | N
             if fallback is None:
                 raise
             attrs[node.target] = _resolve(fallback, node.target)  # lifted constants of export
-    gm = fx.GraphModule(attrs, graph, class_name=type(model).__name__ + "Graph")
-    return gm
+    # export records its own tracer class, which cannot re-trace the code when a pickled
+    # GraphModule is loaded; the plain fx tracer can.
+    graph._tracer_cls = None
+    graph._tracer_extras = {}
+    return fx.GraphModule(attrs, graph, class_name=type(model).__name__ + "Graph")
 
 
 def _drop_export_guards(graph: fx.Graph) -> None:

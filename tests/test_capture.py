@@ -116,3 +116,17 @@ def test_untraceable_model_raises_trace_error_naming_the_model():
     assert "symbolic_trace failed" in message and "torch.export" in message
     assert "leaf" in message  # says what to try
     assert model.training and all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+
+
+def test_torch_save_of_an_export_captured_module_keeps_state_shared():
+    model, inputs = build("shape_branch")
+    om = memopt.optimize(model, example_inputs=inputs)
+    buffer = io.BytesIO()
+    torch.save(om, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert torch.equal(loaded(inputs), om(inputs))
+    with torch.no_grad():
+        loaded.out.bias.add_(1.0)  # the loaded graph must read the loaded module's parameters
+    assert not torch.equal(loaded(inputs), om(inputs))
+    assert torch.equal(loaded(inputs), loaded.original_module(inputs))
