@@ -39,6 +39,7 @@ class SavedRef:
     nbytes: int
     category: str  # parameter | buffer | input | activation | extra
     source: str  # the node whose output it is ("" for extras born inside the node)
+    savers: List[str] = field(default_factory=list)  # every node keeping this storage (filled at the end)
 
 
 @dataclass
@@ -168,6 +169,10 @@ def annotate(gm: fx.GraphModule, args: tuple, kwargs: dict, *, device: Optional[
             if cost.name not in rec.savers:
                 rec.savers.append(cost.name)
     saved_bytes = sum(r.nbytes for r in storages.values())
+    for cost in annotator.costs.values():
+        for s in cost.saved:
+            if s.key in storages:
+                s.savers = list(storages[s.key].savers)
 
     # The autograd engine needs a real CUDA context for backward even on fake tensors, so without
     # a GPU the step's timeline is simulated with CPU kernels (saves above stay CUDA's).

@@ -61,11 +61,22 @@ def _rebuild_on_model(model: nn.Module, graph: fx.Graph, fallback: nn.Module | N
             if fallback is None:
                 raise
             attrs[node.target] = _resolve(fallback, node.target)  # lifted constants of export
-    # export records its own tracer class, which cannot re-trace the code when a pickled
-    # GraphModule is loaded; the plain fx tracer can.
-    graph._tracer_cls = None
+    # A pickled GraphModule is re-traced from its code when loaded, with the tracer class recorded
+    # here. export's own tracer cannot run there, and the plain one would trace into memopt's
+    # runtime functions; MemoptTracer keeps those as leaves.
+    graph._tracer_cls = MemoptTracer
     graph._tracer_extras = {}
     return fx.GraphModule(attrs, graph, class_name=type(model).__name__ + "Graph")
+
+
+class MemoptTracer(fx.Tracer):
+    """The fx tracer with memopt's runtime functions (``memopt.ops.LEAF_FUNCTIONS``) kept as leaves."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        from memopt.ops import LEAF_FUNCTIONS
+
+        kwargs["autowrap_functions"] = tuple(kwargs.get("autowrap_functions", ())) + tuple(LEAF_FUNCTIONS)
+        super().__init__(*args, **kwargs)
 
 
 def _drop_export_guards(graph: fx.Graph) -> None:

@@ -7,8 +7,11 @@ pass through ``passes.base.register_pass``.
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
 from typing import Any, Dict, Optional
+
+from memopt.fewbit.config import FewBitConfig
 
 _DEVICES = ("cpu", "cuda", "meta")
 
@@ -18,20 +21,28 @@ class Config:
     """Options of ``memopt.optimize``.
 
     Attributes:
+        fewbit: few-bit backward for pointwise activations (``FewBitConfig``; None turns it off).
         device: the device the cost model plans for (default None: the model's own device).
             "cuda" works on a machine without a GPU: planning runs on fake tensors.
     """
 
+    fewbit: Optional[FewBitConfig] = FewBitConfig()
     device: Optional[str] = None
 
     def __post_init__(self) -> None:
+        for name, cls in _TECHNIQUES.items():
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, cls):
+                raise TypeError(f"Config.{name} must be a memopt.{cls.__name__} or None, got "
+                                f"{type(value).__name__}: {value!r:.80}")
         if self.device is not None:
             if not isinstance(self.device, str) or self.device.split(":")[0] not in _DEVICES:
                 raise ValueError(f"Config.device={self.device!r} is not supported; use None or one of "
                                  f"{list(_DEVICES)} (optionally with an index, e.g. 'cuda:1')")
 
     def to_dict(self) -> Dict[str, Any]:
-        return dataclasses.asdict(self)
+        """A JSON-ready dict (tuples become lists); ``Config.from_dict`` reads it back."""
+        return json.loads(json.dumps(dataclasses.asdict(self)))
 
     @classmethod
     def from_dict(cls, data: Dict[str, Any]) -> "Config":
@@ -39,4 +50,12 @@ class Config:
         unknown = sorted(set(data) - names)
         if unknown:
             raise ValueError(f"unknown Config fields {unknown}; known fields are {sorted(names)}")
+        data = dict(data)
+        for name, technique in _TECHNIQUES.items():
+            if isinstance(data.get(name), dict):
+                data[name] = technique(**{k: tuple(v) if isinstance(v, list) else v for k, v in data[name].items()})
         return cls(**data)
+
+
+# Config field -> its technique's config class; a new technique adds its line here and its field above.
+_TECHNIQUES = {"fewbit": FewBitConfig}

@@ -13,11 +13,10 @@ from cost_model.analysis import Estimate, annotate
 from memopt.capture import capture, check_inputs
 from memopt.config import Config
 from memopt.errors import BudgetError
-from memopt.plan import Plan, node_plans
+from memopt.plan import DECISION_KEY, Plan, node_plans
 from memopt.report import fmt_bytes
 from passes.manager import passes_for, run_passes
 
-DECISION_KEY = "memopt_decision"  # passes write {"technique", "bits", "replaces", "reason"} here
 
 
 @dataclass

@@ -9,6 +9,10 @@ from typing import Any, Dict, List, Optional, Union
 
 from cost_model.analysis import Estimate, NodeCost
 
+# Passes write {"technique", "bits", "replaces", "reason"} into node.meta[DECISION_KEY]: on the
+# nodes they create, and on the nodes they leave exact (with the reason).
+DECISION_KEY = "memopt_decision"
+
 
 @dataclass
 class NodePlan:

@@ -40,7 +40,7 @@ def test_report_top_n_keeps_the_largest_consumers(om):
 def test_plan_is_json_and_round_trips(om):
     plan = om.plan
     data = json.loads(plan.to_json())
-    assert data["baseline_saved_bytes"] == plan.baseline_saved_bytes == om.estimate.saved_bytes
+    assert data["estimated_saved_bytes"] == plan.estimated_saved_bytes == om.estimate.saved_bytes
     assert isinstance(plan.estimated_peak_bytes, int) and plan.budget_bytes is None
     assert {n["name"] for n in data["nodes"]} == {n.name for n in om.graph_module.graph.nodes}
     assert Plan.from_dict(data) == plan

@@ -1,0 +1,72 @@
+"""``memopt.FewBitConfig``: few-bit backward for pointwise activations."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Mapping, Optional, Tuple, Union
+
+from memopt.fewbit.activations import ACTIVATIONS
+
+WEIGHTS = ("uniform", "normal", "data")
+
+
+def _check_bits(value, where: str) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= 8:
+        raise ValueError(f"{where} must be an int in 1..8, got {value!r}")
+
+
+@dataclass(frozen=True)
+class FewBitConfig:
+    """Few-bit backward (Novikov et al., ICML 2023) for pointwise activations.
+
+    Attributes:
+        bits: bits per element for table activations (gelu, silu, tanh, ...), 1..8. Default 3.
+            Piecewise-linear ops (relu, leaky_relu, hardtanh, relu6, hardsigmoid, threshold) always
+            use an exact 1-bit mask.
+        bits_by_kind: per-op-kind overrides, e.g. {"gelu": 4}; stored as sorted (kind, bits) pairs.
+        weight: the weight of the table fit: "uniform" on ``domain`` (the paper's choice; default),
+            "normal" (Gaussian with standard deviation ``scale``), or "data": one table per node,
+            fitted to the histogram of that node's pre-activations on the example inputs.
+        domain, grid, scale: the table fit's domain (default (-10, 10)), grid cells (default
+            4096) and the normal weight's scale (default 1.0).
+        allow: if given, only these node names are rewritten. deny: node names never rewritten.
+        exact_masks: rewrite the piecewise-linear ops with their exact 1-bit masks (default True).
+    """
+
+    bits: int = 3
+    bits_by_kind: Union[Tuple[Tuple[str, int], ...], Mapping[str, int]] = ()
+    weight: str = "uniform"
+    domain: Tuple[float, float] = (-10.0, 10.0)
+    grid: int = 4096
+    scale: float = 1.0
+    allow: Optional[Tuple[str, ...]] = None
+    deny: Tuple[str, ...] = ()
+    exact_masks: bool = True
+
+    def __post_init__(self) -> None:
+        _check_bits(self.bits, "FewBitConfig.bits")
+        pairs = tuple(sorted(dict(self.bits_by_kind).items()))
+        for kind, bits in pairs:
+            if kind not in ACTIVATIONS:
+                raise ValueError(f"FewBitConfig.bits_by_kind has unknown op kind {kind!r}; known: {sorted(ACTIVATIONS)}")
+            _check_bits(bits, f"FewBitConfig.bits_by_kind[{kind!r}]")
+        object.__setattr__(self, "bits_by_kind", pairs)
+        if self.weight not in WEIGHTS:
+            raise ValueError(f"FewBitConfig.weight={self.weight!r} is not known; use one of {list(WEIGHTS)}")
+        lo, hi = self.domain
+        if not (math.isfinite(lo) and math.isfinite(hi) and lo < hi):
+            raise ValueError(f"FewBitConfig.domain must be finite (low, high) with low < high, got {self.domain!r}")
+        object.__setattr__(self, "domain", (float(lo), float(hi)))
+        if not isinstance(self.grid, int) or self.grid < 256:
+            raise ValueError(f"FewBitConfig.grid must be an int >= 256, got {self.grid!r}")
+        if not (isinstance(self.scale, (int, float)) and self.scale > 0):
+            raise ValueError(f"FewBitConfig.scale must be a positive number, got {self.scale!r}")
+        for name in ("allow", "deny"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, (tuple, list)) and all(isinstance(v, str) for v in value)):
+                raise ValueError(f"FewBitConfig.{name} must be a tuple of node names, got {value!r}")
+            if isinstance(value, list):
+                object.__setattr__(self, name, tuple(value))
+
+    def bits_for(self, kind: str) -> int:
+        return dict(self.bits_by_kind).get(kind, self.bits)

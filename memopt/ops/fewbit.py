@@ -1,0 +1,72 @@
+"""Few-bit backward at run time: one autograd Function for every pointwise activation.
+
+Forward computes the original activation out of place (bit-identical output, the input is never
+overwritten), codes each element with b bits and keeps, through ``ctx.save_for_backward``, only
+the packed codes (ceil(n*b/8) bytes) and, for table ops, the 2**b float32 levels (exact ops keep
+their two levels as Python floats). Backward is ``levels[code] * grad``.
+
+Codes: for piecewise-linear ops (relu, leaky_relu, hardtanh, ...) an exact 1-bit mask built with
+the same comparisons as PyTorch's own backward; for the others the piece index of the optimal
+table (``memopt.fewbit.tables``), from ``bucketize`` over the internal borders (a value equal to a
+border goes to the lower piece). A non-finite input poisons the levels with NaN, so parameter
+gradients come out non-finite as they would in stock PyTorch (and AMP's GradScaler skips the step).
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from memopt.errors import MemoptError
+from memopt.fewbit.activations import Params, get_activation
+from memopt.ops import graph_leaf
+from memopt.ops.bitpack import pack_bits, unpack_bits
+
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class _FewBit(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, name: str, params: Params, bits: int, borders: Tuple[float, ...],
+                levels: Tuple[float, ...], node: str) -> torch.Tensor:
+        act = get_activation(name)
+        y = act(x, params)
+        ctx.shape, ctx.bits, ctx.exact, ctx.node, ctx.levels = x.shape, bits, act.exact, node, levels
+        if act.exact:  # the two levels are Python floats; only the mask is kept
+            ctx.save_for_backward(pack_bits(act.mask(x, dict(params)), bits))
+            return y
+        boundaries = torch.tensor(borders, dtype=torch.float32, device=x.device)
+        packed = pack_bits(torch.bucketize(x, boundaries, out_int32=True), bits)
+        level_t = torch.tensor(levels, dtype=torch.float32, device=x.device)
+        # one reduction, no host sync: NaN levels if any input is not finite
+        level_t = torch.where(torch.isfinite(x).all(), level_t, torch.full_like(level_t, float("nan")))
+        ctx.save_for_backward(packed, level_t)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        if torch.is_grad_enabled():
+            raise MemoptError(f"double backward (create_graph=True) through the few-bit node {ctx.node} is not "
+                              f"supported: its backward is a b-bit approximation with no derivative of its own. "
+                              f"Exclude the node with memopt.FewBitConfig(deny=(...)) or set Config(fewbit=None).")
+        packed, *table = ctx.saved_tensors
+        codes = unpack_bits(packed, ctx.bits, grad.numel()).view(ctx.shape)
+        if ctx.exact:  # where, not multiply: a masked-out inf/NaN gradient gives 0, as in PyTorch
+            low, high = ctx.levels
+            grad_x = torch.where(codes.bool(), grad * high if high != 1.0 else grad, grad * low if low else 0.0)
+        else:
+            levels = table[0].to(grad.dtype)
+            grad_x = grad * levels.index_select(0, codes.reshape(-1).to(torch.int32)).view(ctx.shape)
+        return grad_x, None, None, None, None, None, None
+
+
+@graph_leaf
+def fewbit_activation(x: torch.Tensor, name: str, params: Params, bits: int, borders: Tuple[float, ...],
+                      levels: Tuple[float, ...], node: Optional[str] = None) -> torch.Tensor:
+    """``name(x, **params)`` whose backward keeps ``bits`` bits per element (called by rewritten graphs)."""
+    if x.dtype not in SUPPORTED_DTYPES:
+        raise MemoptError(f"few-bit node {node}: input dtype {x.dtype} is not supported "
+                          f"({[str(d) for d in SUPPORTED_DTYPES]}); the pass leaves such nodes exact")
+    if not x.requires_grad or not torch.is_grad_enabled():
+        return get_activation(name)(x, params)
+    return _FewBit.apply(x, name, params, bits, borders, levels, node or name)

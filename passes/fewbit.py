@@ -1,0 +1,171 @@
+"""The few-bit pass: pointwise activations keep a b-bit code instead of a full tensor.
+
+A node is rewritten only where the cost model (``node.meta["memopt_cost"]``) shows that the
+storage it keeps is kept by nobody else, so the rewrite really frees it: a ReLU whose output the
+next conv keeps anyway frees nothing and stays exact, and the report says so. Every other node
+left exact gets its reason too.
+"""
+from __future__ import annotations
+
+from typing import Dict, Optional, Tuple, Union
+
+import torch
+from torch import fx, nn
+
+from cost_model.analysis import META_KEY
+from cost_model.op_registry import op_kind
+from memopt.fewbit.activations import ACTIVATIONS, Params
+from memopt.fewbit.config import FewBitConfig
+from memopt.fewbit.tables import fewbit_table
+from memopt.ops.fewbit import SUPPORTED_DTYPES, fewbit_activation
+from memopt.plan import DECISION_KEY
+from passes.base import PassResult, register_pass
+
+HISTOGRAM_KEY = "memopt_histogram"  # (counts, bin_edges) of a node's input, written by the data analysis
+
+# kind -> hyper-parameters as (name, positional index after the input or None for keyword-only);
+# modules carry them as attributes of the same name.
+_HYPER: Dict[str, Tuple[Tuple[str, Optional[int]], ...]] = {
+    "gelu": (("approximate", None),), "elu": (("alpha", 1),), "celu": (("alpha", 1),),
+    "softplus": (("beta", 1), ("threshold", 2)), "leaky_relu": (("negative_slope", 1),),
+    "hardtanh": (("min_val", 1), ("max_val", 2)), "threshold": (("threshold", 1), ("value", 2)),
+}
+_DTYPE_NAMES = {str(d).replace("torch.", "") for d in SUPPORTED_DTYPES}
+
+
+def _target_name(node: fx.Node) -> str:
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return target.overloadpacket.__name__
+    return target if isinstance(target, str) else getattr(target, "__name__", "")
+
+
+def _hyper_parameters(node: fx.Node, kind: str, module: Optional[nn.Module]) -> Union[Params, str]:
+    """The node's activation hyper-parameters, or the reason they cannot be read."""
+    spec = _HYPER.get(kind, ())
+    given = {}
+    for name, index in spec:
+        if module is not None:
+            given[name] = getattr(module, name)
+        elif name in node.kwargs:
+            given[name] = node.kwargs[name]
+        elif index is not None and len(node.args) > index:
+            given[name] = node.args[index]
+    if node.op == "call_function" and _target_name(node) in ("elu", "elu_") and len(node.args) > 2:
+        if any(a != 1 for a in node.args[2:4]):
+            return f"aten elu with scale/input_scale {node.args[2:4]} (not the plain elu)"
+    for value in given.values():
+        if isinstance(value, fx.Node):
+            return "a hyper-parameter is computed in the graph, not a constant"
+    return ACTIVATIONS[kind].params({k: (float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v)
+                                     for k, v in given.items()})
+
+
+def _is_inplace(node: fx.Node, kind: str, module: Optional[nn.Module]) -> bool:
+    if module is not None:
+        return bool(getattr(module, "inplace", False))
+    if node.kwargs.get("inplace"):
+        return True
+    positional = 1 + len(_HYPER.get(kind, ()))
+    if node.op == "call_function" and len(node.args) > positional and node.args[positional] is True:
+        return True
+    return _target_name(node).endswith("_")
+
+
+def _input(node: fx.Node) -> Optional[fx.Node]:
+    value = node.args[0] if node.args else node.kwargs.get("input", node.kwargs.get("self"))
+    return value if isinstance(value, fx.Node) else None
+
+
+def _why_not(node: fx.Node, kind: str, module: Optional[nn.Module], cfg: FewBitConfig) -> Optional[str]:
+    """None when the node can be rewritten, else the reason it stays exact."""
+    if cfg.allow is not None and node.name not in cfg.allow:
+        return "not in FewBitConfig.allow"
+    if node.name in cfg.deny:
+        return "in FewBitConfig.deny"
+    if ACTIVATIONS[kind].exact and not cfg.exact_masks:
+        return "exact masks are turned off (FewBitConfig.exact_masks=False)"
+    cost = node.meta.get(META_KEY)
+    if cost is None:
+        return "the cost model has no record of this node"
+    if not cost.dtypes or cost.dtypes[0] not in _DTYPE_NAMES:
+        return f"dtype {cost.dtypes[0] if cost.dtypes else '?'} is not supported (few-bit takes {sorted(_DTYPE_NAMES)})"
+    inp = _input(node)
+    if inp is None:
+        return "its input is not a tensor node of the graph"
+    kept = [s for s in cost.saved if s.category in ("activation", "input")]
+    if not kept:
+        return "it keeps nothing for backward here (its input does not require grad)"
+    others = sorted({other for s in kept for other in s.savers if other != node.name})
+    if others:
+        return (f"the tensor it keeps is also kept by {', '.join(others[:3])}, so few-bit alone frees nothing "
+                f"(the conv stash can free the pair)")
+    if _is_inplace(node, kind, module):
+        if inp.op in ("placeholder", "get_attr"):
+            return "in-place on a model input or attribute: rewriting would stop mutating it"
+        if len(inp.users) > 1:
+            return "in-place op whose input is read by other nodes too: rewriting would change what they see"
+    return None
+
+
+@register_pass(FewBitConfig, "fewbit")
+def fewbit_pass(gm: fx.GraphModule, cfg: FewBitConfig) -> PassResult:
+    """Rewrite every eligible pointwise activation to ``memopt.ops.fewbit.fewbit_activation``."""
+    modules = dict(gm.named_modules())
+    modified = False
+    for node in list(gm.graph.nodes):
+        kind = op_kind(node, modules)
+        if kind not in ACTIVATIONS:
+            continue
+        module = modules.get(node.target) if node.op == "call_module" else None
+        params = _hyper_parameters(node, kind, module)
+        reason = params if isinstance(params, str) else _why_not(node, kind, module, cfg)
+        if reason is not None:
+            node.meta[DECISION_KEY] = {"technique": "exact", "reason": f"few-bit: {reason}"}
+            continue
+        act = ACTIVATIONS[kind]
+        if act.exact:
+            bits, borders, levels = 1, (), tuple(float(v) for v in act.mask_levels(dict(params)))
+            note = "exact 1-bit mask"
+        else:
+            bits = cfg.bits_for(kind)
+            weight, domain = _weight(node, cfg)
+            b, lv = fewbit_table(kind, bits, domain=domain, weight=weight, grid=cfg.grid, params=dict(params),
+                                 scale=cfg.scale)
+            borders, levels = tuple(b.tolist()), tuple(lv.tolist())
+            note = f"{2 ** bits}-level table ({cfg.weight} weight)"
+        with gm.graph.inserting_before(node):
+            new = gm.graph.call_function(
+                fewbit_activation, (_input(node), kind, params, bits, borders, levels, node.format_node()))
+        new.meta[DECISION_KEY] = {"technique": "fewbit", "bits": bits, "replaces": node.name, "reason": note}
+        node.replace_all_uses_with(new)
+        gm.graph.erase_node(node)
+        modified = True
+    return PassResult(gm, modified)
+
+
+def _weight(node: fx.Node, cfg: FewBitConfig):
+    if cfg.weight != "data":
+        return cfg.weight, cfg.domain
+    histogram = node.meta.get(HISTOGRAM_KEY)
+    if histogram is None:
+        return "uniform", cfg.domain
+    counts, edges = histogram
+    return data_weight(counts, edges, cfg.domain), cfg.domain
+
+
+def data_weight(counts: torch.Tensor, edges: torch.Tensor, domain: Tuple[float, float], floor: float = 1e-3):
+    """A density from a pre-activation histogram, plus a small uniform floor over ``domain`` so
+    that values outside the observed range still get a sensible end piece."""
+    counts = counts.to(torch.float64)
+    edges = edges.to(torch.float64)
+    widths = (edges[1:] - edges[:-1]).clamp_min(1e-300)
+    dens = counts / (counts.sum().clamp_min(1.0) * widths)
+    uniform = floor / (domain[1] - domain[0])
+
+    def weight(x: torch.Tensor) -> torch.Tensor:
+        idx = torch.bucketize(x, edges, right=True) - 1
+        inside = (idx >= 0) & (idx < counts.numel())
+        return torch.where(inside, dens[idx.clamp(0, counts.numel() - 1)], torch.zeros_like(x)) + uniform
+
+    return weight
