@@ -28,6 +28,7 @@ from cost_model.optimizers import resolve_optimizer
 from cost_model.step import LossFn, compute_loss
 from cost_model.storage import LiveStorageTracker, SavedTensorRecorder, distinct_saved_bytes, storage_key, storage_nbytes
 from memopt.capture import normalize_inputs
+from memopt.state import preserved_state
 from torch.utils._pytree import tree_flatten
 
 
@@ -41,32 +42,6 @@ class Measurement:
 
 def _distinct(tensors) -> int:
     return sum({storage_key(t): storage_nbytes(t) for t in tensors}.values())
-
-
-class _Restore:
-    """Snapshot of parameters, buffers, grads and RNG; restored on exit."""
-
-    def __init__(self, model: nn.Module) -> None:
-        self.model = model
-
-    def __enter__(self):
-        self.values = [(t, t.detach().clone()) for t in list(self.model.parameters()) + list(self.model.buffers())]
-        self.grads = [(p, p.grad) for p in self.model.parameters()]
-        self.rng = torch.get_rng_state()
-        self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-        self.training = self.model.training
-        return self
-
-    def __exit__(self, *exc) -> None:
-        with torch.no_grad():
-            for t, v in self.values:
-                t.copy_(v)
-        for p, g in self.grads:
-            p.grad = g
-        torch.set_rng_state(self.rng)
-        if self.cuda_rng is not None:
-            torch.cuda.set_rng_state_all(self.cuda_rng)
-        self.model.train(self.training)
 
 
 def measure(model: nn.Module, example_inputs: Any, loss_fn: Optional[LossFn] = None, *,
@@ -85,7 +60,7 @@ def measure(model: nn.Module, example_inputs: Any, loss_fn: Optional[LossFn] = N
     inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
     device = params[0].device if params else (inputs[0].device if inputs else torch.device("cpu"))
 
-    with _Restore(model):
+    with preserved_state(model):
         model.train(True)
         for p in params:
             p.grad = None

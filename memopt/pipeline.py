@@ -58,6 +58,12 @@ def build(model: nn.Module, args: tuple, kwargs: dict, config: Config, budget_by
     captured = capture(model, args, kwargs)
     gm = captured.graph_module
     baseline = annotate(gm, args, kwargs, device=config.device, optimizer=optimizer)
+    if config.fewbit is not None and config.fewbit.weight == "data" and not _has_meta(args, kwargs):
+        from cost_model.histograms import record_input_histograms
+        from memopt.capture import flat_inputs
+        from memopt.fewbit.activations import TABLE_ACTIVATIONS
+
+        record_input_histograms(gm, flat_inputs(gm, args, kwargs), TABLE_ACTIVATIONS, config.fewbit.domain)
     gm, records = run_passes(gm, passes_for(config))
     modified = any(r.modified for r in records)
     estimate = annotate(gm, args, kwargs, device=config.device, optimizer=optimizer) if modified else baseline
@@ -75,6 +81,12 @@ def build(model: nn.Module, args: tuple, kwargs: dict, config: Config, budget_by
     if budget_bytes is not None and plan.estimated_peak_bytes > budget_bytes:
         raise BudgetError(_budget_message(plan))
     return Built(gm, plan, baseline, estimate)
+
+
+def _has_meta(args: tuple, kwargs: dict) -> bool:
+    from torch.utils._pytree import tree_leaves
+
+    return any(isinstance(t, torch.Tensor) and t.is_meta for t in tree_leaves((args, kwargs)))
 
 
 def _budget_message(plan: Plan) -> str:

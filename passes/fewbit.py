@@ -13,6 +13,7 @@ import torch
 from torch import fx, nn
 
 from cost_model.analysis import META_KEY
+from cost_model.histograms import HISTOGRAM_KEY
 from cost_model.op_registry import op_kind
 from memopt.fewbit.activations import ACTIVATIONS, Params
 from memopt.fewbit.config import FewBitConfig
@@ -21,7 +22,6 @@ from memopt.ops.fewbit import SUPPORTED_DTYPES, fewbit_activation
 from memopt.plan import DECISION_KEY
 from passes.base import PassResult, register_pass
 
-HISTOGRAM_KEY = "memopt_histogram"  # (counts, bin_edges) of a node's input, written by the data analysis
 
 # kind -> hyper-parameters as (name, positional index after the input or None for keyword-only);
 # modules carry them as attributes of the same name.
@@ -93,11 +93,11 @@ def _why_not(node: fx.Node, kind: str, module: Optional[nn.Module], cfg: FewBitC
     inp = _input(node)
     if inp is None:
         return "its input is not a tensor node of the graph"
-    kept = [s for s in cost.saved if s.category in ("activation", "input")]
+    kept = [s for s in cost.saved if s.category in ("activation", "input", "extra")]
     if not kept:
         return "it keeps nothing for backward here (its input does not require grad)"
-    others = sorted({other for s in kept for other in s.savers if other != node.name})
-    if others:
+    if all(set(s.savers) != {node.name} for s in kept):  # a storage frees only when all its savers go
+        others = sorted({other for s in kept for other in s.savers if other != node.name})
         return (f"the tensor it keeps is also kept by {', '.join(others[:3])}, so few-bit alone frees nothing "
                 f"(the conv stash can free the pair)")
     if _is_inplace(node, kind, module):
@@ -133,7 +133,7 @@ def fewbit_pass(gm: fx.GraphModule, cfg: FewBitConfig) -> PassResult:
             b, lv = fewbit_table(kind, bits, domain=domain, weight=weight, grid=cfg.grid, params=dict(params),
                                  scale=cfg.scale)
             borders, levels = tuple(b.tolist()), tuple(lv.tolist())
-            note = f"{2 ** bits}-level table ({cfg.weight} weight)"
+            note = f"{2 ** bits}-level table ({weight if isinstance(weight, str) else 'data'} weight)"
         with gm.graph.inserting_before(node):
             new = gm.graph.call_function(
                 fewbit_activation, (_input(node), kind, params, bits, borders, levels, node.format_node()))
@@ -148,7 +148,7 @@ def _weight(node: fx.Node, cfg: FewBitConfig):
     if cfg.weight != "data":
         return cfg.weight, cfg.domain
     histogram = node.meta.get(HISTOGRAM_KEY)
-    if histogram is None:
+    if histogram is None:  # no real values seen (meta example inputs): the generic table
         return "uniform", cfg.domain
     counts, edges = histogram
     return data_weight(counts, edges, cfg.domain), cfg.domain
