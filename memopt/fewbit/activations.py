@@ -57,8 +57,9 @@ ACTIVATIONS: Dict[str, Activation] = {a.name: a for a in [
                mask=lambda x, p: ~((x <= p["min_val"]) | (x >= p["max_val"])), mask_levels=lambda p: (0.0, 1.0)),
     Activation("leaky_relu", lambda x, negative_slope: F.leaky_relu(x, negative_slope), (("negative_slope", 0.01),),
                mask=lambda x, p: x > 0, mask_levels=lambda p: (float(p["negative_slope"]), 1.0)),
+    # ATen's hardsigmoid backward multiplies by 1.0f/6.0f (single precision) for every dtype
     Activation("hardsigmoid", lambda x: F.hardsigmoid(x), mask=lambda x, p: (x > -3) & (x < 3),
-               mask_levels=lambda p: (0.0, 1.0 / 6.0)),
+               mask_levels=lambda p: (0.0, 0.1666666716337204)),
     Activation("threshold", lambda x, threshold, value: F.threshold(x, threshold, value),
                (("threshold", 0.0), ("value", 0.0)), mask=lambda x, p: ~(x <= p["threshold"]),
                mask_levels=lambda p: (0.0, 1.0)),

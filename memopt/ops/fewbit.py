@@ -22,7 +22,20 @@ from memopt.fewbit.activations import Params, get_activation
 from memopt.ops import graph_leaf
 from memopt.ops.bitpack import pack_bits, unpack_bits
 
-SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # table ops
+EXACT_DTYPES = SUPPORTED_DTYPES + (torch.float64,)  # exact masks also take float64 (gradcheck)
+
+
+def _memory_order(x: torch.Tensor) -> Tuple[torch.Tensor, Tuple[int, ...]]:
+    """``x`` as a contiguous view in its own memory order (channels_last, transposed, ...), and the
+    permutation used; codes are packed in that order, so a dense layout is never copied."""
+    if x.is_contiguous():
+        return x, tuple(range(x.dim()))
+    perm = tuple(sorted(range(x.dim()), key=lambda d: (-x.stride(d), -x.shape[d])))
+    view = x.permute(perm)
+    if view.is_contiguous():
+        return view, perm
+    return x.contiguous(), tuple(range(x.dim()))  # overlapping or gapped strides: one copy
 
 
 class _FewBit(torch.autograd.Function):
@@ -31,12 +44,13 @@ class _FewBit(torch.autograd.Function):
                 levels: Tuple[float, ...], node: str) -> torch.Tensor:
         act = get_activation(name)
         y = act(x, params)
-        ctx.shape, ctx.bits, ctx.exact, ctx.node, ctx.levels = x.shape, bits, act.exact, node, levels
+        dense, perm = _memory_order(x)
+        ctx.shape, ctx.perm, ctx.bits, ctx.exact, ctx.node, ctx.levels = dense.shape, perm, bits, act.exact, node, levels
         if act.exact:  # the two levels are Python floats; only the mask is kept
-            ctx.save_for_backward(pack_bits(act.mask(x, dict(params)), bits))
+            ctx.save_for_backward(pack_bits(act.mask(dense, dict(params)), bits))
             return y
         boundaries = torch.tensor(borders, dtype=torch.float32, device=x.device)
-        packed = pack_bits(torch.bucketize(x, boundaries, out_int32=True), bits)
+        packed = pack_bits(torch.bucketize(dense, boundaries, out_int32=True), bits)
         level_t = torch.tensor(levels, dtype=torch.float32, device=x.device)
         # one reduction, no host sync: NaN levels if any input is not finite
         level_t = torch.where(torch.isfinite(x).all(), level_t, torch.full_like(level_t, float("nan")))
@@ -50,13 +64,14 @@ class _FewBit(torch.autograd.Function):
                               f"supported: its backward is a b-bit approximation with no derivative of its own. "
                               f"Exclude the node with memopt.FewBitConfig(deny=(...)) or set Config(fewbit=None).")
         packed, *table = ctx.saved_tensors
-        codes = unpack_bits(packed, ctx.bits, grad.numel()).view(ctx.shape)
+        inverse = sorted(range(len(ctx.perm)), key=ctx.perm.__getitem__)
+        codes = unpack_bits(packed, ctx.bits, grad.numel()).view(ctx.shape).permute(inverse)
         if ctx.exact:  # where, not multiply: a masked-out inf/NaN gradient gives 0, as in PyTorch
             low, high = ctx.levels
             grad_x = torch.where(codes.bool(), grad * high if high != 1.0 else grad, grad * low if low else 0.0)
         else:
             levels = table[0].to(grad.dtype)
-            grad_x = grad * levels.index_select(0, codes.reshape(-1).to(torch.int32)).view(ctx.shape)
+            grad_x = grad * levels[codes.to(torch.int32)]
         return grad_x, None, None, None, None, None, None
 
 
@@ -64,9 +79,10 @@ class _FewBit(torch.autograd.Function):
 def fewbit_activation(x: torch.Tensor, name: str, params: Params, bits: int, borders: Tuple[float, ...],
                       levels: Tuple[float, ...], node: Optional[str] = None) -> torch.Tensor:
     """``name(x, **params)`` whose backward keeps ``bits`` bits per element (called by rewritten graphs)."""
-    if x.dtype not in SUPPORTED_DTYPES:
+    allowed = EXACT_DTYPES if get_activation(name).exact else SUPPORTED_DTYPES
+    if x.dtype not in allowed:
         raise MemoptError(f"few-bit node {node}: input dtype {x.dtype} is not supported "
-                          f"({[str(d) for d in SUPPORTED_DTYPES]}); the pass leaves such nodes exact")
+                          f"({[str(d) for d in allowed]}); the pass leaves such nodes exact")
     if not x.requires_grad or not torch.is_grad_enabled():
         return get_activation(name)(x, params)
     return _FewBit.apply(x, name, params, bits, borders, levels, node or name)
