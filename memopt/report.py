@@ -46,8 +46,9 @@ def render(plan: Plan, *, top: Optional[int] = None, group: bool = True, fmt: st
         rows = sorted(rows, key=lambda r: -r[0].saved_bytes_before * r[1])[:top]
     table = [[n.name if count == 1 else f"{n.name} (x{count}: {re.sub(r'[0-9]+', '#', n.name)})",
               n.op, n.shape, n.dtype, fmt_bytes(n.saved_bytes_before), n.technique,
-              n.bits if n.bits is not None else "-", fmt_bytes(n.saved_bytes_after)] for n, count in rows]
-    headers = ["node", "op", "output shape", "dtype", "saved before", "technique", "bits", "saved after"]
+              n.bits if n.bits is not None else "-", fmt_bytes(n.saved_bytes_after), _short(n.reason)]
+             for n, count in rows]
+    headers = ["node", "op", "output shape", "dtype", "saved before", "technique", "bits", "saved after", "why"]
     lines = [f"memopt report: {plan.model} (captured by {plan.capture}, planned for {plan.device})",
              tabulate(table, headers=headers, tablefmt=fmt)]
     if top is not None and len(nodes) > len(table):
@@ -55,6 +56,10 @@ def render(plan: Plan, *, top: Optional[int] = None, group: bool = True, fmt: st
     lines.append("")
     lines.append(_totals(plan, fmt))
     return "\n".join(lines)
+
+
+def _short(reason: str, limit: int = 90) -> str:
+    return reason if len(reason) <= limit else reason[: limit - 3] + "..."
 
 
 def _totals(plan: Plan, fmt: str) -> str:

@@ -135,8 +135,9 @@ def fewbit_pass(gm: fx.GraphModule, cfg: FewBitConfig) -> PassResult:
             borders, levels = tuple(b.tolist()), tuple(lv.tolist())
             note = f"{2 ** bits}-level table ({weight if isinstance(weight, str) else 'data'} weight)"
         with gm.graph.inserting_before(node):
-            new = gm.graph.call_function(
-                fewbit_activation, (_input(node), kind, params, bits, borders, levels, node.format_node()))
+            new = gm.graph.create_node(
+                "call_function", fewbit_activation, (_input(node), kind, params, bits, borders, levels,
+                                                     node.format_node()), name=f"{node.name}_fewbit")
         new.meta[DECISION_KEY] = {"technique": "fewbit", "bits": bits, "replaces": node.name, "reason": note}
         node.replace_all_uses_with(new)
         gm.graph.erase_node(node)
