@@ -1,9 +1,9 @@
 """Exact b-bit packing of small integer codes: an LSB-first bit stream of ceil(n*b/8) bytes.
 
 Element i occupies stream bits [i*b, (i+1)*b), least significant bit first; stream bit s lives
-in byte s // 8 at bit s % 8. For b in {1, 2, 4, 8} a byte holds a whole number of codes and the
-packing is a shift-and-sum over groups of 8/b codes; other widths go through an explicit bit
-stream. Everything is plain torch, so it runs on any device.
+in byte s // 8 at bit s % 8. Eight codes of b bits fill exactly b bytes, so codes are packed in
+groups of eight: the group's 8*b-bit little-endian word is sum(code_j << b*j), split into b bytes.
+Each pass works on n/8 elements; transient memory is about n bytes. Plain torch, any device.
 """
 from __future__ import annotations
 
@@ -27,20 +27,19 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     _check_bits(bits)
     flat = codes.reshape(-1).to(torch.uint8)
     n = flat.numel()
+    groups = -(-n // 8)
+    if groups * 8 != n:
+        flat = torch.cat([flat, flat.new_zeros(groups * 8 - n)])
+    grouped = flat.view(groups, 8)
+    word = grouped[:, 0].to(torch.int64)
+    for j in range(1, 8):
+        word |= grouped[:, j].to(torch.int64) << (bits * j)
+    out = torch.empty(groups, bits, dtype=torch.uint8, device=codes.device)
+    for k in range(bits):
+        out[:, k] = (word >> (8 * k)) & 0xFF
     nbytes = packed_nbytes(n, bits)
-    if bits == 8:
-        return flat.clone()
-    if 8 % bits == 0:
-        per_byte = 8 // bits
-        padded = torch.zeros(nbytes * per_byte, dtype=torch.uint8, device=flat.device)
-        padded[:n] = flat
-        shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=flat.device)
-        return (padded.view(nbytes, per_byte) << shifts).sum(dim=1, dtype=torch.uint8)
-    positions = torch.arange(bits, dtype=torch.uint8, device=flat.device)
-    stream = torch.zeros(nbytes * 8, dtype=torch.uint8, device=flat.device)
-    stream[: n * bits] = ((flat.unsqueeze(1) >> positions) & 1).reshape(-1)
-    weights = torch.arange(8, dtype=torch.uint8, device=flat.device)
-    return (stream.view(nbytes, 8) << weights).sum(dim=1, dtype=torch.uint8)
+    # the last group may hold bytes past the stream's end: copy so the storage is exactly nbytes
+    return out.view(-1) if out.numel() == nbytes else out.view(-1)[:nbytes].clone()
 
 
 def unpack_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
@@ -51,13 +50,15 @@ def unpack_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     if packed.numel() != packed_nbytes(n, bits):
         raise ValueError(f"packed has {packed.numel()} bytes but {n} codes of {bits} bits need "
                          f"{packed_nbytes(n, bits)}")
-    if bits == 8:
-        return packed[:n].clone()
+    groups = -(-n // 8)
+    if groups * bits != packed.numel():
+        packed = torch.cat([packed, packed.new_zeros(groups * bits - packed.numel())])
+    grouped = packed.view(groups, bits)
+    word = grouped[:, 0].to(torch.int64)
+    for k in range(1, bits):
+        word |= grouped[:, k].to(torch.int64) << (8 * k)
+    out = torch.empty(groups, 8, dtype=torch.uint8, device=packed.device)
     mask = (1 << bits) - 1
-    if 8 % bits == 0:
-        shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
-        return ((packed.unsqueeze(1) >> shifts) & mask).reshape(-1)[:n]
-    weights = torch.arange(8, dtype=torch.uint8, device=packed.device)
-    stream = ((packed.unsqueeze(1) >> weights) & 1).reshape(-1)[: n * bits].view(n, bits)
-    positions = torch.arange(bits, dtype=torch.uint8, device=packed.device)
-    return (stream << positions).sum(dim=1, dtype=torch.uint8)
+    for j in range(8):
+        out[:, j] = (word >> (bits * j)) & mask
+    return out.view(-1)[:n]

@@ -38,6 +38,32 @@ def _memory_order(x: torch.Tensor) -> Tuple[torch.Tensor, Tuple[int, ...]]:
     return x.contiguous(), tuple(range(x.dim()))  # overlapping or gapped strides: one copy
 
 
+def _encode(x: torch.Tensor, borders: Tuple[float, ...]) -> torch.Tensor:
+    """The piece index of every element: the number of borders strictly below it (a value equal
+    to a border goes to the lower piece). Borders are rounded to ``x``'s dtype first, so the
+    pieces are those of the dtype the activation lives in."""
+    if len(borders) > 15:  # 5 bits and more: binary search beats one comparison per border
+        return torch.bucketize(x, torch.tensor(borders, dtype=x.dtype, device=x.device), out_int32=True)
+    rounded = torch.tensor(borders, dtype=x.dtype).tolist()
+    codes = (x > rounded[0]).to(torch.uint8)
+    for border in rounded[1:]:
+        codes += x > border
+    return codes
+
+
+CHUNK = 1 << 20  # elements per slice of the backward gather: bounds its int64 index to 8 MiB
+
+
+def _scale_by_levels(grad: torch.Tensor, codes: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
+    """``grad * levels[codes]`` in slices, so the gather's int64 index never costs 8 bytes/element at once."""
+    out = torch.empty_like(grad, memory_format=torch.contiguous_format)
+    flat_out, flat_grad, flat_codes = out.view(-1), grad.reshape(-1), codes.reshape(-1)
+    for start in range(0, flat_out.numel(), CHUNK):
+        stop = start + CHUNK
+        torch.mul(flat_grad[start:stop], levels.take(flat_codes[start:stop].long()), out=flat_out[start:stop])
+    return out
+
+
 class _FewBit(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, name: str, params: Params, bits: int, borders: Tuple[float, ...],
@@ -49,11 +75,12 @@ class _FewBit(torch.autograd.Function):
         if act.exact:  # the two levels are Python floats; only the mask is kept
             ctx.save_for_backward(pack_bits(act.mask(dense, dict(params)), bits))
             return y
-        boundaries = torch.tensor(borders, dtype=torch.float32, device=x.device)
-        packed = pack_bits(torch.bucketize(dense, boundaries, out_int32=True), bits)
+        packed = pack_bits(_encode(dense, borders), bits)
         level_t = torch.tensor(levels, dtype=torch.float32, device=x.device)
-        # one reduction, no host sync: NaN levels if any input is not finite
-        level_t = torch.where(torch.isfinite(x).all(), level_t, torch.full_like(level_t, float("nan")))
+        # One float32 sum, no host sync: NaN and inf propagate into it, so a non-finite input
+        # poisons the levels with NaN (finite activations would need a sum above 3e38 to trip it).
+        finite = torch.isfinite(x.sum(dtype=torch.float32))
+        level_t = torch.where(finite, level_t, torch.full_like(level_t, float("nan")))
         ctx.save_for_backward(packed, level_t)
         return y
 
@@ -70,8 +97,7 @@ class _FewBit(torch.autograd.Function):
             low, high = ctx.levels
             grad_x = torch.where(codes.bool(), grad * high if high != 1.0 else grad, grad * low if low else 0.0)
         else:
-            levels = table[0].to(grad.dtype)
-            grad_x = grad * levels[codes.to(torch.int32)]
+            grad_x = _scale_by_levels(grad, codes, table[0].to(grad.dtype))
         return grad_x, None, None, None, None, None, None
 
 
