@@ -142,3 +142,19 @@ def test_cuda_matches_cpu(name):
         y.backward(grad.to(device))
         outs.append((y.detach().cpu(), xd.grad.cpu()))
     assert torch.equal(outs[0][1], outs[1][1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_borders_are_rounded_to_the_activation_dtype(dtype):
+    from memopt.ops.fewbit import _round_to
+
+    values = torch.randn(1000, dtype=torch.float64) * 5
+    expected = values.to(dtype).to(torch.float64).tolist()
+    assert [_round_to(dtype, v) for v in values.tolist()] == expected
+    name, p, bits, borders, levels = _args("silu", 3)
+    x = (torch.randn(4096) * 3).to(dtype).requires_grad_()
+    grad = torch.randn(4096).to(dtype)
+    fewbit_activation(x, name, p, bits, borders, levels).backward(grad)
+    rounded = torch.tensor(borders, dtype=torch.float64).to(dtype).to(torch.float32)
+    codes = torch.bucketize(x.detach().float(), rounded)
+    assert torch.equal(x.grad, grad * torch.tensor(levels, dtype=torch.float32).to(dtype)[codes])

@@ -13,6 +13,7 @@ gradients come out non-finite as they would in stock PyTorch (and AMP's GradScal
 """
 from __future__ import annotations
 
+import struct
 from typing import Optional, Tuple
 
 import torch
@@ -44,11 +45,23 @@ def _encode(x: torch.Tensor, borders: Tuple[float, ...]) -> torch.Tensor:
     pieces are those of the dtype the activation lives in."""
     if len(borders) > 15:  # 5 bits and more: binary search beats one comparison per border
         return torch.bucketize(x, torch.tensor(borders, dtype=x.dtype, device=x.device), out_int32=True)
-    rounded = torch.tensor(borders, dtype=x.dtype).tolist()
+    rounded = [_round_to(x.dtype, b) for b in borders]
     codes = (x > rounded[0]).to(torch.uint8)
     for border in rounded[1:]:
         codes += x > border
     return codes
+
+
+def _round_to(dtype: torch.dtype, value: float) -> float:
+    """``value`` rounded to nearest-even in ``dtype``, in plain Python (this runs under fake tensors too)."""
+    if dtype == torch.float16:
+        return struct.unpack("<e", struct.pack("<e", value))[0]
+    single = struct.unpack("<f", struct.pack("<f", value))[0]
+    if dtype != torch.bfloat16:
+        return single
+    bits = struct.unpack("<I", struct.pack("<f", single))[0]
+    bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000) & 0xFFFFFFFF
+    return struct.unpack("<f", struct.pack("<I", bits))[0]
 
 
 CHUNK = 1 << 20  # elements per slice of the backward gather: bounds its int64 index to 8 MiB
