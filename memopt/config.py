@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, Optional
 
 from memopt.fewbit.config import FewBitConfig
+from memopt.stash.config import StashConfig
 
 _DEVICES = ("cpu", "cuda", "meta")
 
@@ -21,11 +22,14 @@ class Config:
     """Options of ``memopt.optimize``.
 
     Attributes:
+        stash: exact forward with a K-bit stash for BatchNorm-activation chains (``StashConfig``;
+            None turns it off). Runs before few-bit, which takes the activations left over.
         fewbit: few-bit backward for pointwise activations (``FewBitConfig``; None turns it off).
         device: the device the cost model plans for (default None: the model's own device).
             "cuda" works on a machine without a GPU: planning runs on fake tensors.
     """
 
+    stash: Optional[StashConfig] = StashConfig()
     fewbit: Optional[FewBitConfig] = FewBitConfig()
     device: Optional[str] = None
 
@@ -39,6 +43,11 @@ class Config:
             if not isinstance(self.device, str) or self.device.split(":")[0] not in _DEVICES:
                 raise ValueError(f"Config.device={self.device!r} is not supported; use None or one of "
                                  f"{list(_DEVICES)} (optionally with an index, e.g. 'cuda:1')")
+
+    @classmethod
+    def exact(cls, **kwargs: Any) -> "Config":
+        """Every technique off: the captured graph runs unchanged (for baselines and comparisons)."""
+        return cls(**{name: None for name in _TECHNIQUES}, **kwargs)
 
     def to_dict(self) -> Dict[str, Any]:
         """A JSON-ready dict (tuples become lists); ``Config.from_dict`` reads it back."""
@@ -58,4 +67,4 @@ class Config:
 
 
 # Config field -> its technique's config class; a new technique adds its line here and its field above.
-_TECHNIQUES = {"fewbit": FewBitConfig}
+_TECHNIQUES = {"stash": StashConfig, "fewbit": FewBitConfig}

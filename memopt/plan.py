@@ -10,7 +10,8 @@ from typing import Any, Dict, List, Optional, Union
 from cost_model.analysis import Estimate, NodeCost
 
 # Passes write {"technique", "bits", "replaces", "reason"} into node.meta[DECISION_KEY]: on the
-# nodes they create, and on the nodes they leave exact (with the reason).
+# nodes they create ("replaces": the baseline node name or names), and on the nodes they leave
+# exact (with the reason).
 DECISION_KEY = "memopt_decision"
 
 
@@ -76,12 +77,14 @@ def node_plans(baseline: Estimate, after: Estimate, decisions: Dict[str, Dict[st
     plans = []
     for name, cost in after.nodes.items():
         decision = decisions.get(name, {})
-        before: NodeCost = baseline.nodes.get(decision.get("replaces", name), cost)
+        replaces = decision.get("replaces", name)
+        replaces = [replaces] if isinstance(replaces, str) else replaces
+        before = sum(baseline.nodes[r].saved_bytes for r in replaces if r in baseline.nodes)
         plans.append(NodePlan(
             name=name, op=cost.op, target=cost.target,
             shape=" ".join("x".join(map(str, s)) for s in cost.shapes) or "-",
             dtype=",".join(sorted(set(cost.dtypes))) or "-", flops=cost.flops,
-            saved_bytes_before=before.saved_bytes,
+            saved_bytes_before=before,
             technique=decision.get("technique", "exact"), bits=decision.get("bits"),
             saved_bytes_after=cost.saved_bytes,
             reason=decision.get("reason", _default_reason(cost)),

@@ -30,7 +30,7 @@ def test_exact_config_gradients_and_buffers_match_stock_training(name):
     model, inputs = build(name)
     twin = copy.deepcopy(model)
     # exact config: every rewrite off, so gradients must be bit-identical too
-    om = memopt.optimize(model, example_inputs=inputs, config=memopt.Config(fewbit=None))
+    om = memopt.optimize(model, example_inputs=inputs, config=memopt.Config.exact())
     torch.manual_seed(7)
     sum(t.sum() for t in leaves(call(om, inputs))).backward()
     torch.manual_seed(7)

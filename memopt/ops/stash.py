@@ -1,0 +1,255 @@
+"""Exact forward with a K-bit stash for backward (Chakrabarti & Moseley, NeurIPS 2019).
+
+A chain BatchNorm (training) -> [+ residual] -> ReLU/ReLU6/LeakyReLU runs in ``BNActStash``: the
+forward is the original ops (same kernels, same order: bit-identical output, running statistics
+updated once), and backward keeps, through ``ctx.save_for_backward``, only:
+- a K-bit code of the normalised BN input x̂ on a fixed per-channel grid: 2^K bins over
+  [-3, 3] (x̂ has zero mean and unit variance per channel by construction, so no min/max
+  reduction is needed), reconstructed at bin midpoints; values beyond ±3 clip;
+- the activation's exact mask (1 bit) when there is no residual, or, after a residual add, a
+  K-bit code of the activation input z on a per-channel grid of 6 standard deviations whose zero
+  lies exactly on a bin edge, so the mask read from it is exact;
+- per-channel statistics (mean, inverse std, and the z grid) in float32.
+BN backward uses x̂ only in its variance term: the mean term and σ are exact. The gradient flowing
+to the previous layer is therefore exact up to that term, and errors do not compound over depth.
+
+Consumers of the activation (conv, linear, max-pool) are rewritten to keep no copy of it: conv and
+linear rebuild their input from the stash for the weight gradient only (the input gradient needs
+the weight alone, so it stays exact), max-pool keeps its argmax indices alone.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from memopt.errors import MemoptError
+from memopt.ops import graph_leaf
+from memopt.ops.bitpack import pack_bits, unpack_bits
+
+WINDOW = 3.0  # half-width of the grid, in standard deviations
+
+
+def _per_channel(t: torch.Tensor, ndim: int) -> torch.Tensor:
+    return t.view(1, -1, *([1] * (ndim - 2)))
+
+
+def _code(v: torch.Tensor, origin: torch.Tensor, width: torch.Tensor, bins: int) -> torch.Tensor:
+    """Bin k covers (origin + k*width, origin + (k+1)*width]; values beyond the window clip."""
+    return torch.ceil((v - origin) / width).sub_(1).clamp_(0, bins - 1).to(torch.uint8)
+
+
+def _midpoints(codes: torch.Tensor, origin: torch.Tensor, width: torch.Tensor) -> torch.Tensor:
+    return origin + (codes.to(torch.float32) + 0.5) * width
+
+
+def _mask(z: torch.Tensor, act: str, params: Tuple[float, ...]) -> torch.Tensor:
+    """Where the activation passes the gradient (with slope 1), with ATen's own comparisons."""
+    if act == "relu6":
+        return ~((z <= 0) | (z >= 6))
+    if act == "leaky_relu":
+        return z > 0
+    return ~(z <= 0)
+
+
+def _activation(z: torch.Tensor, act: str, params: Tuple[float, ...]) -> torch.Tensor:
+    if act == "relu6":
+        return F.relu6(z)
+    if act == "leaky_relu":
+        return F.leaky_relu(z, params[0])
+    return torch.relu(z)
+
+
+def _act_backward(grad: torch.Tensor, mask: torch.Tensor, act: str, params: Tuple[float, ...]) -> torch.Tensor:
+    low = grad * params[0] if act == "leaky_relu" else 0.0
+    return torch.where(mask, grad, low)
+
+
+class _Stash:
+    """What a chain hands to its consumers: enough to rebuild the activation for a weight gradient."""
+
+    @staticmethod
+    def rebuild(packed: torch.Tensor, mask_packed: torch.Tensor, affine: torch.Tensor, zero_code: torch.Tensor,
+                bits: int, shape: torch.Size, act: str, params: Tuple[float, ...]) -> torch.Tensor:
+        n = shape.numel()
+        codes = unpack_bits(packed, bits, n).view(shape)
+        z = _per_channel(affine[0], len(shape)) + codes.to(torch.float32) * _per_channel(affine[1], len(shape))
+        if mask_packed.numel():
+            mask = unpack_bits(mask_packed, 1, n).view(shape).bool()
+        else:  # the grid of z has its zero on a bin edge: the mask is exact in the code
+            mask = codes >= _per_channel(zero_code, len(shape))
+        # the activation of the rebuilt z, with the (exact) mask deciding which side of the kink
+        if act == "relu6":
+            return torch.where(mask, z.clamp(0, 6), torch.where(z > 3, 6.0, 0.0))
+        low = z.clamp_max(0) * params[0] if act == "leaky_relu" else 0.0
+        return torch.where(mask, z.clamp_min(0), low)
+
+
+class BNActStash(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, running_mean, running_var, num_batches_tracked, residual, momentum, eps,
+                act, act_params, bits, node):
+        if num_batches_tracked is not None:
+            num_batches_tracked.add_(1)
+        factor = momentum if momentum is not None else 1.0 / float(num_batches_tracked)
+        out, mean, invstd, _, _ = torch.ops.aten._batch_norm_impl_index(
+            x, weight, bias, running_mean, running_var, True, factor, eps, torch.backends.cudnn.enabled)
+        z = out if residual is None else out + residual
+        y = _activation(z, act, act_params)
+        nd, bins = x.dim(), 1 << bits
+        width = torch.full((), 2 * WINDOW / bins, dtype=torch.float32, device=x.device)
+        xhat = (x - _per_channel(mean, nd)) * _per_channel(invstd, nd)
+        x_codes = pack_bits(_code(xhat, torch.tensor(-WINDOW, device=x.device), width, bins), bits)
+        del xhat
+        gamma = weight if weight is not None else torch.ones_like(mean)
+        beta = bias if bias is not None else torch.zeros_like(mean)
+        mask = _mask(z, act, act_params)
+        if residual is None:
+            # the consumer rebuilds z = γ x̂ + β from the x̂ code: z_k = β + γ(-3 + (k + ½) w)
+            affine = torch.stack([beta.float() + gamma.float() * (-WINDOW + 0.5 * width), gamma.float() * width])
+            y_codes = x_codes
+            mask_packed = pack_bits(mask, 1)
+            zero_code = torch.zeros(0, dtype=torch.int32, device=x.device)
+        else:
+            dims = [d for d in range(nd) if d != 1]
+            std, mu = torch.std_mean(z.float(), dim=dims, correction=0)
+            zwidth = (2 * WINDOW / bins) * std.clamp_min(torch.finfo(torch.float32).tiny)
+            # the zero of z on an edge strictly inside the window: origin = -j*w with 1 <= j <= bins-1
+            j = torch.clamp(torch.round(-mu / zwidth) + bins // 2, 1, bins - 1)
+            origin = -j * zwidth
+            codes = _code(z, _per_channel(origin, nd), _per_channel(zwidth, nd), bins)
+            zero_code = j.to(torch.int32)
+            zc = _per_channel(zero_code, nd).to(torch.uint8)
+            # rounding must never flip a sign: positive z go to bins >= j, the rest below
+            codes = torch.where(z > 0, torch.maximum(codes, zc), torch.minimum(codes, zc - 1))
+            y_codes = pack_bits(codes, bits)
+            affine = torch.stack([origin + 0.5 * zwidth, zwidth])
+            mask_packed = torch.zeros(0, dtype=torch.uint8, device=x.device)
+        ctx.save_for_backward(x_codes, y_codes, mask_packed, zero_code, weight, mean, invstd)
+        ctx.shape, ctx.bits, ctx.act, ctx.act_params, ctx.node = x.shape, bits, act, act_params, node
+        ctx.has_residual, ctx.has_weight, ctx.has_bias = residual is not None, weight is not None, bias is not None
+        ctx.mark_non_differentiable(y_codes, mask_packed, affine, zero_code)
+        return y, y_codes, mask_packed, affine, zero_code
+
+    @staticmethod
+    def backward(ctx, grad_y, *_):
+        if torch.is_grad_enabled():
+            raise MemoptError(f"double backward (create_graph=True) through the stash node {ctx.node} is not "
+                              f"supported; exclude it with memopt.StashConfig(deny=(...)) or set Config(stash=None)")
+        x_codes, y_codes, mask_packed, zero_code, weight, mean, invstd = ctx.saved_tensors
+        shape, nd, bins = ctx.shape, len(ctx.shape), 1 << ctx.bits
+        n = shape.numel()
+        if mask_packed.numel():
+            mask = unpack_bits(mask_packed, 1, n).view(shape).bool()
+        else:
+            mask = unpack_bits(y_codes, ctx.bits, n).view(shape) >= _per_channel(zero_code, nd)
+        grad_z = _act_backward(grad_y, mask, ctx.act, ctx.act_params)
+        del mask
+        width = 2 * WINDOW / bins
+        xhat = (unpack_bits(x_codes, ctx.bits, n).view(shape).to(torch.float32) + 0.5) * width - WINDOW
+        dims = [d for d in range(nd) if d != 1]
+        g = grad_z.float()
+        sum_g = g.sum(dims)
+        sum_gx = (g * xhat).sum(dims)
+        count = n // shape[1]
+        gamma = weight.float() if weight is not None else torch.ones_like(invstd)
+        # BN backward: the mean term (sum_g) and σ are exact; x̂ enters only through the variance term
+        grad_x = (g - _per_channel(sum_g / count, nd) - xhat * _per_channel(sum_gx / count, nd)) \
+            * _per_channel(gamma * invstd, nd)
+        grad_w = sum_gx if ctx.has_weight else None
+        grad_b = sum_g if ctx.has_bias else None
+        grad_r = grad_z if ctx.has_residual else None
+        return (grad_x.to(grad_y.dtype), None if grad_w is None else grad_w.to(weight.dtype),
+                None if grad_b is None else grad_b.to(weight.dtype if weight is not None else grad_y.dtype),
+                None, None, None, grad_r, None, None, None, None, None, None)
+
+
+class ConvFromStash(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, weight, bias, packed, mask_packed, affine, zero_code, bits, act, act_params, stride,
+                padding, dilation, groups):
+        out = F.conv2d(y, weight, bias, stride, padding, dilation, groups) if y.dim() == 4 else \
+            F.conv1d(y, weight, bias, stride, padding, dilation, groups)
+        ctx.save_for_backward(packed, mask_packed, affine, zero_code, weight)
+        ctx.meta = (y.shape, y.dtype, bits, act, act_params, stride, padding, dilation, groups, bias is not None)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        packed, mask_packed, affine, zero_code, weight = ctx.saved_tensors
+        shape, dtype, bits, act, act_params, stride, padding, dilation, groups, has_bias = ctx.meta
+        y_hat = _Stash.rebuild(packed, mask_packed, affine, zero_code, bits, shape, act, act_params).to(dtype)
+        dims = len(shape) - 2
+        grad_in, grad_w, grad_b = torch.ops.aten.convolution_backward(
+            grad, y_hat, weight, [weight.shape[0]] if has_bias else None, _tuple(stride, dims),
+            _tuple(padding, dims), _tuple(dilation, dims), False, [0] * dims, groups, [True, True, has_bias])
+        return grad_in, grad_w, grad_b, None, None, None, None, None, None, None, None, None, None, None
+
+
+class LinearFromStash(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, weight, bias, packed, mask_packed, affine, zero_code, bits, act, act_params):
+        ctx.save_for_backward(packed, mask_packed, affine, zero_code, weight)
+        ctx.meta = (y.shape, y.dtype, bits, act, act_params, bias is not None)
+        return F.linear(y, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        packed, mask_packed, affine, zero_code, weight = ctx.saved_tensors
+        shape, dtype, bits, act, act_params, has_bias = ctx.meta
+        y_hat = _Stash.rebuild(packed, mask_packed, affine, zero_code, bits, shape, act, act_params).to(dtype)
+        grad_in = grad.matmul(weight)
+        grad_w = grad.reshape(-1, grad.shape[-1]).t().matmul(y_hat.reshape(-1, shape[-1]))
+        grad_b = grad.reshape(-1, grad.shape[-1]).sum(0) if has_bias else None
+        return grad_in, grad_w, grad_b, None, None, None, None, None, None, None
+
+
+class MaxPoolIndices(torch.autograd.Function):
+    """Max-pool that keeps only its argmax indices: the backward scatters, exactly as ATen's."""
+
+    @staticmethod
+    def forward(ctx, x, kernel_size, stride, padding, dilation, ceil_mode):
+        out, indices = F.max_pool2d(x, kernel_size, stride, padding, dilation, ceil_mode=ceil_mode,
+                                    return_indices=True)
+        ctx.save_for_backward(indices)
+        ctx.shape = x.shape
+        ctx.mark_non_differentiable(indices)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        (indices,) = ctx.saved_tensors
+        n, c, h, w = ctx.shape
+        grad_in = torch.zeros(n, c, h * w, dtype=grad.dtype, device=grad.device)
+        grad_in.scatter_add_(2, indices.reshape(n, c, -1), grad.reshape(n, c, -1))
+        return grad_in.view(ctx.shape), None, None, None, None, None
+
+
+def _tuple(v, n):
+    return list(v) if isinstance(v, (tuple, list)) else [v] * n
+
+
+@graph_leaf
+def bn_act_stash(x, weight, bias, running_mean, running_var, num_batches_tracked, residual, momentum: Optional[float],
+                 eps: float, act: str, act_params: tuple, bits: int, node: str = ""):
+    """BatchNorm (training) [+ residual] -> activation with a K-bit stash; returns (y, codes, mask, affine, zero_code)."""
+    return BNActStash.apply(x, weight, bias, running_mean, running_var, num_batches_tracked, residual, momentum,
+                            eps, act, act_params, bits, node)
+
+
+@graph_leaf
+def conv_from_stash(y, weight, bias, packed, mask_packed, affine, zero_code, bits, act, act_params, stride, padding,
+                    dilation, groups):
+    return ConvFromStash.apply(y, weight, bias, packed, mask_packed, affine, zero_code, bits, act, act_params,
+                               stride, padding, dilation, groups)
+
+
+@graph_leaf
+def linear_from_stash(y, weight, bias, packed, mask_packed, affine, zero_code, bits, act, act_params):
+    return LinearFromStash.apply(y, weight, bias, packed, mask_packed, affine, zero_code, bits, act, act_params)
+
+
+@graph_leaf
+def max_pool2d_indices_only(x, kernel_size, stride, padding, dilation, ceil_mode):
+    return MaxPoolIndices.apply(x, kernel_size, stride, padding, dilation, ceil_mode)

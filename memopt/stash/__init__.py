@@ -1,0 +1,1 @@
+"""Exact forward with a K-bit stash for backward."""
