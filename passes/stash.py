@@ -42,17 +42,15 @@ def _consumer_reason(user: fx.Node, act: fx.Node, modules) -> Optional[str]:
     if kind in _KEEPS_NOTHING:
         return None
     module = modules.get(user.target) if user.op == "call_module" else None
+    supported = isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Linear)) or (
+        isinstance(module, nn.MaxPool2d) and not module.return_indices)
+    if not supported:
+        return f"its output is also kept by {user.name} ({kind or user.op}), which has no stash form"
     if user.args[:1] != (act,) or any(a is act for a in list(user.args[1:]) + list(user.kwargs.values())):
         return f"{user.name} uses the activation in another position"
-    if isinstance(module, (nn.Conv1d, nn.Conv2d)):
-        if module.padding_mode != "zeros" or isinstance(module.padding, str):
-            return f"{user.name} has padding {module.padding!r} / mode {module.padding_mode!r} (zeros, numeric only)"
-        return None
-    if isinstance(module, nn.Linear):
-        return None
-    if isinstance(module, nn.MaxPool2d) and not module.return_indices:
-        return None
-    return f"its output is also kept by {user.name} ({kind or user.op}), which has no stash form"
+    if isinstance(module, (nn.Conv1d, nn.Conv2d)) and (module.padding_mode != "zeros" or isinstance(module.padding, str)):
+        return f"{user.name} has padding {module.padding!r} / mode {module.padding_mode!r} (zeros, numeric only)"
+    return None
 
 
 def _match(bn: fx.Node, modules) -> Union[str, Tuple[Optional[fx.Node], fx.Node, str]]:

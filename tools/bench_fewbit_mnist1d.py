@@ -52,14 +52,14 @@ class SiluCNN(nn.Module):
         return self.fc(h.flatten(1))
 
 
-def train(model_cls, bits, seed, data, epochs):
+def train(model_cls, bits, seed, data, epochs, weight="data"):
     x, y, xt, yt = data
     torch.manual_seed(seed)
     model = model_cls().train()
     net = model
     if bits is not None:
         net = memopt.optimize(model, example_inputs=x[:100],
-                              config=memopt.Config(fewbit=memopt.FewBitConfig(bits=bits)))
+                              config=memopt.Config(fewbit=memopt.FewBitConfig(bits=bits, weight=weight)))
         assert any(n.technique == "fewbit" for n in net.plan.nodes)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(seed)
@@ -79,15 +79,17 @@ def train(model_cls, bits, seed, data, epochs):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--epochs", type=int, default=30)
-    parser.add_argument("--out", default=str(Path(__file__).parents[1] / "docs" / "results" / "fewbit_mnist1d.md"))
+    parser.add_argument("--weight", default="data", help="few-bit table weight: data (default), uniform, normal")
+    parser.add_argument("--out", default=None, help="default: docs/results/fewbit_mnist1d_<weight>.md")
     args = parser.parse_args()
+    args.out = args.out or str(Path(__file__).parents[1] / "docs" / "results" / f"fewbit_mnist1d_{args.weight}.md")
     torch.set_num_threads(2)
     data = load_data()
     rows = []
     for model_cls in (GeluMLP, SiluCNN):
         stock = None
         for bits in (None, 1, 2, 3, 4):
-            accs = [train(model_cls, bits, seed, data, args.epochs) for seed in range(3)]
+            accs = [train(model_cls, bits, seed, data, args.epochs, args.weight) for seed in range(3)]
             mean = statistics.mean(accs)
             stock = mean if bits is None else stock
             rows.append([model_cls.__name__, "stock" if bits is None else f"few-bit {bits}",
@@ -96,8 +98,8 @@ def main() -> None:
             print(rows[-1], flush=True)
     table = tabulate(rows, headers=["model", "backward", "test accuracy %", "vs stock (points)", "seeds 0/1/2"],
                      tablefmt="github")
-    text = (f"# Few-bit backward: training parity on MNIST-1D\n\nCommand: `python tools/bench_fewbit_mnist1d.py "
-            f"--epochs {args.epochs}` (torch {torch.__version__}, CPU). 4000 training / 1000 test samples generated "
+    text = (f"# Few-bit backward: training parity on MNIST-1D ({args.weight} tables)\n\nCommand: "
+            f"`python tools/bench_fewbit_mnist1d.py --epochs {args.epochs} --weight {args.weight}` (torch {torch.__version__}, CPU). 4000 training / 1000 test samples generated "
             f"by `mnist1d`; Adam lr 1e-3, batch 100, {args.epochs} epochs, 3 seeds (same initial weights and data "
             f"order for stock and few-bit within a seed).\n\n{table}\n")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

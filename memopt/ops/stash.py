@@ -8,7 +8,8 @@ updated once), and backward keeps, through ``ctx.save_for_backward``, only:
   reduction is needed), reconstructed at bin midpoints; values beyond ±3 clip;
 - the activation's exact mask (1 bit) when there is no residual, or, after a residual add, a
   K-bit code of the activation input z on a per-channel grid of 6 standard deviations whose zero
-  lies exactly on a bin edge, so the mask read from it is exact;
+  lies exactly on a bin edge, so the ReLU mask read from it is exact (ReLU6 keeps its 1-bit mask
+  too: the code does not know where it clips at 6);
 - per-channel statistics (mean, inverse std, and the z grid) in float32.
 BN backward uses x̂ only in its variance term: the mean term and σ are exact. The gradient flowing
 to the previous layer is therefore exact up to that term, and errors do not compound over depth.
@@ -125,7 +126,8 @@ class BNActStash(torch.autograd.Function):
             codes = torch.where(z > 0, torch.maximum(codes, zc), torch.minimum(codes, zc - 1))
             y_codes = pack_bits(codes, bits)
             affine = torch.stack([origin + 0.5 * zwidth, zwidth])
-            mask_packed = torch.zeros(0, dtype=torch.uint8, device=x.device)
+            # the code knows the sign of z exactly, not where ReLU6 clips at 6: that needs the mask
+            mask_packed = pack_bits(mask, 1) if act == "relu6" else torch.zeros(0, dtype=torch.uint8, device=x.device)
         ctx.save_for_backward(x_codes, y_codes, mask_packed, zero_code, weight, mean, invstd)
         ctx.shape, ctx.bits, ctx.act, ctx.act_params, ctx.node = x.shape, bits, act, act_params, node
         ctx.has_residual, ctx.has_weight, ctx.has_bias = residual is not None, weight is not None, bias is not None
