@@ -79,6 +79,45 @@ class TinyResNet(nn.Module):
         return self.fc(torch.flatten(self.pool(self.layers(self.stem(x))), 1))
 
 
+class PreActBlock(nn.Module):
+    """Pre-activation basic block (He et al. 2016): BN -> ReLU -> conv, twice, plus the shortcut."""
+
+    def __init__(self, cin: int, cout: int, stride: int = 1) -> None:
+        super().__init__()
+        self.bn1, self.relu1 = nn.BatchNorm2d(cin), nn.ReLU(inplace=True)
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn2, self.relu2 = nn.BatchNorm2d(cout), nn.ReLU(inplace=True)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.shortcut = nn.Conv2d(cin, cout, 1, stride, bias=False) if stride != 1 or cin != cout else None
+
+    def forward(self, x):
+        h = self.relu1(self.bn1(x))
+        identity = x if self.shortcut is None else self.shortcut(h)
+        return self.conv2(self.relu2(self.bn2(self.conv1(h)))) + identity
+
+
+class PreActResNet(nn.Module):
+    """CIFAR pre-activation ResNet of depth 6n+2 (20, 56, 164 with n = 3, 9, 27), basic blocks."""
+
+    def __init__(self, depth: int = 20, width: int = 16, classes: int = 10) -> None:
+        super().__init__()
+        if (depth - 2) % 6:
+            raise ValueError(f"depth must be 6n+2, got {depth}")
+        n = (depth - 2) // 6
+        self.stem = nn.Conv2d(3, width, 3, 1, 1, bias=False)
+        blocks, cin = [], width
+        for stage, cout in enumerate((width, 2 * width, 4 * width)):
+            for i in range(n):
+                blocks.append(PreActBlock(cin, cout, 2 if (stage and i == 0) else 1))
+                cin = cout
+        self.blocks = nn.Sequential(*blocks)
+        self.bn, self.relu = nn.BatchNorm2d(cin), nn.ReLU(inplace=True)
+        self.pool, self.fc = nn.AdaptiveAvgPool2d(1), nn.Linear(cin, classes)
+
+    def forward(self, x):
+        return self.fc(torch.flatten(self.pool(self.relu(self.bn(self.blocks(self.stem(x))))), 1))
+
+
 class Attention(nn.Module):
     def __init__(self, d: int, heads: int, p: float) -> None:
         super().__init__()
@@ -185,6 +224,7 @@ ZOO: Dict[str, ZooEntry] = {e.name: e for e in [
     ZooEntry("cnn", _seeded(lambda: (SmallCNN(), torch.randn(4, 3, 32, 32)))),
     ZooEntry("cnn_inplace", _seeded(lambda: (SmallCNN(inplace=True), torch.randn(4, 3, 32, 32)))),
     ZooEntry("tiny_resnet", _seeded(lambda: (TinyResNet(), torch.randn(4, 3, 32, 32)))),
+    ZooEntry("preact_resnet20", _seeded(lambda: (PreActResNet(20), torch.randn(4, 3, 32, 32)))),
     ZooEntry("vit", _seeded(lambda: (TinyViT(), torch.randn(4, 3, 16, 16)))),
     ZooEntry("shared", _seeded(lambda: (SharedModule(), torch.randn(8, 32)))),
     ZooEntry("multi_io", _seeded(lambda: (MultiIO(), {"x": torch.randn(4, 16), "y": torch.randn(4, 8)}))),
