@@ -6,13 +6,9 @@ from dataclasses import dataclass
 from typing import Mapping, Optional, Tuple, Union
 
 from memopt.fewbit.activations import ACTIVATIONS
+from memopt.validation import check_bits, normalise_node_names
 
 WEIGHTS = ("uniform", "normal", "data")
-
-
-def _check_bits(value, where: str) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= 8:
-        raise ValueError(f"{where} must be an int in 1..8, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -51,12 +47,12 @@ class FewBitConfig:
     exact_masks: bool = True
 
     def __post_init__(self) -> None:
-        _check_bits(self.bits, "FewBitConfig.bits")
+        check_bits(self.bits, "FewBitConfig.bits")
         pairs = tuple(sorted(dict(self.bits_by_kind).items()))
         for kind, bits in pairs:
             if kind not in ACTIVATIONS:
                 raise ValueError(f"FewBitConfig.bits_by_kind has unknown op kind {kind!r}; known: {sorted(ACTIVATIONS)}")
-            _check_bits(bits, f"FewBitConfig.bits_by_kind[{kind!r}]")
+            check_bits(bits, f"FewBitConfig.bits_by_kind[{kind!r}]")
         object.__setattr__(self, "bits_by_kind", pairs)
         if self.weight not in WEIGHTS:
             raise ValueError(f"FewBitConfig.weight={self.weight!r} is not known; use one of {list(WEIGHTS)}")
@@ -68,12 +64,7 @@ class FewBitConfig:
             raise ValueError(f"FewBitConfig.grid must be an int >= 256, got {self.grid!r}")
         if not (isinstance(self.scale, (int, float)) and self.scale > 0):
             raise ValueError(f"FewBitConfig.scale must be a positive number, got {self.scale!r}")
-        for name in ("allow", "deny"):
-            value = getattr(self, name)
-            if value is not None and not (isinstance(value, (tuple, list)) and all(isinstance(v, str) for v in value)):
-                raise ValueError(f"FewBitConfig.{name} must be a tuple of node names, got {value!r}")
-            if isinstance(value, list):
-                object.__setattr__(self, name, tuple(value))
+        normalise_node_names(self, "allow", "deny")
 
     def bits_for(self, kind: str) -> int:
         return dict(self.bits_by_kind).get(kind, self.bits)

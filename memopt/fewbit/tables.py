@@ -22,6 +22,7 @@ from typing import Callable, Optional, Tuple, Union
 import torch
 
 from memopt.fewbit.activations import Params, get_activation
+from memopt.validation import check_bits
 
 Weight = Union[str, Callable[[torch.Tensor], torch.Tensor], Tuple[torch.Tensor, torch.Tensor]]
 
@@ -126,8 +127,7 @@ def _validate(name: str, bits: int, domain, grid: int) -> None:
     if act.exact:
         raise ValueError(f"{name} is piecewise linear: its derivative is coded exactly with a 1-bit mask, "
                          f"it needs no table")
-    if not isinstance(bits, int) or isinstance(bits, bool) or not 1 <= bits <= 8:
-        raise ValueError(f"bits must be an int in 1..8, got {bits!r}")
+    check_bits(bits, "bits")
     lo, hi = domain
     if not (float(lo) < float(hi)):
         raise ValueError(f"domain must be (low, high) with low < high, got {domain!r}")

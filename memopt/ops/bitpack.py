@@ -11,20 +11,17 @@ import math
 
 import torch
 
+from memopt.validation import check_bits
+
 
 def packed_nbytes(n: int, bits: int) -> int:
     """Bytes that ``n`` codes of ``bits`` bits occupy: ceil(n*bits/8)."""
     return math.ceil(n * bits / 8)
 
 
-def _check_bits(bits: int) -> None:
-    if not isinstance(bits, int) or isinstance(bits, bool) or not 1 <= bits <= 8:
-        raise ValueError(f"bits must be an int in 1..8, got {bits!r}")
-
-
 def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Pack integer ``codes`` (any shape, values in [0, 2**bits)) into a flat uint8 tensor."""
-    _check_bits(bits)
+    check_bits(bits, "bits")
     flat = codes.reshape(-1).to(torch.uint8)
     n = flat.numel()
     groups = -(-n // 8)
@@ -44,7 +41,7 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 def unpack_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     """Inverse of ``pack_bits``: the first ``n`` codes as a flat uint8 tensor."""
-    _check_bits(bits)
+    check_bits(bits, "bits")
     if packed.dtype != torch.uint8 or packed.dim() != 1:
         raise ValueError(f"packed must be a flat uint8 tensor, got {packed.dtype} of shape {tuple(packed.shape)}")
     if packed.numel() != packed_nbytes(n, bits):

@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
+from memopt.validation import check_bits, normalise_node_names
+
 
 @dataclass(frozen=True)
 class StashConfig:
@@ -21,11 +23,5 @@ class StashConfig:
     deny: Tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        if not isinstance(self.bits, int) or isinstance(self.bits, bool) or not 1 <= self.bits <= 8:
-            raise ValueError(f"StashConfig.bits must be an int in 1..8, got {self.bits!r}")
-        for name in ("allow", "deny"):
-            value = getattr(self, name)
-            if value is not None and not (isinstance(value, (tuple, list)) and all(isinstance(v, str) for v in value)):
-                raise ValueError(f"StashConfig.{name} must be a tuple of node names, got {value!r}")
-            if isinstance(value, list):
-                object.__setattr__(self, name, tuple(value))
+        check_bits(self.bits, "StashConfig.bits")
+        normalise_node_names(self, "allow", "deny")
