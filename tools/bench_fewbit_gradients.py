@@ -41,7 +41,7 @@ def gradient_errors(name: str, weight: str, bits: int, seed: int):
     model, inputs = build(name)
     inputs = _perturb(inputs, seed)
     reference = copy.deepcopy(model)
-    om = memopt.optimize(model, example_inputs=inputs, config=memopt.Config(fewbit=memopt.FewBitConfig(bits=bits, weight=weight)))
+    om = memopt.optimize(model, example_inputs=inputs, config=memopt.Config(stash=None, fewbit=memopt.FewBitConfig(bits=bits, weight=weight)))
     torch.manual_seed(seed)
     out = _leaves(_call(om, inputs))
     gen = torch.Generator().manual_seed(seed + 1)

@@ -59,7 +59,7 @@ def train(model_cls, bits, seed, data, epochs, weight="data"):
     net = model
     if bits is not None:
         net = memopt.optimize(model, example_inputs=x[:100],
-                              config=memopt.Config(fewbit=memopt.FewBitConfig(bits=bits, weight=weight)))
+                              config=memopt.Config(stash=None, fewbit=memopt.FewBitConfig(bits=bits, weight=weight)))
         assert any(n.technique == "fewbit" for n in net.plan.nodes)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(seed)

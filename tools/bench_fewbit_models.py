@@ -73,7 +73,7 @@ def run(name, build):
     stock_time = step_time(model, x)
     rows.append([name, "stock", fmt_bytes(stock.saved_bytes), "1.00", fmt_bytes(stock.peak_bytes), "1.00", "-", "-", "-"])
     for bits in (1, 2, 3, 4):
-        om = memopt.optimize(model, example_inputs=x, config=memopt.Config(fewbit=memopt.FewBitConfig(bits=bits)))
+        om = memopt.optimize(model, example_inputs=x, config=memopt.Config(stash=None, fewbit=memopt.FewBitConfig(bits=bits)))
         m = memopt.measure(om, x, loss_fn=loss)
         assert m.saved_bytes == om.plan.estimated_saved_bytes, "the cost model must match the measurement"
         t = step_time(om, x)
@@ -94,7 +94,8 @@ def main() -> None:
                      tablefmt="github")
     text = (f"# Few-bit backward on whole models\n\nCommand: `python tools/bench_fewbit_models.py` (torch "
             f"{torch.__version__}, CPU, {torch.get_num_threads()} threads). Bytes from `memopt.measure` (equal to "
-            f"the cost model's estimate, asserted); step time is forward + backward, median of 3, as a ratio to "
+            f"the cost model's estimate, asserted); few-bit tables with the default weight "
+            f"({memopt.FewBitConfig().weight!r}); step time is forward + backward, median of 3, as a ratio to "
             f"stock measured in the same process; gradient agreement per parameter tensor vs stock autograd.\n\n"
             f"{table}\n")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

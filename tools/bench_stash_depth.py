@@ -22,18 +22,21 @@ from tabulate import tabulate
 from torch import nn
 
 import memopt
+from memopt.ops.stash import WINDOWS
 from memopt.testing.zoo import PreActResNet
 
 
 class _NaiveQuantReLU(torch.autograd.Function):
-    """relu(q(z)) where q is the K-bit per-channel grid over mean ± 3σ; straight-through backward."""
+    """relu(q(z)) where q is the K-bit per-channel grid over mean ± h·σ, with the stash's own
+    half-width h for K (WINDOWS), so both methods quantize alike; straight-through backward."""
 
     @staticmethod
     def forward(ctx, z, bits):
         dims = [0, 2, 3]
+        half = WINDOWS[bits]
         std, mean = torch.std_mean(z, dim=dims, keepdim=True, correction=0)
-        width = 6 * std.clamp_min(1e-12) / (1 << bits)
-        lo = mean - 3 * std
+        width = 2 * half * std.clamp_min(1e-12) / (1 << bits)
+        lo = mean - half * std
         code = torch.floor((z - lo) / width).clamp(0, (1 << bits) - 1)
         zq = lo + (code + 0.5) * width
         ctx.save_for_backward(zq > 0)
