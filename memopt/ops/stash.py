@@ -41,9 +41,10 @@ def _per_channel(t: torch.Tensor, ndim: int) -> torch.Tensor:
     return t.view(1, -1, *([1] * (ndim - 2)))
 
 
-def _code(v: torch.Tensor, origin: torch.Tensor, width: torch.Tensor, bins: int) -> torch.Tensor:
-    """Bin k covers (origin + k*width, origin + (k+1)*width]; values beyond the window clip."""
-    return torch.ceil((v - origin) / width).sub_(1).clamp_(0, bins - 1).to(torch.uint8)
+def _code_(v: torch.Tensor, origin, width, bins: int) -> torch.Tensor:
+    """Bin k covers (origin + k*width, origin + (k+1)*width]; values beyond the window clip.
+    Works in place on ``v`` (a float32 temporary of the caller's): forward peaks matter too."""
+    return v.sub_(origin).div_(width).ceil_().sub_(1).clamp_(0, bins - 1).to(torch.uint8)
 
 
 def _midpoints(codes: torch.Tensor, origin: torch.Tensor, width: torch.Tensor) -> torch.Tensor:
@@ -78,18 +79,22 @@ class _Stash:
     @staticmethod
     def rebuild(packed: torch.Tensor, mask_packed: torch.Tensor, affine: torch.Tensor, zero_code: torch.Tensor,
                 bits: int, shape: torch.Size, act: str, params: Tuple[float, ...]) -> torch.Tensor:
-        n = shape.numel()
+        """act(z) at the bin midpoints, built in place in one float buffer (backward peaks matter)."""
+        n, nd = shape.numel(), len(shape)
         codes = unpack_bits(packed, bits, n).view(shape)
-        z = _per_channel(affine[0], len(shape)) + codes.to(torch.float32) * _per_channel(affine[1], len(shape))
         if mask_packed.numel():
             mask = unpack_bits(mask_packed, 1, n).view(shape).bool()
         else:  # the grid of z has its zero on a bin edge: the mask is exact in the code
-            mask = codes >= _per_channel(zero_code, len(shape))
+            mask = codes >= _per_channel(zero_code, nd)
+        z = codes.to(torch.float32).mul_(_per_channel(affine[1], nd)).add_(_per_channel(affine[0], nd))
+        del codes
         # the activation of the rebuilt z, with the (exact) mask deciding which side of the kink
         if act == "relu6":
-            return torch.where(mask, z.clamp(0, 6), torch.where(z > 3, 6.0, 0.0))
-        low = z.clamp_max(0) * params[0] if act == "leaky_relu" else 0.0
-        return torch.where(mask, z.clamp_min(0), low)
+            high = z > 3
+            return z.clamp_(0, 6).masked_fill_(~mask & high, 6.0).masked_fill_(~mask & ~high, 0.0)
+        if act == "leaky_relu":
+            return torch.where(mask, z.clamp_min(0), z.clamp_max_(0).mul_(params[0]))
+        return z.clamp_min_(0).masked_fill_(~mask, 0.0)
 
 
 class BNActStash(torch.autograd.Function):
@@ -102,37 +107,42 @@ class BNActStash(torch.autograd.Function):
         out, mean, invstd, _, _ = torch.ops.aten._batch_norm_impl_index(
             x, weight, bias, running_mean, running_var, True, factor, eps, torch.backends.cudnn.enabled)
         z = out if residual is None else out + residual
+        del out
         y = _activation(z, act, act_params)
         nd, bins, half = x.dim(), 1 << bits, WINDOWS[bits]
-        width = torch.full((), 2 * half / bins, dtype=torch.float32, device=x.device)
-        xhat = (x - _per_channel(mean, nd)) * _per_channel(invstd, nd)
-        x_codes = pack_bits(_code(xhat, torch.tensor(-half, device=x.device), width, bins), bits)
+        width = 2 * half / bins
+        xhat = (x - _per_channel(mean, nd)).mul_(_per_channel(invstd, nd))  # float32 (the stats are)
+        x_codes = pack_bits(_code_(xhat, -half, width, bins), bits)
         del xhat
         gamma = weight if weight is not None else torch.ones_like(mean)
         beta = bias if bias is not None else torch.zeros_like(mean)
         mask = _mask(z, act, act_params)
         if residual is None:
-            # the consumer rebuilds z = γ x̂ + β from the x̂ code: z_k = β + γ(-3 + (k + ½) w)
+            # the consumer rebuilds z = γ x̂ + β from the x̂ code: z_k = β + γ(-h + (k + ½) w)
             affine = torch.stack([beta.float() + gamma.float() * (-half + 0.5 * width), gamma.float() * width])
             y_codes = x_codes
             mask_packed = pack_bits(mask, 1)
             zero_code = torch.zeros(0, dtype=torch.int32, device=x.device)
         else:
             dims = [d for d in range(nd) if d != 1]
-            std, mu = torch.std_mean(z.float(), dim=dims, correction=0)
-            zwidth = (2 * half / bins) * std.clamp_min(torch.finfo(torch.float32).tiny)
+            std, mu = torch.std_mean(z, dim=dims, correction=0)
+            zwidth = (2 * half / bins) * std.float().clamp_min(torch.finfo(torch.float32).tiny)
             # the zero of z on an edge strictly inside the window: origin = -j*w with 1 <= j <= bins-1
-            j = torch.clamp(torch.round(-mu / zwidth) + bins // 2, 1, bins - 1)
+            j = torch.clamp(torch.round(-mu.float() / zwidth) + bins // 2, 1, bins - 1)
             origin = -j * zwidth
-            codes = _code(z, _per_channel(origin, nd), _per_channel(zwidth, nd), bins)
+            positive = z > 0
+            zf = z.float() if z.dtype != torch.float32 else z  # z is our own temporary: coded in place
+            codes = _code_(zf, _per_channel(origin, nd), _per_channel(zwidth, nd), bins)
+            del z, zf
             zero_code = j.to(torch.int32)
             zc = _per_channel(zero_code, nd).to(torch.uint8)
             # rounding must never flip a sign: positive z go to bins >= j, the rest below
-            codes = torch.where(z > 0, torch.maximum(codes, zc), torch.minimum(codes, zc - 1))
+            codes = torch.where(positive, torch.maximum(codes, zc), torch.minimum(codes, zc - 1))
             y_codes = pack_bits(codes, bits)
             affine = torch.stack([origin + 0.5 * zwidth, zwidth])
             # the code knows the sign of z exactly, not where ReLU6 clips at 6: that needs the mask
             mask_packed = pack_bits(mask, 1) if act == "relu6" else torch.zeros(0, dtype=torch.uint8, device=x.device)
+        del mask
         ctx.save_for_backward(x_codes, y_codes, mask_packed, zero_code, weight, mean, invstd)
         ctx.shape, ctx.bits, ctx.act, ctx.act_params, ctx.node = x.shape, bits, act, act_params, node
         ctx.has_residual, ctx.has_weight, ctx.has_bias = residual is not None, weight is not None, bias is not None
@@ -155,7 +165,8 @@ class BNActStash(torch.autograd.Function):
         del mask
         half = WINDOWS[ctx.bits]
         width = 2 * half / bins
-        xhat = (unpack_bits(x_codes, ctx.bits, n).view(shape).to(torch.float32) + 0.5) * width - half
+        # x̂ at the bin midpoints, then reused in place for grad_x: at most two full-size temporaries
+        xhat = unpack_bits(x_codes, ctx.bits, n).view(shape).to(torch.float32).add_(0.5).mul_(width).sub_(half)
         dims = [d for d in range(nd) if d != 1]
         g = grad_z.float()
         sum_g = g.sum(dims)
@@ -163,8 +174,9 @@ class BNActStash(torch.autograd.Function):
         count = n // shape[1]
         gamma = weight.float() if weight is not None else torch.ones_like(invstd)
         # BN backward: the mean term (sum_g) and σ are exact; x̂ enters only through the variance term
-        grad_x = (g - _per_channel(sum_g / count, nd) - xhat * _per_channel(sum_gx / count, nd)) \
-            * _per_channel(gamma * invstd, nd)
+        grad_x = xhat.mul_(_per_channel(-sum_gx / count, nd)).add_(g).sub_(_per_channel(sum_g / count, nd)) \
+            .mul_(_per_channel(gamma * invstd, nd))
+        del xhat
         grad_w = sum_gx if ctx.has_weight else None
         grad_b = sum_g if ctx.has_bias else None
         grad_r = grad_z if ctx.has_residual else None
