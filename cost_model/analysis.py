@@ -202,28 +202,29 @@ def simulate_step(gm: fx.GraphModule, args: tuple, kwargs: dict, device: torch.d
     input_tensors = _tensors(flat)
     tracker = LiveStorageTracker(preexisting=params + buffers + input_tensors)
     with mode, tracker:
+        tracker.phase = "forward"
         out = fx.Interpreter(fake_gm).run(*flat, enable_io_processing=False)
         loss = compute_loss(structured_output(fake_gm, out), loss_fn)
         del out
         boundary = tracker.current
-        forward_keys = set(tracker.live_keys())
+        tracker.phase = "backward"
         loss.backward()
         del loss
-        fb_peak, keys_at_peak = tracker.peak, tracker.keys_at_peak
+        fb_peak, fb_at_peak = tracker.peak, tracker.at_peak
+        grads = {tracker.identity(p.grad) for p in params if p.grad is not None}
         opt = _simulate_optimizer(optimizer, params, tracker)
 
     param_bytes = _distinct_bytes(params + buffers)
     input_bytes = _distinct_bytes(input_tensors)
-    grad_keys = {storage_key(p.grad) for p in params if p.grad is not None}
     fb_total = opt.state_bytes + fb_peak  # steady state: the optimizer state exists during fwd/bwd
     at_step = opt.step_peak > fb_total
     parts = {"gradients": 0, "activations": 0, "transient": 0}
-    for k in (opt.keys_at_peak if at_step else keys_at_peak):
-        if k in opt.state_keys:
+    for identity, nbytes, phase in (opt.at_peak if at_step else fb_at_peak):
+        if identity in opt.state:
             continue
         # forward-born storages alive at the peak are activations; the rest is transient
-        part = "gradients" if k in grad_keys else "activations" if k in forward_keys else "transient"
-        parts[part] += tracker.nbytes_of(k)
+        part = "gradients" if identity in grads else "activations" if phase == "forward" else "transient"
+        parts[part] += nbytes
     breakdown = {
         "parameters_and_buffers": param_bytes,
         "optimizer_state": opt.state_bytes,
@@ -239,8 +240,8 @@ def simulate_step(gm: fx.GraphModule, args: tuple, kwargs: dict, device: torch.d
 class _OptimizerSim:
     state_bytes: int = 0
     step_peak: int = 0
-    keys_at_peak: List[int] = field(default_factory=list)
-    state_keys: set = field(default_factory=set)
+    at_peak: List[tuple] = field(default_factory=list)
+    state: set = field(default_factory=set)
 
 
 def _simulate_optimizer(optimizer: Any, params: List[torch.Tensor], tracker: LiveStorageTracker) -> _OptimizerSim:
@@ -250,12 +251,13 @@ def _simulate_optimizer(optimizer: Any, params: List[torch.Tensor], tracker: Liv
         return _OptimizerSim()
     cls, kwargs = resolved
     opt = cls([p for p in params if p.requires_grad and p.grad is not None], **kwargs)
-    opt.step()
-    tracker.peak = tracker.current
+    tracker.phase = "optimizer"
+    opt.step()  # the first step creates the state; the second is the steady state we budget for
+    tracker.reset_peak()
     opt.step()
     state = [t for st in opt.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
-    return _OptimizerSim(_distinct_bytes(state), tracker.peak, tracker.keys_at_peak,
-                         {storage_key(t) for t in state})
+    return _OptimizerSim(_distinct_bytes(state), tracker.peak, tracker.at_peak,
+                         {tracker.identity(t) for t in state})
 
 
 def _model_device(gm: fx.GraphModule) -> str:

@@ -90,32 +90,38 @@ def distinct_saved_bytes(saved: Iterable[SavedTensor], exclude_keys: Iterable[in
 class LiveStorageTracker(TorchDispatchMode):
     """Counts the bytes of every storage created by an op while the mode is active, over its life.
 
-    After each op the tracker drops the storages that have died (weak references) and records the
-    sum of those still alive; ``peak`` is the largest such sum. Storages that existed before the
-    mode was entered (parameters, inputs, optimizer state) must be passed as ``preexisting``: they
-    are never counted, even when an in-place op or a view (``weight.t()``) returns them again.
-    Callers add their bytes themselves.
-    Works on real and on fake tensors alike, so the estimator and the measurement use one rule.
-    ``keys_at_peak`` lists the storages alive at the peak, for a breakdown once the step is over.
+    After each op the tracker drops the storages that have died and records the sum of those
+    still alive; ``peak`` is the largest such sum. Storages that existed before the mode was
+    entered (parameters, inputs, optimizer state) must be passed as ``preexisting``: they are never
+    counted, even when an in-place op or a view (``weight.t()``) returns them again. Callers add
+    their bytes themselves. Works on real and on fake tensors alike, so the estimator and the
+    measurement use one rule.
+
+    Weak references are dropped as soon as a storage dies: a ``StorageWeakRef`` keeps the freed
+    storage's memory reserved, so holding them all would grow the process by every byte the step
+    ever allocated. A storage is identified by (address, creation number), which stays unique
+    after its address is reused. ``at_peak`` lists (identity, bytes, phase) of the storages alive
+    at the peak; ``phase`` is whatever the caller set in ``tracker.phase`` when each was created.
     """
 
     def __init__(self, preexisting: Iterable[torch.Tensor] = ()) -> None:
         super().__init__()
         self._preexisting_refs = [StorageWeakRef(t.untyped_storage()) for t in preexisting]
         self._preexisting = {r.cdata for r in self._preexisting_refs}
-        self._live: Dict[int, tuple] = {}  # key -> (weakref, nbytes)
-        self._live_ever: Dict[int, int] = {}  # key -> nbytes, for the breakdown at the peak
-        self._refs: List[StorageWeakRef] = []  # every ref ever taken: keeps keys unique for the run
+        self._live: Dict[int, tuple] = {}  # key -> (weakref, nbytes, creation number, phase)
+        self._created = 0
+        self.phase = ""
         self.current = 0
         self.peak = 0
-        self.keys_at_peak: List[int] = []
+        self.at_peak: List[tuple] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        self._sweep()  # first: a storage that died inside this op may have lent its address to an output
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
                 self._add(t)
-        self._sweep()
+        self._note_peak()
         return out
 
     def _add(self, t: torch.Tensor) -> None:
@@ -126,23 +132,27 @@ class LiveStorageTracker(TorchDispatchMode):
         ref = StorageWeakRef(storage)
         if ref.cdata not in self._live and ref.cdata not in self._preexisting:
             nbytes = int(storage.nbytes())
-            self._live[ref.cdata] = (ref, nbytes)
-            self._live_ever[ref.cdata] = nbytes
-            self._refs.append(ref)
+            self._created += 1
+            self._live[ref.cdata] = (ref, nbytes, self._created, self.phase)
             self.current += nbytes
 
     def _sweep(self) -> None:
-        dead = [k for k, (ref, _) in self._live.items() if ref.expired()]
+        dead = [k for k, entry in self._live.items() if entry[0].expired()]
         for k in dead:
             self.current -= self._live.pop(k)[1]
+
+    def _note_peak(self) -> None:
         if self.current > self.peak:
             self.peak = self.current
-            self.keys_at_peak = list(self._live)
+            self.at_peak = [((k, e[2]), e[1], e[3]) for k, e in self._live.items()]
 
-    def nbytes_of(self, key: int) -> int:
-        entry = self._live_ever.get(key)
-        return entry if entry is not None else 0
-
-    def live_keys(self) -> List[int]:
+    def reset_peak(self) -> None:
         self._sweep()
-        return list(self._live)
+        self.peak = self.current
+        self.at_peak = [((k, e[2]), e[1], e[3]) for k, e in self._live.items()]
+
+    def identity(self, t: torch.Tensor):
+        """(address, creation number) of a live tracked storage, or None."""
+        self._sweep()
+        entry = self._live.get(storage_key(t))
+        return None if entry is None else (storage_key(t), entry[2])
