@@ -25,10 +25,11 @@ def _chain_nodes(om):
     return [n for n in om.plan.nodes if n.technique == "stash" and n.name.endswith("_stash") and n.op == "bn_act_stash"]
 
 
-@pytest.mark.parametrize("name, chains", [("cnn", 2), ("tiny_resnet", 13), ("resnet18", 17), ("resnet50", 49),
-                                          ("mobilenet_v2", 35)])
+@pytest.mark.parametrize("name, chains", [("cnn", 2), ("tiny_resnet", 13), ("preact_resnet20", 19), ("resnet18", 17),
+                                          ("resnet50", 49), ("mobilenet_v2", 35), ("vgg11_bn", 8),
+                                          ("densenet121", 121)])
 def test_chains_are_found_forward_is_exact_and_statistics_update_once(name, chains):
-    if name in ("resnet18", "resnet50", "mobilenet_v2"):
+    if name in ("resnet18", "resnet50", "mobilenet_v2", "vgg11_bn", "densenet121"):
         pytest.importorskip("torchvision")
     model, x = build(name)
     reference = copy.deepcopy(model)
@@ -46,8 +47,8 @@ def test_chains_are_found_forward_is_exact_and_statistics_update_once(name, chai
         assert torch.equal(b, c), n  # running stats and num_batches_tracked: exactly once per step
 
 
-@pytest.mark.parametrize("name", zoo_params(["cnn", "cnn_inplace", "tiny_resnet", "resnet18", "resnet50",
-                                             "mobilenet_v2"]))
+@pytest.mark.parametrize("name", zoo_params(["cnn", "cnn_inplace", "tiny_resnet", "preact_resnet20", "resnet18",
+                                             "resnet50", "mobilenet_v2", "vgg11_bn", "densenet121"]))
 def test_estimate_equals_measure_and_saves_memory(name):
     model, x = build(name)
     om = memopt.optimize(model, example_inputs=x, config=STASH_ONLY)

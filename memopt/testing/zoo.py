@@ -232,6 +232,8 @@ ZOO: Dict[str, ZooEntry] = {e.name: e for e in [
     ZooEntry("resnet18", _seeded(_tv("resnet18")), needs_torchvision=True),
     ZooEntry("resnet50", _seeded(_tv("resnet50")), needs_torchvision=True),
     ZooEntry("mobilenet_v2", _seeded(_tv("mobilenet_v2")), needs_torchvision=True),
+    ZooEntry("vgg11_bn", _seeded(_tv("vgg11_bn", size=32)), needs_torchvision=True),
+    ZooEntry("densenet121", _seeded(_tv("densenet121", size=32)), needs_torchvision=True),
 ]}
 
 
