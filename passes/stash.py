@@ -1,19 +1,23 @@
 """The stash pass: BatchNorm -> [+ residual] -> activation chains keep K-bit codes for backward.
 
-Pattern (module-level graphs): a training-mode BatchNorm1d/2d module whose only user is either the
-activation or an add whose only user is the activation (ReLU, ReLU6, LeakyReLU in any spelling).
-Every user of the activation must be able to drop its copy of it: Conv1d/Conv2d and Linear
-modules (rewritten to rebuild their input from the stash), MaxPool2d (rewritten to keep only its
-indices), and ops that keep nothing (average pooling, add). Anything else keeps the activation,
-so the chain stays exact and the report says which consumer blocked it.
+Pattern (module-level graphs): a training-mode BatchNorm1d/2d module, optionally followed by a
+residual add (its only user), optionally followed by the activation (ReLU, ReLU6, LeakyReLU in any
+spelling); without an activation the chain is "identity" (a ResNet downsample BN, a MobileNet
+projection BN). Every user of the chain's output must be able to drop its copy of it: Conv1d/Conv2d
+and Linear modules (rewritten to rebuild their input from the stash), MaxPool2d (rewritten to keep
+only its indices), and users that keep nothing (average pooling, add, the model output, another
+chain's residual input). Anything else keeps the output, so the chain stays exact and the report
+says which consumer blocked it.
 """
 from __future__ import annotations
 
+import math
 import operator
 from typing import List, Optional, Tuple, Union
 
 from torch import fx, nn
 
+from cost_model.analysis import META_KEY
 from cost_model.op_registry import op_kind
 from memopt.ops.stash import bn_act_stash, conv_from_stash, linear_from_stash, max_pool2d_indices_only
 from memopt.plan import DECISION_KEY
@@ -37,10 +41,22 @@ def _single_user(node: fx.Node) -> Optional[fx.Node]:
     return next(iter(node.users)) if len(node.users) == 1 else None
 
 
+def _keeps_nothing(user: fx.Node, end: fx.Node, modules) -> bool:
+    """Users that read the chain's output without keeping it for backward."""
+    if user.op == "output" or op_kind(user, modules) in _KEEPS_NOTHING:
+        return True
+    # another chain's stash that takes this output as its residual: used in its forward only
+    return user.target is bn_act_stash and user.args[6] is end and end not in user.args[:6]
+
+
+def _needs_rebuild(user: fx.Node, modules) -> bool:
+    return isinstance(modules.get(user.target) if user.op == "call_module" else None, (nn.Conv1d, nn.Conv2d, nn.Linear))
+
+
 def _consumer_reason(user: fx.Node, act: fx.Node, modules) -> Optional[str]:
-    kind = op_kind(user, modules)
-    if kind in _KEEPS_NOTHING:
+    if _keeps_nothing(user, act, modules):
         return None
+    kind = op_kind(user, modules)
     module = modules.get(user.target) if user.op == "call_module" else None
     supported = isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Linear)) or (
         isinstance(module, nn.MaxPool2d) and not module.return_indices)
@@ -54,27 +70,22 @@ def _consumer_reason(user: fx.Node, act: fx.Node, modules) -> Optional[str]:
 
 
 def _match(bn: fx.Node, modules) -> Union[str, Tuple[Optional[fx.Node], fx.Node, str]]:
-    """(add node or None, activation node, act kind) for a chain starting at ``bn``, or the reason not."""
+    """(add node or None, the chain's last node, act kind) for a chain starting at ``bn``, or the reason
+    not. Without an activation the chain ends at the BatchNorm (or its residual add): kind "identity"."""
     module = modules[bn.target]
     if not module.track_running_stats or module.momentum is None:
         return "BatchNorm without running statistics or with cumulative momentum (momentum=None)"
+    end, add = bn, None
     nxt = _single_user(bn)
-    if nxt is None:
-        return "the BatchNorm output has several users"
-    add = None
-    if op_kind(nxt, modules) == "add" and nxt.op != "call_module":
+    if nxt is not None and op_kind(nxt, modules) == "add" and nxt.op != "call_module" and nxt.target is not bn_act_stash:
         operands = [a for a in nxt.args if isinstance(a, fx.Node)]
-        if len(operands) != 2 or nxt.kwargs or operands.count(bn) != 1:
-            return "the residual add is not a plain two-tensor add"
-        add, nxt = nxt, _single_user(nxt)
-        if nxt is None:
-            return "the residual sum has several users"
-    kind = op_kind(nxt, modules)
-    if kind not in _ACTS:
-        return f"BatchNorm is followed by {kind or nxt.op}, not by relu/relu6/leaky_relu"
-    if nxt.args[:1] != (add or bn,):
-        return "the activation does not take the BatchNorm output as its input"
-    return add, nxt, kind
+        if len(operands) == 2 and not nxt.kwargs and operands.count(bn) == 1:
+            end, add = nxt, nxt
+            nxt = _single_user(nxt)
+    kind = op_kind(nxt, modules) if nxt is not None else None
+    if kind in _ACTS and nxt.args[:1] == (end,):
+        return add, nxt, kind
+    return add, end, "identity"
 
 
 @register_pass(StashConfig, "stash")
@@ -89,13 +100,18 @@ def stash_pass(gm: fx.GraphModule, cfg: StashConfig) -> PassResult:
             bn.meta[DECISION_KEY] = {"technique": "exact", "reason": "stash: excluded by StashConfig allow/deny"}
             continue
         found = _match(bn, modules)
+        cost = bn.meta.get(META_KEY)
+        per_channel = math.prod(cost.shapes[0]) // cost.shapes[0][1] if cost is not None and cost.shapes else 0
+        if not isinstance(found, str) and per_channel < cfg.min_per_channel:
+            found = (f"it normalises {per_channel} elements per channel, fewer than "
+                     f"StashConfig.min_per_channel={cfg.min_per_channel}")
         reason = found if isinstance(found, str) else next(
             (r for r in (_consumer_reason(u, found[1], modules) for u in found[1].users) if r), None)
         if reason is not None:
             bn.meta[DECISION_KEY] = {"technique": "exact", "reason": f"stash: {reason}"}
             continue
-        add, act, kind = found
-        _rewrite(gm, modules, bn, add, act, kind, cfg.bits)
+        add, end, kind = found
+        _rewrite(gm, modules, bn, add, end, kind, cfg.bits)
         modified = True
     return PassResult(gm, modified)
 
@@ -106,16 +122,18 @@ def _attr(graph: fx.Graph, path: str, module: nn.Module, name: str) -> Optional[
 
 def _rewrite(gm: fx.GraphModule, modules, bn: fx.Node, add: Optional[fx.Node], act: fx.Node, kind: str,
              bits: int) -> None:
+    """``act`` is the chain's last node: the activation, or the BatchNorm / add for "identity"."""
     graph, module = gm.graph, modules[bn.target]
     residual = None if add is None else next(a for a in add.args if isinstance(a, fx.Node) and a is not bn)
     params = _act_params(act, kind, modules)
-    replaced: List[str] = [bn.name] + ([add.name] if add is not None else []) + [act.name]
+    replaced: List[str] = list(dict.fromkeys([bn.name] + ([add.name] if add is not None else []) + [act.name]))
+    need_y = any(_needs_rebuild(u, modules) for u in act.users)
     with graph.inserting_before(act):
         attrs = [_attr(graph, bn.target, module, n) for n in
                  ("weight", "bias", "running_mean", "running_var", "num_batches_tracked")]
         stash = graph.create_node("call_function", bn_act_stash,
                                   (bn.args[0], *attrs, residual, module.momentum, module.eps, kind, params, bits,
-                                   bn.format_node()), name=f"{bn.name}_stash")
+                                   need_y, bn.format_node()), name=f"{bn.name}_stash")
         y, codes, mask, affine, zero = (graph.call_function(operator.getitem, (stash, i)) for i in range(5))
     stash.meta[DECISION_KEY] = {"technique": "stash", "bits": bits, "replaces": replaced,
                                 "reason": f"BN{' + residual' if add is not None else ''} + {kind}: exact forward, "
@@ -123,9 +141,8 @@ def _rewrite(gm: fx.GraphModule, modules, bn: fx.Node, add: Optional[fx.Node], a
     act.replace_all_uses_with(y)
     for user in list(y.users):
         _rewrite_consumer(gm, modules, user, y, (codes, mask, affine, zero), bits, kind, params, bn.name)
-    for node in (act, add, bn):
-        if node is not None:
-            graph.erase_node(node)
+    for node in dict.fromkeys(n for n in (act, add, bn) if n is not None):
+        graph.erase_node(node)
 
 
 def _rewrite_consumer(gm, modules, user: fx.Node, y: fx.Node, stash_nodes, bits: int, kind: str, params,
@@ -148,7 +165,7 @@ def _rewrite_consumer(gm, modules, user: fx.Node, y: fx.Node, stash_nodes, bits:
             new = graph.create_node("call_function", max_pool2d_indices_only, args, name=f"{user.name}_indices")
             note = "keeps only its argmax indices (exact)"
         else:
-            return  # keeps nothing: left as it is
+            return  # keeps nothing (pooling, add, output, another chain's residual): left as it is
     new.meta[DECISION_KEY] = {"technique": "stash", "bits": None if isinstance(module, nn.MaxPool2d) else bits,
                               "replaces": [user.name], "reason": note}
     user.replace_all_uses_with(new)

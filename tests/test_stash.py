@@ -25,9 +25,11 @@ def _chain_nodes(om):
     return [n for n in om.plan.nodes if n.technique == "stash" and n.name.endswith("_stash") and n.op == "bn_act_stash"]
 
 
-@pytest.mark.parametrize("name, chains", [("cnn", 2), ("tiny_resnet", 13), ("preact_resnet20", 19), ("resnet18", 17),
-                                          ("resnet50", 49), ("mobilenet_v2", 35), ("vgg11_bn", 8),
-                                          ("densenet121", 121)])
+# chains include BNs without an activation ("identity": ResNet downsample, MobileNet projection);
+# BNs over fewer than StashConfig.min_per_channel elements per channel stay exact (small test inputs)
+@pytest.mark.parametrize("name, chains", [("cnn", 2), ("tiny_resnet", 15), ("preact_resnet20", 19), ("resnet18", 15),
+                                          ("resnet50", 44), ("mobilenet_v2", 40), ("vgg11_bn", 6),
+                                          ("densenet121", 39)])
 def test_chains_are_found_forward_is_exact_and_statistics_update_once(name, chains):
     if name in ("resnet18", "resnet50", "mobilenet_v2", "vgg11_bn", "densenet121"):
         pytest.importorskip("torchvision")
@@ -55,7 +57,7 @@ def test_estimate_equals_measure_and_saves_memory(name):
     real = memopt.measure(om, x)
     assert real.saved_bytes == om.plan.estimated_saved_bytes
     assert real.peak_bytes == om.plan.estimated_peak_bytes
-    assert om.plan.estimated_saved_bytes < om.plan.baseline_saved_bytes / 2.5
+    assert om.plan.estimated_saved_bytes < 0.45 * om.plan.baseline_saved_bytes  # measured: 0.09 (PreAct-20) .. 0.42
 
 
 def _chain(residual: bool, bits: int, weight=None, act="relu", shape=(4, 6, 5, 5)):
@@ -160,6 +162,47 @@ def test_gradient_error_at_8_and_4_bits(name):
             assert F.cosine_similarity(a, b, 0) >= per_param, (bits, n)
 
 
+def test_identity_chains_and_the_per_channel_floor():
+    model, x = build("resnet18")
+    om = memopt.optimize(model, example_inputs=x, config=STASH_ONLY)
+    nodes = {n.name: n for n in om.plan.nodes}
+    assert "layer2_0_downsample_1_stash" in nodes  # BN -> residual of the next chain: only x̂ kept
+    assert "BN + identity" in nodes["layer2_0_downsample_1_stash"].reason
+    small = nodes["layer4_0_bn1"]  # 2 x 2 x 2 = 8 elements per channel at this input size
+    assert small.technique == "exact" and "8 elements per channel" in small.reason
+    om = memopt.optimize(model, example_inputs=x, config=stash_config(min_per_channel=1))
+    assert len(_chain_nodes(om)) == 20
+    with pytest.raises(ValueError, match="StashConfig.min_per_channel must be a positive int, got 0"):
+        memopt.StashConfig(min_per_channel=0)
+
+
+def test_identity_chain_output_is_not_corrupted_by_coding():
+    # a residual BN without activation whose output feeds a conv: y is z itself, coded from a copy
+    class Proj(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv, self.bn, self.next = nn.Conv2d(4, 4, 1), nn.BatchNorm2d(4), nn.Conv2d(4, 4, 3, padding=1)
+
+        def forward(self, x):
+            y = self.bn(self.conv(x)) + x
+            return self.next(y) + y
+
+    torch.manual_seed(0)
+    model, x = Proj(), torch.randn(4, 4, 8, 8)
+    reference = copy.deepcopy(model)
+    om = memopt.optimize(model, example_inputs=x, config=stash_config(8))
+    assert len(_chain_nodes(om)) == 1
+    out, ref = om(x), reference(x)
+    assert torch.equal(out, ref)
+    out.sum().backward()
+    ref.sum().backward()
+    for (n, p), q in zip(model.named_parameters(), reference.parameters()):
+        if n == "conv.bias":  # BN removes it: its true gradient is 0 and both sides hold rounding noise
+            assert p.grad.abs().max() < 1e-2 and q.grad.abs().max() < 1e-3
+            continue
+        assert F.cosine_similarity(p.grad.flatten(), q.grad.flatten(), 0) > 0.999, n
+
+
 def test_blocked_chains_say_why_and_allow_deny():
     class Blocked(nn.Module):
         def __init__(self):
@@ -174,7 +217,7 @@ def test_blocked_chains_say_why_and_allow_deny():
     model, x = Blocked(), torch.randn(2, 3, 8, 8)
     om = memopt.optimize(model, example_inputs=x, config=STASH_ONLY)
     bn = next(n for n in om.plan.nodes if n.name == "bn")
-    assert bn.technique == "exact" and "also kept by mul" in bn.reason
+    assert bn.technique == "exact" and "also kept by mul" in bn.reason, bn.reason
     model, x = build("cnn")
     om = memopt.optimize(model, example_inputs=x, config=stash_config(deny=("features_0_1",)))
     assert len(_chain_nodes(om)) == 1

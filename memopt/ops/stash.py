@@ -1,6 +1,6 @@
 """Exact forward with a K-bit stash for backward (Chakrabarti & Moseley, NeurIPS 2019).
 
-A chain BatchNorm (training) -> [+ residual] -> ReLU/ReLU6/LeakyReLU runs in ``BNActStash``: the
+A chain BatchNorm (training) -> [+ residual] -> [ReLU/ReLU6/LeakyReLU] runs in ``BNActStash``: the
 forward is the original ops (same kernels, same order: bit-identical output, running statistics
 updated once), and backward keeps, through ``ctx.save_for_backward``, only:
 - a K-bit code of the normalised BN input x̂ on a fixed per-channel grid: 2^K bins over
@@ -51,8 +51,10 @@ def _midpoints(codes: torch.Tensor, origin: torch.Tensor, width: torch.Tensor) -
     return origin + (codes.to(torch.float32) + 0.5) * width
 
 
-def _mask(z: torch.Tensor, act: str, params: Tuple[float, ...]) -> torch.Tensor:
+def _mask(z: torch.Tensor, act: str, params: Tuple[float, ...]) -> Optional[torch.Tensor]:
     """Where the activation passes the gradient (with slope 1), with ATen's own comparisons."""
+    if act == "identity":
+        return None
     if act == "relu6":
         return ~((z <= 0) | (z >= 6))
     if act == "leaky_relu":
@@ -61,6 +63,8 @@ def _mask(z: torch.Tensor, act: str, params: Tuple[float, ...]) -> torch.Tensor:
 
 
 def _activation(z: torch.Tensor, act: str, params: Tuple[float, ...]) -> torch.Tensor:
+    if act == "identity":
+        return z
     if act == "relu6":
         return F.relu6(z)
     if act == "leaky_relu":
@@ -68,7 +72,9 @@ def _activation(z: torch.Tensor, act: str, params: Tuple[float, ...]) -> torch.T
     return torch.relu(z)
 
 
-def _act_backward(grad: torch.Tensor, mask: torch.Tensor, act: str, params: Tuple[float, ...]) -> torch.Tensor:
+def _act_backward(grad: torch.Tensor, mask: Optional[torch.Tensor], act: str, params: Tuple[float, ...]) -> torch.Tensor:
+    if act == "identity":
+        return grad
     low = grad * params[0] if act == "leaky_relu" else 0.0
     return torch.where(mask, grad, low)
 
@@ -82,6 +88,8 @@ class _Stash:
         """act(z) at the bin midpoints, built in place in one float buffer (backward peaks matter)."""
         n, nd = shape.numel(), len(shape)
         codes = unpack_bits(packed, bits, n).view(shape)
+        if act == "identity":
+            return codes.to(torch.float32).mul_(_per_channel(affine[1], nd)).add_(_per_channel(affine[0], nd))
         if mask_packed.numel():
             mask = unpack_bits(mask_packed, 1, n).view(shape).bool()
         else:  # the grid of z has its zero on a bin edge: the mask is exact in the code
@@ -100,7 +108,7 @@ class _Stash:
 class BNActStash(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, running_mean, running_var, num_batches_tracked, residual, momentum, eps,
-                act, act_params, bits, node):
+                act, act_params, bits, need_y, node):
         if num_batches_tracked is not None:
             num_batches_tracked.add_(1)
         factor = momentum if momentum is not None else 1.0 / float(num_batches_tracked)
@@ -117,12 +125,16 @@ class BNActStash(torch.autograd.Function):
         gamma = weight if weight is not None else torch.ones_like(mean)
         beta = bias if bias is not None else torch.zeros_like(mean)
         mask = _mask(z, act, act_params)
+        empty_u8 = torch.zeros(0, dtype=torch.uint8, device=x.device)
+        zero_code = torch.zeros(0, dtype=torch.int32, device=x.device)
+        mask_packed = pack_bits(mask, 1) if mask is not None else empty_u8
         if residual is None:
-            # the consumer rebuilds z = γ x̂ + β from the x̂ code: z_k = β + γ(-h + (k + ½) w)
+            # consumers rebuild z = γ x̂ + β from the x̂ code: z_k = β + γ(-h + (k + ½) w)
             affine = torch.stack([beta.float() + gamma.float() * (-half + 0.5 * width), gamma.float() * width])
             y_codes = x_codes
-            mask_packed = pack_bits(mask, 1)
-            zero_code = torch.zeros(0, dtype=torch.int32, device=x.device)
+        elif not need_y:  # nobody rebuilds y (e.g. it only feeds a pooling or an add): the mask is enough
+            affine = torch.zeros(2, 0, device=x.device)
+            y_codes = empty_u8
         else:
             dims = [d for d in range(nd) if d != 1]
             std, mu = torch.std_mean(z, dim=dims, correction=0)
@@ -131,7 +143,8 @@ class BNActStash(torch.autograd.Function):
             j = torch.clamp(torch.round(-mu.float() / zwidth) + bins // 2, 1, bins - 1)
             origin = -j * zwidth
             positive = z > 0
-            zf = z.float() if z.dtype != torch.float32 else z  # z is our own temporary: coded in place
+            # z is our own temporary, coded in place, unless it is the output itself (no activation)
+            zf = z.float() if z.dtype != torch.float32 else (z.clone() if act == "identity" else z)
             codes = _code_(zf, _per_channel(origin, nd), _per_channel(zwidth, nd), bins)
             del z, zf
             zero_code = j.to(torch.int32)
@@ -140,8 +153,8 @@ class BNActStash(torch.autograd.Function):
             codes = torch.where(positive, torch.maximum(codes, zc), torch.minimum(codes, zc - 1))
             y_codes = pack_bits(codes, bits)
             affine = torch.stack([origin + 0.5 * zwidth, zwidth])
-            # the code knows the sign of z exactly, not where ReLU6 clips at 6: that needs the mask
-            mask_packed = pack_bits(mask, 1) if act == "relu6" else torch.zeros(0, dtype=torch.uint8, device=x.device)
+            if act != "relu6":  # the code knows the sign of z exactly (not where ReLU6 clips at 6)
+                mask_packed = empty_u8
         del mask
         ctx.save_for_backward(x_codes, y_codes, mask_packed, zero_code, weight, mean, invstd)
         ctx.shape, ctx.bits, ctx.act, ctx.act_params, ctx.node = x.shape, bits, act, act_params, node
@@ -157,7 +170,9 @@ class BNActStash(torch.autograd.Function):
         x_codes, y_codes, mask_packed, zero_code, weight, mean, invstd = ctx.saved_tensors
         shape, nd, bins = ctx.shape, len(ctx.shape), 1 << ctx.bits
         n = shape.numel()
-        if mask_packed.numel():
+        if ctx.act == "identity":
+            mask = None
+        elif mask_packed.numel():
             mask = unpack_bits(mask_packed, 1, n).view(shape).bool()
         else:
             mask = unpack_bits(y_codes, ctx.bits, n).view(shape) >= _per_channel(zero_code, nd)
@@ -182,7 +197,7 @@ class BNActStash(torch.autograd.Function):
         grad_r = grad_z if ctx.has_residual else None
         return (grad_x.to(grad_y.dtype), None if grad_w is None else grad_w.to(weight.dtype),
                 None if grad_b is None else grad_b.to(weight.dtype if weight is not None else grad_y.dtype),
-                None, None, None, grad_r, None, None, None, None, None, None)
+                None, None, None, grad_r, None, None, None, None, None, None, None)
 
 
 class ConvFromStash(torch.autograd.Function):
@@ -252,10 +267,11 @@ def _tuple(v, n):
 
 @graph_leaf
 def bn_act_stash(x, weight, bias, running_mean, running_var, num_batches_tracked, residual, momentum: Optional[float],
-                 eps: float, act: str, act_params: tuple, bits: int, node: str = ""):
-    """BatchNorm (training) [+ residual] -> activation with a K-bit stash; returns (y, codes, mask, affine, zero_code)."""
+                 eps: float, act: str, act_params: tuple, bits: int, need_y: bool = True, node: str = ""):
+    """BatchNorm (training) [+ residual] -> activation ("identity" for none) with a K-bit stash; returns
+    (y, codes, mask, affine, zero_code). ``need_y=False`` when no consumer rebuilds y."""
     return BNActStash.apply(x, weight, bias, running_mean, running_var, num_batches_tracked, residual, momentum,
-                            eps, act, act_params, bits, node)
+                            eps, act, act_params, bits, need_y, node)
 
 
 @graph_leaf

@@ -16,12 +16,20 @@ class StashConfig:
         bits: K, bits per element of each code, 1..8 (default 4; the paper uses 4 and 8).
         allow: if given, only chains whose BatchNorm node is named here are rewritten.
         deny: BatchNorm node names whose chains stay exact.
+        min_per_channel: BatchNorms that normalise fewer elements per channel than this (batch x
+            spatial size) stay exact (default 32). With few elements the BN input gradient is a
+            near-total cancellation (with 2 it is exactly zero up to eps) that a quantized x̂
+            cannot reproduce: DenseNet-121 at 32x32, batch 2 (2 elements per channel in its last
+            block) got sign-flipped upstream gradients from them.
     """
 
     bits: int = 4
     allow: Optional[Tuple[str, ...]] = None
     deny: Tuple[str, ...] = ()
+    min_per_channel: int = 32
 
     def __post_init__(self) -> None:
         check_bits(self.bits, "StashConfig.bits")
+        if not isinstance(self.min_per_channel, int) or self.min_per_channel < 1:
+            raise ValueError(f"StashConfig.min_per_channel must be a positive int, got {self.min_per_channel!r}")
         normalise_node_names(self, "allow", "deny")
