@@ -11,7 +11,7 @@ from memopt.testing.zoo import build
 class _Hides(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
-        ctx.kept = x.detach()  # invisible to saved-tensor hooks: what the audit must catch
+        ctx.kept = x * 1  # a tensor as a ctx attribute: invisible to saved-tensor hooks, what the audit must catch
         return x * 2
 
     @staticmethod
