@@ -130,17 +130,27 @@ def test_consumer_input_gradient_is_exact_and_maxpool_keeps_only_indices():
     ref.backward(g)
     torch.testing.assert_close(y1.grad, y2.grad, rtol=0, atol=1e-6)  # needs the weight only
     torch.testing.assert_close(conv.bias.grad, conv.bias.grad)
-    z = torch.randn(2, 3, 8, 8, requires_grad=True)
+
+
+
+@pytest.mark.parametrize("kernel, stride, padding, dilation, ceil, shape", [
+    (3, 2, 1, 1, False, (2, 3, 9, 11)), (2, 2, 0, 1, False, (2, 3, 8, 8)), (3, 2, 1, 1, True, (2, 3, 10, 10)),
+    (3, 1, 1, 2, False, (1, 2, 9, 9)), ((3, 2), (2, 1), (1, 0), 1, False, (2, 2, 7, 6)), (3, None, 0, 1, False, (1, 2, 9, 9)),
+])
+def test_max_pool_keeps_window_offsets_only(kernel, stride, padding, dilation, ceil, shape):
+    z = torch.randn(shape, requires_grad=True)
     with SavedTensorRecorder() as rec:
-        pooled = max_pool2d_indices_only(z, 3, 2, 1, 1, False)
-    assert [s.dtype for s in rec.saved] == [torch.int64]
+        pooled = max_pool2d_indices_only(z, kernel, stride, padding, dilation, ceil)
     z2 = z.detach().requires_grad_()
-    ref = F.max_pool2d(z2, 3, 2, 1)
+    ref = F.max_pool2d(z2, kernel, stride, padding, dilation, ceil_mode=ceil)
     assert torch.equal(pooled, ref)
+    kh, kw = kernel if isinstance(kernel, tuple) else (kernel, kernel)
+    bits = max(1, math.ceil(math.log2(kh * kw)))  # 4 bits for 3x3 instead of an int64 index
+    assert [(s.dtype, s.nbytes) for s in rec.saved] == [(torch.uint8, math.ceil(ref.numel() * bits / 8))]
     gp = torch.randn_like(ref)
     pooled.backward(gp)
     ref.backward(gp)
-    torch.testing.assert_close(z.grad, z2.grad, rtol=0, atol=1e-6)
+    assert torch.equal(z.grad, z2.grad)
 
 
 @pytest.mark.parametrize("name", zoo_params(["cnn", "tiny_resnet", "resnet18", "resnet50"]))

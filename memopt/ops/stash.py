@@ -17,10 +17,12 @@ to the previous layer is therefore exact up to that term, and errors do not comp
 
 Consumers of the activation (conv, linear, max-pool) are rewritten to keep no copy of it: conv and
 linear rebuild their input from the stash for the weight gradient only (the input gradient needs
-the weight alone, so it stays exact), max-pool keeps its argmax indices alone.
+the weight alone, so it stays exact), max-pool keeps only the window offset of each maximum
+(4 bits for a 3x3 window instead of an int64 index).
 """
 from __future__ import annotations
 
+import math
 from typing import Optional, Tuple
 
 import torch
@@ -241,24 +243,45 @@ class LinearFromStash(torch.autograd.Function):
 
 
 class MaxPoolIndices(torch.autograd.Function):
-    """Max-pool that keeps only its argmax indices: the backward scatters, exactly as ATen's."""
+    """Max-pool that keeps only where each maximum sat inside its window: ceil(log2(kh*kw)) bits per
+    output (4 bits for 3x3) instead of an int64 index. Backward rebuilds the flat indices from the
+    window offsets and scatters, exactly as ATen's max-pool backward (up to float summation order)."""
 
     @staticmethod
     def forward(ctx, x, kernel_size, stride, padding, dilation, ceil_mode):
         out, indices = F.max_pool2d(x, kernel_size, stride, padding, dilation, ceil_mode=ceil_mode,
                                     return_indices=True)
-        ctx.save_for_backward(indices)
-        ctx.shape = x.shape
-        ctx.mark_non_differentiable(indices)
+        (kh, kw), (sh, sw), (ph, pw), (dh, dw) = (_pair(v) for v in (kernel_size, stride or kernel_size, padding,
+                                                                    dilation))
+        n, c, oh, ow = out.shape
+        width = x.shape[-1]
+        rows = torch.arange(oh, device=x.device).view(1, 1, oh, 1) * sh - ph
+        cols = torch.arange(ow, device=x.device).view(1, 1, 1, ow) * sw - pw
+        offset = (torch.div(indices, width, rounding_mode="floor") - rows).div_(dh, rounding_mode="floor") * kw
+        offset += (indices % width - cols).div_(dw, rounding_mode="floor")
+        del indices
+        bits = max(1, math.ceil(math.log2(kh * kw)))
+        ctx.save_for_backward(pack_bits(offset, bits))
+        ctx.meta = (x.shape, out.shape, bits, kw, sh, sw, ph, pw, dh, dw)
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        (indices,) = ctx.saved_tensors
-        n, c, h, w = ctx.shape
-        grad_in = torch.zeros(n, c, h * w, dtype=grad.dtype, device=grad.device)
+        (packed,) = ctx.saved_tensors
+        shape, out_shape, bits, kw, sh, sw, ph, pw, dh, dw = ctx.meta
+        n, c, oh, ow = out_shape
+        offset = unpack_bits(packed, bits, math.prod(out_shape)).view(out_shape).long()
+        rows = torch.arange(oh, device=grad.device).view(1, 1, oh, 1) * sh - ph
+        cols = torch.arange(ow, device=grad.device).view(1, 1, 1, ow) * sw - pw
+        indices = (rows + torch.div(offset, kw, rounding_mode="floor") * dh) * shape[-1] + cols + (offset % kw) * dw
+        del offset
+        grad_in = torch.zeros(n, c, shape[-2] * shape[-1], dtype=grad.dtype, device=grad.device)
         grad_in.scatter_add_(2, indices.reshape(n, c, -1), grad.reshape(n, c, -1))
-        return grad_in.view(ctx.shape), None, None, None, None, None
+        return grad_in.view(shape), None, None, None, None, None
+
+
+def _pair(v):
+    return tuple(v) if isinstance(v, (tuple, list)) else (v, v)
 
 
 def _tuple(v, n):
