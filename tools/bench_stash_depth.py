@@ -32,7 +32,7 @@ class _NaiveQuantReLU(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, z, bits):
-        dims = [0, 2, 3]
+        dims = [d for d in range(z.dim()) if d != 1]  # every dimension but the channels
         half = WINDOWS[bits]
         std, mean = torch.std_mean(z, dim=dims, keepdim=True, correction=0)
         width = 2 * half * std.clamp_min(1e-12) / (1 << bits)
