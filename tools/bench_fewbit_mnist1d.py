@@ -9,6 +9,7 @@ Run: pip install mnist1d && python tools/bench_fewbit_mnist1d.py
 from __future__ import annotations
 
 import argparse
+import sys
 import copy
 import statistics
 from pathlib import Path
@@ -19,6 +20,9 @@ from tabulate import tabulate
 from torch import nn
 
 import memopt
+
+sys.path.insert(0, str(Path(__file__).parent))
+from parity import fit_and_test  # noqa: E402
 
 
 def load_data():
@@ -53,7 +57,7 @@ class SiluCNN(nn.Module):
 
 
 def train(model_cls, bits, seed, data, epochs, weight="data"):
-    x, y, xt, yt = data
+    x = data[0]
     torch.manual_seed(seed)
     model = model_cls().train()
     net = model
@@ -61,19 +65,7 @@ def train(model_cls, bits, seed, data, epochs, weight="data"):
         net = memopt.optimize(model, example_inputs=x[:100],
                               config=memopt.Config(stash=None, fewbit=memopt.FewBitConfig(bits=bits, weight=weight)))
         assert any(n.technique == "fewbit" for n in net.plan.nodes)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    gen = torch.Generator().manual_seed(seed)
-    for _ in range(epochs):
-        order = torch.randperm(len(x), generator=gen)
-        for i in range(0, len(x), 100):
-            idx = order[i:i + 100]
-            loss = F.cross_entropy(net(x[idx]), y[idx])
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-    model.eval()
-    with torch.no_grad():
-        return (model(xt).argmax(1) == yt).float().mean().item() * 100
+    return fit_and_test(net, model, data, seed, epochs, batch=100)
 
 
 def main() -> None:

@@ -17,7 +17,6 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from tabulate import tabulate
 from torch import nn
 
@@ -25,6 +24,7 @@ import memopt
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_stash_depth import naive_copy  # noqa: E402  (the same naive quantizer as the depth study)
+from parity import fit_and_test  # noqa: E402
 
 
 class Block2d(nn.Module):
@@ -85,7 +85,7 @@ def mnist1d():
 
 
 def train(model_cls, method, seed, data, epochs):
-    x, y, xt, yt = data
+    x = data[0]
     torch.manual_seed(seed)
     model = model_cls().train()
     net = model
@@ -97,19 +97,7 @@ def train(model_cls, method, seed, data, epochs):
     elif method.startswith("naive"):
         net = naive_copy(model, int(method.split()[1].rstrip("-bit")))
         model = net
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    gen = torch.Generator().manual_seed(seed)
-    for _ in range(epochs):
-        order = torch.randperm(len(x), generator=gen)
-        for i in range(0, len(x) - 63, 64):
-            idx = order[i:i + 64]
-            loss = F.cross_entropy(net(x[idx]), y[idx])
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-    model.eval()
-    with torch.no_grad():
-        return (model(xt).argmax(1) == yt).float().mean().item() * 100
+    return fit_and_test(net, model, data, seed, epochs, batch=64, drop_last=True)
 
 
 def main() -> None:
