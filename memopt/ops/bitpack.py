@@ -1,9 +1,10 @@
 """Exact b-bit packing of small integer codes: an LSB-first bit stream of ceil(n*b/8) bytes.
 
 Element i occupies stream bits [i*b, (i+1)*b), least significant bit first; stream bit s lives
-in byte s // 8 at bit s % 8. Eight codes of b bits fill exactly b bytes, so codes are packed in
-groups of eight: the group's 8*b-bit little-endian word is sum(code_j << b*j), split into b bytes.
-Each pass works on n/8 elements; transient memory is about n bytes. Plain torch, any device.
+in byte s // 8 at bit s % 8. For b in {1, 2, 4, 8} a byte holds 8/b whole codes, combined with
+shifts in uint8. Otherwise eight codes of b bits fill exactly b bytes: the group's 8*b-bit
+little-endian word is sum(code_j << b*j), split into b bytes. Transient memory is about n bytes.
+Plain torch, any device.
 """
 from __future__ import annotations
 
@@ -24,6 +25,16 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     check_bits(bits, "bits")
     flat = codes.reshape(-1).to(torch.uint8)
     n = flat.numel()
+    if 8 % bits == 0:  # whole codes per byte: shift-or in uint8, no 64-bit words
+        per = 8 // bits
+        nbytes = -(-n // per)
+        if nbytes * per != n:
+            flat = torch.cat([flat, flat.new_zeros(nbytes * per - n)])
+        grouped = flat.view(nbytes, per)
+        out = grouped[:, 0].clone()
+        for j in range(1, per):
+            out |= grouped[:, j] << (bits * j)
+        return out
     groups = -(-n // 8)
     if groups * 8 != n:
         flat = torch.cat([flat, flat.new_zeros(groups * 8 - n)])
@@ -47,6 +58,12 @@ def unpack_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     if packed.numel() != packed_nbytes(n, bits):
         raise ValueError(f"packed has {packed.numel()} bytes but {n} codes of {bits} bits need "
                          f"{packed_nbytes(n, bits)}")
+    if 8 % bits == 0:
+        per, mask = 8 // bits, (1 << bits) - 1
+        out = torch.empty(packed.numel(), per, dtype=torch.uint8, device=packed.device)
+        for j in range(per):
+            out[:, j] = (packed >> (bits * j)) & mask
+        return out.view(-1)[:n]
     groups = -(-n // 8)
     if groups * bits != packed.numel():
         packed = torch.cat([packed, packed.new_zeros(groups * bits - packed.numel())])
