@@ -5,6 +5,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Union
 
+import torch
 from torch import nn
 
 from cost_model.analysis import Estimate, NodeCost, annotate
@@ -95,7 +96,7 @@ def estimate(model: nn.Module, example_inputs: Any, *, device: Optional[str] = N
     finally:
         model.train(was_training)
     plan = Plan(model=type(model).__name__, capture=captured.method, device=est.device,
-                input_signature=input_signature(args, kwargs), torch_version=_torch_version(),
+                input_signature=input_signature(args, kwargs), torch_version=torch.__version__,
                 config=config.to_dict(), budget_bytes=None, baseline_saved_bytes=est.saved_bytes,
                 estimated_saved_bytes=est.saved_bytes, baseline_peak_bytes=est.peak_bytes,
                 estimated_peak_bytes=est.peak_bytes, baseline_breakdown=dict(est.breakdown),
@@ -103,14 +104,9 @@ def estimate(model: nn.Module, example_inputs: Any, *, device: Optional[str] = N
     return EstimateReport(est.saved_bytes, est.peak_bytes, list(est.nodes.values()), dict(est.breakdown), plan)
 
 
-def _torch_version() -> str:
-    import torch
-
-    return torch.__version__
-
-
-def load(model: nn.Module, directory: Union[str, Path], example_inputs: Any) -> OptimizedModule:
+def load(model: nn.Module, directory: Union[str, Path], example_inputs: Any, *, optimizer: Any = None) -> OptimizedModule:
     """Re-apply an exported plan (``om.export(directory)``) to ``model`` and check the graph matches.
+    Pass the same example inputs (and optimizer, which the budget accounts for) as at export time.
 
     Raises ``MemoptError`` when the re-built graph differs from the exported ``graph.py`` (a changed
     model, torch version or memopt version): memopt never silently runs a different graph.
@@ -119,7 +115,7 @@ def load(model: nn.Module, directory: Union[str, Path], example_inputs: Any) -> 
     plan = Plan.load(directory / "plan.json")
     config = Config.from_dict(plan.config)
     om = optimize(model, None if plan.budget_bytes is None else plan.budget_bytes / 2**20,
-                  example_inputs=example_inputs, config=config)
+                  example_inputs=example_inputs, config=config, optimizer=optimizer)
     expected = (directory / "graph.py").read_text()
     actual = GRAPH_HEADER.format(model=om.plan.model, capture=om.plan.capture) + graph_code(om.graph_module)
     if actual != expected:

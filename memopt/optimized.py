@@ -12,7 +12,7 @@ import builtins
 import logging
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any, Optional, Tuple, Union
+from typing import Any, Optional, Union
 
 import torch
 from torch import nn

@@ -8,7 +8,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 import memopt
-from conftest import HAS_TORCHVISION, call, zoo_params
+from conftest import HAS_TORCHVISION, zoo_params
 from memopt.testing.zoo import build
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import copy
 import statistics
 from pathlib import Path
 
