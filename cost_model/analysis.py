@@ -25,7 +25,7 @@ from cost_model.fake import fake_copy
 from cost_model.op_registry import describe_target, op_kind
 from cost_model.optimizers import resolve_optimizer
 from cost_model.step import LossFn, compute_loss
-from cost_model.storage import LiveStorageTracker, SavedTensorRecorder, storage_key, storage_nbytes
+from cost_model.storage import LiveStorageTracker, SavedTensorRecorder, distinct_bytes, storage_key
 
 META_KEY = "memopt_cost"
 STATE_CATEGORIES = ("parameter", "buffer")
@@ -131,10 +131,6 @@ class _Annotator(fx.Interpreter):
         return out
 
 
-def _distinct_bytes(tensors) -> int:
-    return sum({storage_key(t): storage_nbytes(t) for t in tensors}.values())
-
-
 def annotate(gm: fx.GraphModule, args: tuple, kwargs: dict, *, device: Optional[str] = None,
              optimizer: Any = None, loss_fn: Optional[LossFn] = None) -> Estimate:
     """Run the cost model on ``gm`` for the example inputs and write ``node.meta[META_KEY]``.
@@ -214,8 +210,8 @@ def simulate_step(gm: fx.GraphModule, args: tuple, kwargs: dict, device: torch.d
         grads = {tracker.identity(p.grad) for p in params if p.grad is not None}
         opt = _simulate_optimizer(optimizer, params, tracker)
 
-    param_bytes = _distinct_bytes(params + buffers)
-    input_bytes = _distinct_bytes(input_tensors)
+    param_bytes = distinct_bytes(params + buffers)
+    input_bytes = distinct_bytes(input_tensors)
     fb_total = opt.state_bytes + fb_peak  # steady state: the optimizer state exists during fwd/bwd
     at_step = opt.step_peak > fb_total
     parts = {"gradients": 0, "activations": 0, "transient": 0}
@@ -256,7 +252,7 @@ def _simulate_optimizer(optimizer: Any, params: List[torch.Tensor], tracker: Liv
     tracker.reset_peak()
     opt.step()
     state = [t for st in opt.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
-    return _OptimizerSim(_distinct_bytes(state), tracker.peak, tracker.at_peak,
+    return _OptimizerSim(distinct_bytes(state), tracker.peak, tracker.at_peak,
                          {tracker.identity(t) for t in state})
 
 

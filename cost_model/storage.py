@@ -77,6 +77,11 @@ class SavedTensorRecorder:
         self._ctx.__exit__(*exc)
 
 
+def distinct_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (views of one storage count once)."""
+    return sum({storage_key(t): storage_nbytes(t) for t in tensors}.values())
+
+
 def distinct_saved_bytes(saved: Iterable[SavedTensor], exclude_keys: Iterable[int] = ()) -> int:
     """Bytes of the distinct storages in ``saved``, leaving out ``exclude_keys`` (parameters, buffers)."""
     excluded = set(exclude_keys)

@@ -26,7 +26,7 @@ from torch import nn
 
 from cost_model.optimizers import resolve_optimizer
 from cost_model.step import LossFn, compute_loss
-from cost_model.storage import LiveStorageTracker, SavedTensorRecorder, distinct_saved_bytes, storage_key, storage_nbytes
+from cost_model.storage import LiveStorageTracker, SavedTensorRecorder, distinct_bytes, distinct_saved_bytes, storage_key
 from memopt.capture import normalize_inputs
 from memopt.state import preserved_state
 from torch.utils._pytree import tree_flatten
@@ -38,10 +38,6 @@ class Measurement:
     peak_bytes: int
     device: str
     method: str
-
-
-def _distinct(tensors) -> int:
-    return sum({storage_key(t): storage_nbytes(t) for t in tensors}.values())
 
 
 def measure(model: nn.Module, example_inputs: Any, loss_fn: Optional[LossFn] = None, *,
@@ -98,7 +94,7 @@ def _step(model, args, kwargs, loss_fn, opt) -> None:
 def _tracked_peak(model, args, kwargs, loss_fn, opt, params, inputs):
     state = [t for st in (opt.state.values() if opt else []) for t in st.values() if isinstance(t, torch.Tensor)]
     preexisting = params + list(model.buffers()) + inputs + state
-    before = _distinct(preexisting)
+    before = distinct_bytes(preexisting)
     tracker = LiveStorageTracker(preexisting)
     with tracker:
         _step(model, args, kwargs, loss_fn, opt)

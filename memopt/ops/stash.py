@@ -81,6 +81,14 @@ def _act_backward(grad: torch.Tensor, mask: Optional[torch.Tensor], act: str, pa
     return torch.where(mask, grad, low)
 
 
+def _decode_mask(mask_packed: torch.Tensor, codes: Optional[torch.Tensor], zero_code: torch.Tensor,
+                 shape: torch.Size) -> torch.Tensor:
+    """The exact activation mask: stored as 1 bit, or read from a z code whose zero is a bin edge."""
+    if mask_packed.numel():
+        return unpack_bits(mask_packed, 1, shape.numel()).view(shape).bool()
+    return codes >= _per_channel(zero_code, len(shape))
+
+
 class _Stash:
     """What a chain hands to its consumers: enough to rebuild the activation for a weight gradient."""
 
@@ -92,10 +100,7 @@ class _Stash:
         codes = unpack_bits(packed, bits, n).view(shape)
         if act == "identity":
             return codes.to(torch.float32).mul_(_per_channel(affine[1], nd)).add_(_per_channel(affine[0], nd))
-        if mask_packed.numel():
-            mask = unpack_bits(mask_packed, 1, n).view(shape).bool()
-        else:  # the grid of z has its zero on a bin edge: the mask is exact in the code
-            mask = codes >= _per_channel(zero_code, nd)
+        mask = _decode_mask(mask_packed, codes, zero_code, shape)
         z = codes.to(torch.float32).mul_(_per_channel(affine[1], nd)).add_(_per_channel(affine[0], nd))
         del codes
         # the activation of the rebuilt z, with the (exact) mask deciding which side of the kink
@@ -174,10 +179,9 @@ class BNActStash(torch.autograd.Function):
         n = shape.numel()
         if ctx.act == "identity":
             mask = None
-        elif mask_packed.numel():
-            mask = unpack_bits(mask_packed, 1, n).view(shape).bool()
         else:
-            mask = unpack_bits(y_codes, ctx.bits, n).view(shape) >= _per_channel(zero_code, nd)
+            codes = None if mask_packed.numel() else unpack_bits(y_codes, ctx.bits, n).view(shape)
+            mask = _decode_mask(mask_packed, codes, zero_code, shape)
         grad_z = _act_backward(grad_y, mask, ctx.act, ctx.act_params)
         del mask
         half = WINDOWS[ctx.bits]

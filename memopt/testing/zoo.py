@@ -60,18 +60,23 @@ class BasicBlock(nn.Module):
         return self.relu(self.bn2(self.conv2(out)) + identity)
 
 
+def _three_stages(block, width: int, per_stage: int) -> Tuple[nn.Sequential, int]:
+    """CIFAR-style stages of widths w, 2w, 4w; the first block of stages 2 and 3 strides by 2."""
+    layers, cin = [], width
+    for stage, cout in enumerate((width, 2 * width, 4 * width)):
+        for i in range(per_stage):
+            layers.append(block(cin, cout, 2 if (stage and i == 0) else 1))
+            cin = cout
+    return nn.Sequential(*layers), cin
+
+
 class TinyResNet(nn.Module):
     """A CIFAR-style ResNet (3 stages of basic blocks) that needs no torchvision: the demo model."""
 
     def __init__(self, width: int = 16, blocks: int = 2, classes: int = 10) -> None:
         super().__init__()
         self.stem = ConvBNReLU(3, width, inplace=True)
-        layers, cin = [], width
-        for stage, cout in enumerate((width, 2 * width, 4 * width)):
-            for i in range(blocks):
-                layers.append(BasicBlock(cin, cout, 2 if (stage and i == 0) else 1))
-                cin = cout
-        self.layers = nn.Sequential(*layers)
+        self.layers, cin = _three_stages(BasicBlock, width, blocks)
         self.pool = nn.AdaptiveAvgPool2d(1)
         self.fc = nn.Linear(cin, classes)
 
@@ -105,12 +110,7 @@ class PreActResNet(nn.Module):
             raise ValueError(f"depth must be 6n+2, got {depth}")
         n = (depth - 2) // 6
         self.stem = nn.Conv2d(3, width, 3, 1, 1, bias=False)
-        blocks, cin = [], width
-        for stage, cout in enumerate((width, 2 * width, 4 * width)):
-            for i in range(n):
-                blocks.append(PreActBlock(cin, cout, 2 if (stage and i == 0) else 1))
-                cin = cout
-        self.blocks = nn.Sequential(*blocks)
+        self.blocks, cin = _three_stages(PreActBlock, width, n)
         self.bn, self.relu = nn.BatchNorm2d(cin), nn.ReLU(inplace=True)
         self.pool, self.fc = nn.AdaptiveAvgPool2d(1), nn.Linear(cin, classes)
 
