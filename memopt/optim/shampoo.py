@@ -9,7 +9,7 @@ off-diagonal in 4 bits. Per preconditioned block and side (order d):
 Every ``stat_every`` steps (the current gradient only, as published):
     V = bjorck(deq(Vᵀ)ᵀ, rectify_iters[0]);  A = V diag(λ) Vᵀ
     A = stat_decay · A + (1 - stat_decay) · GGᵀ   (GᵀG for R)
-    P = qr(A V).Q;  λ = diag(Pᵀ A P);  store quant(Pᵀ), λ          -- no eigh
+    P = qr(A V).Q (V by descending λ);  λ = diag(Pᵀ A P);  store quant(Pᵀ), λ          -- no eigh
 Every ``root_every`` steps:
     V = bjorck(deq(Vᵀ)ᵀ, rectify_iters[1])
     Â = V diag((λ + eps · max λ)^(-1/4)) Vᵀ;  store diag(Â) in fp32, quant(offdiag(Â))
@@ -275,7 +275,7 @@ class Shampoo(torch.optim.Optimizer):
             return
         v = bjorck(store.get(key + ".vecs", n).mT, cfg.rectify_iters[0])
         a = beta * ((v * store.state[key + ".vals"]) @ v.mT) + (1 - beta) * gg
-        p, vals = subspace_step(a, v)
+        p, vals = subspace_step(a, v, store.state[key + ".vals"])
         store.put(key + ".vecs", p.mT)  # stored as Vᵀ: a quantization block lies in one eigenvector
         store.state[key + ".vals"].copy_(vals)
 
