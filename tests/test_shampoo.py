@@ -283,6 +283,19 @@ def test_estimate_counts_the_same_optimizer_state_as_a_real_run(kw):
     assert not opt.state  # the user's optimizer is only read
 
 
+def test_estimated_peak_equals_measured_peak_and_optimize_counts_the_state():
+    model = _mlp()
+    x = torch.randn(16, 20)
+    opt = Shampoo(model.parameters(), stat_every=1, root_every=1)  # the step's QR/Björck transients too
+    assert memopt.estimate(model, x, optimizer=opt).peak_bytes == memopt.measure(model, x, optimizer=opt).peak_bytes
+    planned = memopt.optimize(model, example_inputs=x, optimizer=opt)
+    real = copy.deepcopy(model)
+    real_opt = Shampoo(real.parameters())
+    real(x).sum().backward()
+    real_opt.step()
+    assert planned.plan.estimated_breakdown["optimizer_state"] == state_bytes(real_opt)["total"]
+
+
 # --- errors -------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kw, message", [
