@@ -296,6 +296,20 @@ def test_estimated_peak_equals_measured_peak_and_optimize_counts_the_state():
     assert planned.plan.estimated_breakdown["optimizer_state"] == state_bytes(real_opt)["total"]
 
 
+def test_state_bytes_and_estimate_agree_for_stock_adamw():
+    model = _mlp()
+    x = torch.randn(16, 20)
+    estimated = memopt.estimate(model, x, optimizer=torch.optim.AdamW(model.parameters())).breakdown
+    opt = torch.optim.AdamW(model.parameters())
+    for _ in range(2):
+        model(x).sum().backward()
+        opt.step()
+    params = sum(p.numel() for p in model.parameters())
+    sizes = state_bytes(opt)
+    assert sizes["preconditioner"] == 0 and sizes["first_order"] == 2 * 4 * params + 4 * 6  # m, v, 6 steps
+    assert estimated["optimizer_state"] == sizes["total"]
+
+
 # --- errors -------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kw, message", [
