@@ -132,12 +132,14 @@ class _Annotator(fx.Interpreter):
 
 
 def annotate(gm: fx.GraphModule, args: tuple, kwargs: dict, *, device: Optional[str] = None,
-             optimizer: Any = None, loss_fn: Optional[LossFn] = None) -> Estimate:
+             optimizer: Any = None, loss_fn: Optional[LossFn] = None, simulate: bool = True) -> Estimate:
     """Run the cost model on ``gm`` for the example inputs and write ``node.meta[META_KEY]``.
 
     ``device`` is the target device ("cpu" default, "cuda" works without a GPU); ``optimizer`` is
     None, a name ("sgd", "adam", "adamw"), an Optimizer class or an instance, whose state is
     simulated too; ``loss_fn`` maps the model output to a scalar (default: sum of every output).
+    ``simulate=False`` skips the training-step simulation (attribution of saves only; the
+    planner's candidate runs): ``peak_bytes`` is then 0 and ``breakdown`` empty.
     """
     from memopt.capture import flat_inputs
 
@@ -172,11 +174,13 @@ def annotate(gm: fx.GraphModule, args: tuple, kwargs: dict, *, device: Optional[
 
     # The autograd engine needs a real CUDA context for backward even on fake tensors, so without
     # a GPU the step's timeline is simulated with CPU kernels (saves above stay CUDA's).
-    sim_device = target
-    if target.type == "cuda" and not torch.cuda.is_available():
-        sim_device = torch.device("cpu")
-    peak, breakdown = simulate_step(gm, args, kwargs, sim_device, optimizer, loss_fn)
-    breakdown["peak_simulated_on_" + sim_device.type] = 1
+    peak, breakdown = 0, {}
+    if simulate:
+        sim_device = target
+        if target.type == "cuda" and not torch.cuda.is_available():
+            sim_device = torch.device("cpu")
+        peak, breakdown = simulate_step(gm, args, kwargs, sim_device, optimizer, loss_fn)
+        breakdown["peak_simulated_on_" + sim_device.type] = 1
     for node in gm.graph.nodes:
         if node.name in annotator.costs:
             node.meta[META_KEY] = annotator.costs[node.name]

@@ -27,6 +27,17 @@ def _check_model(model: Any) -> nn.Module:
     return model
 
 
+def _check_plan(plan: Any) -> Plan:
+    if isinstance(plan, Plan):
+        return plan
+    if isinstance(plan, dict):
+        return Plan.from_dict(plan)
+    if isinstance(plan, (str, Path)):
+        return Plan.load(plan)
+    raise TypeError(f"plan must be a memopt.Plan, its dict or the path of its JSON, got {type(plan).__name__}: "
+                    f"{plan!r:.80}")
+
+
 def _check_config(config: Any) -> Config:
     if config is None:
         return Config()
@@ -36,7 +47,8 @@ def _check_config(config: Any) -> Config:
 
 
 def optimize(model: nn.Module, budget_mb: Optional[float] = None, *, example_inputs: Any = None,
-             config: Optional[Config] = None, optimizer: Any = None) -> OptimizedModule:
+             config: Optional[Config] = None, optimizer: Any = None,
+             plan: Union[Plan, Dict[str, Any], str, Path, None] = None) -> OptimizedModule:
     """Rewrite ``model``'s training graph so that one training step fits ``budget_mb`` MiB.
 
     Args:
@@ -49,12 +61,28 @@ def optimize(model: nn.Module, budget_mb: Optional[float] = None, *, example_inp
         config: a ``memopt.Config`` (default ``Config()``: every technique at its safe default).
         optimizer: the optimizer whose state counts in the budget: None, "sgd", "adam", "adamw",
             an Optimizer class or instance.
+        plan: a saved plan (``om.plan``, its dict, or a path to its JSON) to re-apply without
+            planning: its config, budget and chosen units (which may be edited by hand) are used
+            for inputs of the plan's signature; other signatures are planned anew (logged). Give
+            either ``plan`` or ``budget_mb``/``config``, not both.
+
+    With a budget below the baseline peak the planner (``passes/planner.py``) picks, per stash
+    chain and activation, exact or a technique at one of its ``plan_bits``: the choice that frees
+    enough saved bytes for the least gradient-fidelity cost (time breaks ties), checked against
+    the full cost model.
     """
     model = _check_model(model)
+    if plan is not None:
+        plan = _check_plan(plan)
+        if budget_mb is not None or config is not None:
+            raise ValueError("give either plan= (which carries its own budget and config) or budget_mb/config, "
+                             f"not both (got budget_mb={budget_mb!r}, config={config!r:.60})")
+        budget_mb = None if plan.budget_bytes is None else plan.budget_bytes / 2**20
+        config = Config.from_dict(plan.config)
     budget_bytes = validate_budget(budget_mb)
     config = _check_config(config)
     resolve_optimizer(optimizer)  # validate early
-    om = OptimizedModule(model, config, budget_bytes, optimizer)
+    om = OptimizedModule(model, config, budget_bytes, optimizer, plan)
     if example_inputs is not None:
         om.prepare(example_inputs)
     return om
@@ -112,10 +140,7 @@ def load(model: nn.Module, directory: Union[str, Path], example_inputs: Any, *, 
     model, torch version or memopt version): memopt never silently runs a different graph.
     """
     directory = Path(directory)
-    plan = Plan.load(directory / "plan.json")
-    config = Config.from_dict(plan.config)
-    om = optimize(model, None if plan.budget_bytes is None else plan.budget_bytes / 2**20,
-                  example_inputs=example_inputs, config=config, optimizer=optimizer)
+    om = optimize(model, example_inputs=example_inputs, optimizer=optimizer, plan=directory / "plan.json")
     expected = (directory / "graph.py").read_text()
     actual = GRAPH_HEADER.format(model=om.plan.model, capture=om.plan.capture) + graph_code(om.graph_module)
     if actual != expected:

@@ -31,7 +31,8 @@ MAX_SIGNATURES = 8  # captured graphs kept per module (least recently used dropp
 class OptimizedModule(nn.Module):
     """Returned by ``memopt.optimize``; train it as you trained the original model."""
 
-    def __init__(self, model: nn.Module, config: Config, budget_bytes: Optional[int], optimizer: Any) -> None:
+    def __init__(self, model: nn.Module, config: Config, budget_bytes: Optional[int], optimizer: Any,
+                 plan: Optional[Plan] = None) -> None:
         super().__init__()
         for name, p in model._parameters.items():
             self.register_parameter(name, p)
@@ -45,6 +46,7 @@ class OptimizedModule(nn.Module):
         object.__setattr__(self, "_memopt_config", config)
         object.__setattr__(self, "_memopt_budget", budget_bytes)
         object.__setattr__(self, "_memopt_optimizer", optimizer)
+        object.__setattr__(self, "_memopt_plan", plan)
         object.__setattr__(self, "_memopt_built", OrderedDict())
         object.__setattr__(self, "_memopt_last", None)
 
@@ -56,8 +58,13 @@ class OptimizedModule(nn.Module):
             if self._memopt_built:
                 log.warning("memopt: new input signature %s for %s; capturing and planning again",
                             list(key), type(self._memopt_model).__name__)
+            plan = self._memopt_plan
+            if plan is not None and list(key) != plan.input_signature:
+                log.warning("memopt: the given plan is for inputs %s, not %s; planning these inputs anew",
+                            plan.input_signature, list(key))
+                plan = None
             built = build(self._memopt_model, args, kwargs, self._memopt_config, self._memopt_budget,
-                          self._memopt_optimizer)
+                          self._memopt_optimizer, plan)
             self._memopt_built[key] = built
             while len(self._memopt_built) > MAX_SIGNATURES:
                 self._memopt_built.popitem(last=False)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 from torch import fx, nn
@@ -12,11 +12,12 @@ from torch.utils._pytree import tree_flatten_with_path, keystr
 from cost_model.analysis import Estimate, annotate
 from memopt.capture import capture, check_inputs
 from memopt.config import Config
-from memopt.errors import BudgetError
+from memopt.errors import BudgetError, MemoptError
 from memopt.plan import DECISION_KEY, Plan, node_plans
 from memopt.report import fmt_bytes
+from passes.candidates import rewritten_units
 from passes.manager import passes_for, run_passes
-
+from passes.planner import BudgetPlan, apply_config, config_for_units, plan_for_budget, plan_units
 
 
 @dataclass
@@ -53,7 +54,13 @@ def validate_budget(budget_mb: Any) -> Optional[int]:
 
 
 def build(model: nn.Module, args: tuple, kwargs: dict, config: Config, budget_bytes: Optional[int],
-          optimizer: Any = None) -> Built:
+          optimizer: Any = None, plan: Optional[Plan] = None) -> Built:
+    """Capture, annotate, choose the rewrites, apply them and re-annotate, for one input signature.
+
+    ``plan`` (a saved ``Plan`` for these inputs) replaces planning: its chosen units are applied
+    as they are. Otherwise no budget applies every enabled technique at its defaults, a budget the
+    baseline meets changes nothing, and any other budget goes to the planner.
+    """
     check_inputs(model, args, kwargs)
     captured = capture(model, args, kwargs)
     gm = captured.graph_module
@@ -64,26 +71,79 @@ def build(model: nn.Module, args: tuple, kwargs: dict, config: Config, budget_by
         from memopt.fewbit.activations import TABLE_ACTIVATIONS
 
         record_input_histograms(gm, flat_inputs(gm, args, kwargs), TABLE_ACTIVATIONS, config.fewbit.domain)
-    # Until the budget planner lands: a budget the baseline already meets changes nothing; any other
-    # budget (or none) gets every enabled technique, and is then checked.
-    fits = budget_bytes is not None and baseline.peak_bytes <= budget_bytes
-    gm, records = run_passes(gm, [] if fits else passes_for(config))
+    planned: Optional[BudgetPlan] = None
+    if plan is not None:
+        gm, records = apply_config(gm, config_for_units(config, plan.chosen_units()))
+        _check_applied(gm, plan)
+    elif budget_bytes is None:
+        gm, records = run_passes(gm, passes_for(config))
+    elif baseline.peak_bytes <= budget_bytes:
+        records = []
+    else:
+        planned, best = plan_for_budget(gm, args, kwargs, config, baseline, budget_bytes, optimizer)
+        if planned is None:
+            raise BudgetError(_budget_message(_make_plan(model, captured.method, args, kwargs, config, budget_bytes,
+                                                         baseline, best.estimate, best.records, best.graph_module,
+                                                         best)))
+        gm, records = planned.graph_module, planned.records
     modified = any(r.modified for r in records)
-    estimate = annotate(gm, args, kwargs, device=config.device, optimizer=optimizer) if modified else baseline
+    estimate = planned.estimate if planned is not None else (
+        annotate(gm, args, kwargs, device=config.device, optimizer=optimizer) if modified else baseline)
+    result = _make_plan(model, captured.method, args, kwargs, config, budget_bytes, baseline, estimate, records, gm,
+                        planned)
+    if budget_bytes is not None and plan is None and result.estimated_peak_bytes > budget_bytes:
+        raise BudgetError(_budget_message(result))
+    return Built(gm, result, baseline, estimate)
+
+
+def _make_plan(model: nn.Module, method: str, args: tuple, kwargs: dict, config: Config, budget_bytes: Optional[int],
+               baseline: Estimate, estimate: Estimate, records: list, gm: fx.GraphModule,
+               planned: Optional[BudgetPlan]) -> Plan:
     decisions = {n.name: n.meta[DECISION_KEY] for n in gm.graph.nodes if DECISION_KEY in n.meta}
-    plan = Plan(
-        model=type(model).__name__, capture=captured.method, device=estimate.device,
+    units = plan_units(gm, baseline, estimate, planned)
+    if planned is not None:
+        _explain_exact(decisions, units)
+    return Plan(
+        model=type(model).__name__, capture=method, device=estimate.device,
         input_signature=input_signature(args, kwargs), torch_version=torch.__version__,
         config=config.to_dict(), budget_bytes=budget_bytes,
         baseline_saved_bytes=baseline.saved_bytes, estimated_saved_bytes=estimate.saved_bytes,
         baseline_peak_bytes=baseline.peak_bytes, estimated_peak_bytes=estimate.peak_bytes,
         baseline_breakdown=dict(baseline.breakdown), estimated_breakdown=dict(estimate.breakdown),
         passes=[{"name": r.name, "modified": r.modified} for r in records],
-        nodes=node_plans(baseline, estimate, decisions),
+        nodes=node_plans(baseline, estimate, decisions), units=units,
+        planner={} if planned is None else {
+            "required_bytes": planned.required_bytes, "rounds": planned.rounds,
+            "seconds": round(planned.seconds, 3), "predicted_freed_bytes": planned.solution.freed_bytes,
+            "estimated_freed_bytes": baseline.saved_bytes - estimate.saved_bytes,
+            "cost": planned.solution.cost, "groups": len(planned.groups)},
     )
-    if budget_bytes is not None and plan.estimated_peak_bytes > budget_bytes:
-        raise BudgetError(_budget_message(plan))
-    return Built(gm, plan, baseline, estimate)
+
+
+def _check_applied(gm: fx.GraphModule, plan: Plan) -> None:
+    """Every unit the plan rewrites must have been rewritten; otherwise say which and why not."""
+    done = {(t, u) for t in plan.chosen_units() for u in rewritten_units(gm, t)}
+    for technique, units in plan.chosen_units().items():
+        for unit in units:
+            if (technique, unit) not in done:
+                node = next((n for n in gm.graph.nodes if n.name == unit), None)
+                why = "there is no such node in the captured graph" if node is None else \
+                    node.meta.get(DECISION_KEY, {}).get("reason", "the pass did not rewrite it")
+                raise MemoptError(f"the plan rewrites {unit!r} with {technique} but it cannot be applied: {why}. "
+                                  f"The model or its inputs changed since the plan was made; plan again "
+                                  f"(memopt.optimize without plan=) or drop that unit from the plan.")
+
+
+def _explain_exact(decisions: Dict[str, Dict[str, Any]], units: List[Dict[str, Any]]) -> None:
+    """Nodes of units the planner left exact say so (instead of 'not in allow')."""
+    for entry in units:
+        if entry["chosen"]["technique"] != "exact":
+            continue
+        alternatives = ", ".join(f"{o['technique']}@{o['bits']} frees {fmt_bytes(o['freed_bytes'])}"
+                                 for o in entry["alternatives"][1:4])
+        for name in entry["nodes"]:
+            decisions[name] = dict(decisions.get(name, {}), technique="exact",
+                                   reason=f"planner: the budget is met without it ({alternatives})")
 
 
 def _has_meta(args: tuple, kwargs: dict) -> bool:

@@ -51,6 +51,22 @@ class Plan:
     estimated_breakdown: Dict[str, int]
     passes: List[Dict[str, Any]] = field(default_factory=list)
     nodes: List[NodePlan] = field(default_factory=list)
+    # One entry per rewritable unit (a stash chain, a few-bit activation): {"name", "nodes",
+    # "chosen": option, "alternatives": [options]}, an option being {"technique", "bits", "unit",
+    # "freed_bytes", "fidelity", "time"}. Editing "chosen" and re-applying the plan
+    # (memopt.optimize(model, plan=...)) runs exactly those choices, without planning.
+    units: List[Dict[str, Any]] = field(default_factory=list)
+    # How the budget planner got here (empty without a budget to plan for).
+    planner: Dict[str, Any] = field(default_factory=dict)
+
+    def chosen_units(self) -> Dict[str, Dict[str, int]]:
+        """{technique: {unit: bits}} of every rewritten unit."""
+        out: Dict[str, Dict[str, int]] = {}
+        for entry in self.units:
+            chosen = entry["chosen"]
+            if chosen["technique"] != "exact":
+                out.setdefault(chosen["technique"], {})[chosen["unit"]] = chosen["bits"]
+        return out
 
     def to_dict(self) -> Dict[str, Any]:
         return dataclasses.asdict(self)

@@ -128,7 +128,7 @@ def fewbit_pass(gm: fx.GraphModule, cfg: FewBitConfig) -> PassResult:
             bits, borders, levels = 1, (), tuple(float(v) for v in act.mask_levels(dict(params)))
             note = "exact 1-bit mask"
         else:
-            bits = cfg.bits_for(kind)
+            bits = cfg.bits_for(kind, node.name)
             weight, domain = _weight(node, cfg)
             b, lv = fewbit_table(kind, bits, domain=domain, weight=weight, grid=cfg.grid, params=dict(params),
                                  scale=cfg.scale)
@@ -138,7 +138,8 @@ def fewbit_pass(gm: fx.GraphModule, cfg: FewBitConfig) -> PassResult:
             new = gm.graph.create_node(
                 "call_function", fewbit_activation, (_input(node), kind, params, bits, borders, levels,
                                                      node.format_node()), name=f"{node.name}_fewbit")
-        new.meta[DECISION_KEY] = {"technique": "fewbit", "bits": bits, "replaces": node.name, "reason": note}
+        new.meta[DECISION_KEY] = {"technique": "fewbit", "bits": bits, "replaces": node.name, "unit": node.name,
+                                  "reason": note}
         node.replace_all_uses_with(new)
         gm.graph.erase_node(node)
         modified = True

@@ -111,7 +111,7 @@ def stash_pass(gm: fx.GraphModule, cfg: StashConfig) -> PassResult:
             bn.meta[DECISION_KEY] = {"technique": "exact", "reason": f"stash: {reason}"}
             continue
         add, end, kind = found
-        _rewrite(gm, modules, bn, add, end, kind, cfg.bits)
+        _rewrite(gm, modules, bn, add, end, kind, cfg.bits_for(bn.name))
         modified = True
     return PassResult(gm, modified)
 
@@ -135,7 +135,7 @@ def _rewrite(gm: fx.GraphModule, modules, bn: fx.Node, add: Optional[fx.Node], a
                                   (bn.args[0], *attrs, residual, module.momentum, module.eps, kind, params, bits,
                                    need_y, bn.format_node()), name=f"{bn.name}_stash")
         y, codes, mask, affine, zero = (graph.call_function(operator.getitem, (stash, i)) for i in range(5))
-    stash.meta[DECISION_KEY] = {"technique": "stash", "bits": bits, "replaces": replaced,
+    stash.meta[DECISION_KEY] = {"technique": "stash", "bits": bits, "replaces": replaced, "unit": bn.name,
                                 "reason": f"BN{' + residual' if add is not None else ''} + {kind}: exact forward, "
                                           f"{bits}-bit codes for backward"}
     act.replace_all_uses_with(y)
@@ -167,7 +167,7 @@ def _rewrite_consumer(gm, modules, user: fx.Node, y: fx.Node, stash_nodes, bits:
         else:
             return  # keeps nothing (pooling, add, output, another chain's residual): left as it is
     new.meta[DECISION_KEY] = {"technique": "stash", "bits": None if isinstance(module, nn.MaxPool2d) else bits,
-                              "replaces": [user.name], "reason": note}
+                              "replaces": [user.name], "unit": source, "reason": note}
     user.replace_all_uses_with(new)
     graph.erase_node(user)
 

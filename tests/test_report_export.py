@@ -65,5 +65,5 @@ def test_export_writes_readable_files_and_reloads_the_same_module(om, tmp_path):
 def test_reloading_an_export_of_another_model_is_refused(om, tmp_path):
     om.export(tmp_path)
     other, inputs = build("cnn")
-    with pytest.raises(memopt.MemoptError, match="differs from"):
+    with pytest.raises(memopt.MemoptError, match="differs from|cannot be applied"):
         memopt.load(other, tmp_path, example_inputs=inputs)

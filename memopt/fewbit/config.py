@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Mapping, Optional, Tuple, Union
 
 from memopt.fewbit.activations import ACTIVATIONS
-from memopt.validation import check_bits, normalise_node_names
+from memopt.validation import check_bits, check_bits_choices, normalise_node_bits, normalise_node_names
 
 WEIGHTS = ("uniform", "normal", "data")
 
@@ -34,6 +34,10 @@ class FewBitConfig:
             4096) and the normal weight's scale (default 1.0).
         allow: if given, only these node names are rewritten. deny: node names never rewritten.
         exact_masks: rewrite the piecewise-linear ops with their exact 1-bit masks (default True).
+        node_bits: per-node overrides {node name: bits} for table activations, ahead of
+            ``bits_by_kind``; the budget planner writes its choices here.
+        plan_bits: the bits the budget planner may choose from for table activations (default
+            (1, 2, 3, 4)).
     """
 
     bits: int = 3
@@ -45,6 +49,8 @@ class FewBitConfig:
     allow: Optional[Tuple[str, ...]] = None
     deny: Tuple[str, ...] = ()
     exact_masks: bool = True
+    node_bits: Union[Tuple[Tuple[str, int], ...], Mapping[str, int]] = ()
+    plan_bits: Tuple[int, ...] = (1, 2, 3, 4)
 
     def __post_init__(self) -> None:
         check_bits(self.bits, "FewBitConfig.bits")
@@ -65,6 +71,9 @@ class FewBitConfig:
         if not (isinstance(self.scale, (int, float)) and self.scale > 0):
             raise ValueError(f"FewBitConfig.scale must be a positive number, got {self.scale!r}")
         normalise_node_names(self, "allow", "deny")
+        normalise_node_bits(self, "node_bits")
+        object.__setattr__(self, "plan_bits", check_bits_choices(self.plan_bits, "FewBitConfig.plan_bits"))
 
-    def bits_for(self, kind: str) -> int:
-        return dict(self.bits_by_kind).get(kind, self.bits)
+    def bits_for(self, kind: str, node: str = "") -> int:
+        """Bits for a table activation: the node's override, else its kind's, else ``bits``."""
+        return dict(self.node_bits).get(node, dict(self.bits_by_kind).get(kind, self.bits))

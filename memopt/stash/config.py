@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Mapping, Optional, Tuple, Union
 
-from memopt.validation import check_bits, normalise_node_names
+from memopt.validation import check_bits, check_bits_choices, normalise_node_bits, normalise_node_names
 
 
 @dataclass(frozen=True)
@@ -27,9 +27,16 @@ class StashConfig:
     allow: Optional[Tuple[str, ...]] = None
     deny: Tuple[str, ...] = ()
     min_per_channel: int = 32
+    node_bits: Union[Tuple[Tuple[str, int], ...], Mapping[str, int]] = ()
+    plan_bits: Tuple[int, ...] = (2, 3, 4, 8)
 
     def __post_init__(self) -> None:
         check_bits(self.bits, "StashConfig.bits")
         if not isinstance(self.min_per_channel, int) or self.min_per_channel < 1:
             raise ValueError(f"StashConfig.min_per_channel must be a positive int, got {self.min_per_channel!r}")
         normalise_node_names(self, "allow", "deny")
+        normalise_node_bits(self, "node_bits")
+        object.__setattr__(self, "plan_bits", check_bits_choices(self.plan_bits, "StashConfig.plan_bits"))
+
+    def bits_for(self, bn_name: str) -> int:
+        return dict(self.node_bits).get(bn_name, self.bits)

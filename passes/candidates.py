@@ -1,0 +1,247 @@
+"""Planner candidates: for every rewritable unit, what each option frees, costs in fidelity and in time.
+
+A *unit* is what one technique rewrites as a whole: a stash chain (named by its BatchNorm node) or
+one few-bit activation (named by its node). Candidates come from the passes themselves: each
+technique's pass runs alone on a copy of the graph at each bit width it may use
+(``plan_bits``), the copy is annotated by the cost model (attribution only, no step simulation),
+and every new node's ``memopt_decision["unit"]`` ties it to its unit. So the options are exactly
+what the rewrite will do, not a second model of it.
+
+Bytes freed are storage-aware: a baseline storage counts for a unit only when every node that keeps
+it is covered by the unit (a ReLU output that the next conv also keeps frees nothing unless the
+unit covers the conv too), minus the storages the unit's new nodes keep.
+
+Units that cover a common baseline node (a ReLU that is both a few-bit unit and the end of a stash
+chain) form one *group* whose options exclude each other: exact, few-bit at b, or stash at K.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
+
+import torch
+from torch import fx
+
+from cost_model.analysis import Estimate, annotate
+from memopt.fewbit.activations import ACTIVATIONS
+from memopt.fewbit.config import FewBitConfig
+from memopt.fewbit.tables import table_error
+from memopt.ops.fewbit import fewbit_activation
+from memopt.ops.stash import WINDOWS, bn_act_stash
+from memopt.plan import DECISION_KEY
+from memopt.stash.config import StashConfig
+from passes.base import registered_pass
+
+# Extra elementwise passes over a unit's activation that its rewrite adds (encode in forward, decode
+# in backward): the time proxy. Stash also rebuilds the conv input from the codes.
+_EXTRA_PASSES = {"stash": 3.0, "fewbit": 2.0}
+
+
+@dataclass(frozen=True)
+class Option:
+    """One way to run a unit. ``freed_bytes`` is relative to exact; ``fidelity`` is a gradient-error
+    proxy (mean squared error per element, times elements); ``time`` is extra elementwise work in
+    element passes."""
+
+    technique: str
+    bits: Optional[int]
+    unit: str
+    freed_bytes: int
+    fidelity: float
+    time: float
+
+    def to_dict(self) -> Dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def label(self) -> str:
+        return "exact" if self.technique == "exact" else f"{self.technique}@{self.bits}"
+
+
+@dataclass
+class Group:
+    """Units that exclude each other, with every option; ``options[0]`` is exact."""
+
+    name: str
+    units: Tuple[str, ...]
+    nodes: Tuple[str, ...]
+    options: List[Option]
+
+
+@dataclass(frozen=True)
+class Technique:
+    """How the planner drives one technique's pass: its config at one bit width for every unit,
+    and its config for a chosen set of units with their bits."""
+
+    field: str
+    uniform: Callable[[Any, int], Any]
+    choose: Callable[[Any, Dict[str, int]], Any]
+    fidelity: Callable[[fx.Node, Estimate, str], float]
+
+
+def _stash_fidelity(new: fx.Node, baseline: Estimate, unit: str) -> float:
+    """Mean squared error of the stashed x̂ ~ N(0, 1) on its K-bit grid (bin width 2h/2^K, clipping at
+    ±h), times the elements of the BN output: (width²/12)·P(|z|<h) + E[(|z|−h)²; |z|>h]."""
+    if new.target is not bn_act_stash:
+        return 0.0  # its consumers reuse the same codes
+    bits = new.meta[DECISION_KEY]["bits"]
+    half = WINDOWS[bits]
+    width = 2 * half / (1 << bits)
+    tail = math.erfc(half / math.sqrt(2))  # P(|z| > h)
+    pdf = math.exp(-half * half / 2) / math.sqrt(2 * math.pi)
+    clip = (1 + half * half) * tail - 2 * half * pdf
+    return (width * width / 12 * (1 - tail) + clip) * _numel(baseline, unit)
+
+
+_TABLE_ERRORS: Dict[Tuple, float] = {}
+
+
+def _fewbit_fidelity(new: fx.Node, baseline: Estimate, unit: str) -> float:
+    """The table's ∫(f'−q)² w (w: standard normal) times the elements; 0 for exact 1-bit masks."""
+    if new.target is not fewbit_activation:
+        return 0.0
+    _, kind, params, bits, borders, levels = new.args[:6]
+    if ACTIVATIONS[kind].exact:
+        return 0.0
+    key = (kind, tuple(params), borders, levels)
+    if key not in _TABLE_ERRORS:
+        _TABLE_ERRORS[key] = table_error(kind, torch.tensor(borders, dtype=torch.float64),
+                                         torch.tensor(levels, dtype=torch.float64), params=dict(params),
+                                         weight="normal")
+    return _TABLE_ERRORS[key] * _numel(baseline, unit)
+
+
+def _numel(baseline: Estimate, node: str) -> int:
+    cost = baseline.nodes.get(node)
+    return math.prod(cost.shapes[0]) if cost is not None and cost.shapes else 0
+
+
+TECHNIQUES: Dict[type, Technique] = {
+    StashConfig: Technique(
+        "stash",
+        uniform=lambda cfg, bits: dataclasses.replace(cfg, bits=bits, node_bits=()),
+        choose=lambda cfg, chosen: dataclasses.replace(cfg, allow=tuple(sorted(chosen)), node_bits=chosen),
+        fidelity=_stash_fidelity),
+    FewBitConfig: Technique(
+        "fewbit",
+        uniform=lambda cfg, bits: dataclasses.replace(cfg, bits=bits, bits_by_kind=(), node_bits=()),
+        choose=lambda cfg, chosen: dataclasses.replace(cfg, allow=tuple(sorted(chosen)), node_bits=chosen),
+        fidelity=_fewbit_fidelity),
+}
+
+
+def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
+    """A GraphModule over a copy of ``gm``'s graph (node.meta copied shallowly) sharing its attributes,
+    so a pass can rewrite the copy without touching ``gm``."""
+    graph = copy.deepcopy(gm.graph)
+    graph._tracer_cls = getattr(gm.graph, "_tracer_cls", None)
+    graph._tracer_extras = getattr(gm.graph, "_tracer_extras", {})
+    return fx.GraphModule(gm, graph, class_name=type(gm).__name__)
+
+
+def technique_passes(config: Any) -> List[Tuple[Technique, Any]]:
+    """The enabled techniques the planner can drive, in ``Config`` field order."""
+    out = []
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if value is not None and type(value) in TECHNIQUES:
+            out.append((TECHNIQUES[type(value)], value))
+    return out
+
+
+def candidates(gm: fx.GraphModule, args: tuple, kwargs: dict, config: Any, baseline: Estimate,
+               optimizer: Any = None) -> List[Group]:
+    """Every unit of every enabled technique with its options, grouped into exclusive groups."""
+    per_unit: Dict[str, List[Option]] = {}
+    covered: Dict[str, Set[str]] = {}
+    for technique, cfg in technique_passes(config):
+        name, fn = registered_pass(type(cfg))
+        for bits in cfg.plan_bits:
+            variant = copy_graph_module(gm)
+            fn(variant, technique.uniform(cfg, bits))
+            variant.graph.lint()
+            variant.recompile()
+            after = annotate(variant, args, kwargs, device=config.device, optimizer=optimizer, simulate=False)
+            for unit, (nodes, new_nodes) in rewritten_units(variant, technique.field).items():
+                key = f"{technique.field}:{unit}"
+                covered.setdefault(key, set()).update(nodes)
+                option = make_option(technique, unit, nodes, new_nodes, baseline, after)
+                if option not in per_unit.setdefault(key, []):
+                    per_unit[key].append(option)
+    return _group(per_unit, covered)
+
+
+def make_option(technique: Technique, unit: str, nodes: Set[str], new_nodes: Sequence[fx.Node], baseline: Estimate,
+                after: Estimate) -> Option:
+    """The option a rewritten unit realises, with its bytes from the two estimates."""
+    return Option(technique.field, bits_of(new_nodes), unit, int(freed_bytes(baseline, after, nodes, new_nodes)),
+                  float(sum(technique.fidelity(n, baseline, unit) for n in new_nodes)),
+                  _EXTRA_PASSES[technique.field] * _numel(baseline, unit))
+
+
+def rewritten_units(gm: fx.GraphModule, technique: str) -> Dict[str, Tuple[Set[str], List[fx.Node]]]:
+    """unit -> (baseline nodes it covers, the new nodes the pass created for it)."""
+    units: Dict[str, Tuple[Set[str], List[fx.Node]]] = {}
+    for node in gm.graph.nodes:
+        decision = node.meta.get(DECISION_KEY)
+        if not decision or decision.get("technique") != technique or "unit" not in decision:
+            continue
+        replaces = decision.get("replaces", [])
+        replaces = [replaces] if isinstance(replaces, str) else list(replaces)
+        nodes, new = units.setdefault(decision["unit"], (set(), []))
+        nodes.update(replaces)
+        new.append(node)
+    return units
+
+
+def bits_of(new_nodes: Sequence[fx.Node]) -> Optional[int]:
+    bits = [n.meta[DECISION_KEY].get("bits") for n in new_nodes if n.meta[DECISION_KEY].get("bits") is not None]
+    return bits[0] if bits else None
+
+
+def freed_bytes(baseline: Estimate, after: Estimate, nodes: Set[str], new_nodes: Sequence[fx.Node]) -> int:
+    """Saved bytes a unit frees: what only its baseline ``nodes`` kept minus what its new nodes keep."""
+    return _freed_before(baseline, nodes) - _kept_after(after, {n.name for n in new_nodes})
+
+
+def _freed_before(baseline: Estimate, nodes: Set[str]) -> int:
+    """Baseline storages that only ``nodes`` keep: rewriting all of them frees these."""
+    return sum(r.nbytes for r in baseline.storages.values() if r.savers and set(r.savers) <= nodes)
+
+
+def _kept_after(after: Estimate, new_nodes: Set[str]) -> int:
+    """Storages the unit's new nodes keep (and nobody else: anything shared was not freed before)."""
+    return sum(r.nbytes for r in after.storages.values() if r.savers and set(r.savers) <= new_nodes)
+
+
+def _group(per_unit: Dict[str, List[Option]], covered: Dict[str, Set[str]]) -> List[Group]:
+    parent: Dict[str, str] = {}
+
+    def find(x: str) -> str:
+        while parent.setdefault(x, x) != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    owner: Dict[str, str] = {}
+    for key in sorted(covered):
+        find(key)
+        for node in sorted(covered[key]):
+            if node in owner:
+                parent[find(key)] = find(owner[node])
+            else:
+                owner[node] = key
+    members: Dict[str, List[str]] = {}
+    for key in sorted(covered):
+        members.setdefault(find(key), []).append(key)
+    groups = []
+    for keys in members.values():
+        options = [Option("exact", None, "", 0, 0.0, 0.0)]
+        for key in keys:
+            options.extend(sorted(per_unit.get(key, []), key=lambda o: (o.technique, o.bits or 0)))
+        nodes = sorted(set().union(*(covered[k] for k in keys)))
+        units = tuple(k.split(":", 1)[1] for k in keys)
+        groups.append(Group("+".join(keys), units, tuple(nodes), options))
+    return sorted(groups, key=lambda g: g.name)

@@ -1,0 +1,216 @@
+"""The budget planner: the least harmful set of rewrites whose estimated peak fits the budget.
+
+Given the groups of ``passes.candidates`` (each: exact, or one of its options), choose one option
+per group so that the saved bytes freed reach ``required`` while the total cost
+
+    cost(option) = fidelity + TIME_WEIGHT * time
+
+is least: a multiple-choice knapsack, solved by dynamic programming over the freed bytes cut into
+``resolution`` cells of ``required / resolution`` bytes. Each option's bytes are rounded *down* to
+whole cells, so a DP-feasible choice frees at least ``required`` real bytes; the optimum is exact
+for the rounded problem and loses at most one cell per chosen option against the real one (with the
+default 2048 cells and ~100 rewritten units, at most ~5% of ``required``).
+
+Fidelity is a per-element mean squared error times elements (few-bit: the table's ∫(f'−q)²w under
+a standard normal; stash: the quantisation and clipping error of x̂ ~ N(0, 1)); time counts the
+extra elementwise passes the rewrite adds. TIME_WEIGHT = 1e-3 makes time a tie-breaker: an exact
+1-bit ReLU mask (no fidelity cost) is preferred to an 8-bit stash only when it frees as much.
+
+The freed bytes of different groups add up (they are disjoint sets of storages), but the peak of a
+training step is not just the saved bytes: ``plan_for_budget`` re-estimates the chosen plan with the
+full cost model and, if the peak still exceeds the budget, asks for the shortfall more and solves
+again (at most ``MAX_ROUNDS`` times).
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import fx
+
+from cost_model.analysis import Estimate, annotate
+from memopt.errors import MemoptError
+from passes.candidates import (TECHNIQUES, Group, Option, candidates, copy_graph_module, make_option,
+                               rewritten_units, technique_passes)
+from passes.manager import passes_for, run_passes
+
+TIME_WEIGHT = 1e-3
+DEFAULT_RESOLUTION = 2048
+MAX_ROUNDS = 4
+
+
+def option_cost(option: Option) -> float:
+    return option.fidelity + TIME_WEIGHT * option.time
+
+
+@dataclass
+class Solution:
+    choice: List[int]  # option index per group
+    freed_bytes: int
+    cost: float
+
+
+def max_saving(groups: Sequence[Group]) -> Solution:
+    """Each group's option that frees the most (ties: the cheaper one)."""
+    choice = [max(range(len(g.options)), key=lambda i: (g.options[i].freed_bytes, -option_cost(g.options[i])))
+              for g in groups]
+    return _solution(groups, choice)
+
+
+def _solution(groups: Sequence[Group], choice: List[int]) -> Solution:
+    chosen = [g.options[i] for g, i in zip(groups, choice)]
+    return Solution(choice, sum(o.freed_bytes for o in chosen), sum(option_cost(o) for o in chosen))
+
+
+def solve(groups: Sequence[Group], required: int, resolution: int = DEFAULT_RESOLUTION) -> Optional[Solution]:
+    """The least-cost choice that frees at least ``required`` bytes, or None when none does.
+
+    dp[k] is the least cost of the groups so far freeing k cells (the last cell: k or more);
+    per group and option the table shifts by the option's cells, so a group costs
+    O(options x resolution) vectorised work.
+    """
+    if required <= 0:
+        return _solution(groups, [0] * len(groups))
+    if max_saving(groups).freed_bytes < required:
+        return None
+    cell = required / resolution
+    size = resolution + 1
+    inf = float("inf")
+    dp = torch.full((size,), inf, dtype=torch.float64)
+    dp[0] = 0.0
+    choices, prevs = [], []
+    index = torch.arange(size)
+    for group in groups:
+        best, best_choice, best_prev = dp.clone(), torch.zeros(size, dtype=torch.int16), index.clone()
+        for i, option in enumerate(group.options[1:], start=1):
+            cells = int(option.freed_bytes // cell)
+            if cells <= 0:
+                continue  # frees nothing at this resolution: never better than exact
+            cand, prev = torch.full((size,), inf, dtype=torch.float64), torch.zeros(size, dtype=torch.long)
+            cost = option_cost(option)
+            if cells < resolution:
+                cand[cells:resolution] = dp[: resolution - cells] + cost
+                prev[cells:resolution] = index[: resolution - cells]
+            tail = dp[max(resolution - cells, 0):]
+            j = int(torch.argmin(tail))
+            cand[resolution] = tail[j] + cost
+            prev[resolution] = max(resolution - cells, 0) + j
+            better = cand < best
+            best = torch.where(better, cand, best)
+            best_choice[better] = i
+            best_prev = torch.where(better, prev, best_prev)
+        dp = best
+        choices.append(best_choice)
+        prevs.append(best_prev)
+    if not torch.isfinite(dp[resolution]):
+        return None  # rounding lost too much; the caller retries finer
+    choice, k = [0] * len(groups), resolution
+    for g in range(len(groups) - 1, -1, -1):
+        choice[g] = int(choices[g][k])
+        k = int(prevs[g][k])
+    return _solution(groups, choice)
+
+
+def solve_or_max(groups: Sequence[Group], required: int) -> Optional[Solution]:
+    """``solve`` at the default resolution, then 8x finer, then the maximum saving if it suffices."""
+    for resolution in (DEFAULT_RESOLUTION, 8 * DEFAULT_RESOLUTION):
+        found = solve(groups, required, resolution)
+        if found is not None:
+            return found
+    best = max_saving(groups)
+    return best if best.freed_bytes >= required else None
+
+
+# ---------------------------------------------------------------- applying a choice
+def chosen_config(config: Any, groups: Sequence[Group], choice: Sequence[int]) -> Any:
+    """``config`` with every technique restricted to the chosen units at the chosen bits."""
+    chosen: Dict[str, Dict[str, int]] = {}
+    for group, i in zip(groups, choice):
+        option = group.options[i]
+        if option.technique != "exact":
+            chosen.setdefault(option.technique, {})[option.unit] = option.bits
+    return config_for_units(config, chosen)
+
+
+def config_for_units(config: Any, chosen: Dict[str, Dict[str, int]]) -> Any:
+    """``config`` whose technique fields rewrite exactly ``chosen[field]`` ({unit: bits}) and nothing else."""
+    changes = {}
+    for technique, cfg in technique_passes(config):
+        changes[technique.field] = technique.choose(cfg, dict(chosen.get(technique.field, {})))
+    unknown = sorted(set(chosen) - set(changes))
+    if unknown:
+        raise MemoptError(f"the plan uses {unknown} but the config turns {'it' if len(unknown) == 1 else 'them'} "
+                          f"off (Config.{unknown[0]}=None); enable it or drop those units from the plan")
+    return dataclasses.replace(config, **changes)
+
+
+def apply_config(gm: fx.GraphModule, config: Any) -> Tuple[fx.GraphModule, list]:
+    """Run ``config``'s passes on a copy of ``gm`` (``gm`` keeps the baseline graph)."""
+    return run_passes(copy_graph_module(gm), passes_for(config))
+
+
+@dataclass
+class BudgetPlan:
+    """What ``plan_for_budget`` found: the applied graph, its estimate, and how it got there."""
+
+    config: Any
+    groups: List[Group]
+    solution: Solution
+    graph_module: fx.GraphModule
+    records: list
+    estimate: Estimate
+    required_bytes: int
+    rounds: int
+    seconds: float
+
+
+def plan_for_budget(gm: fx.GraphModule, args: tuple, kwargs: dict, config: Any, baseline: Estimate,
+                    budget_bytes: int, optimizer: Any = None) -> Tuple[Optional[BudgetPlan], BudgetPlan]:
+    """(the least-cost plan that fits, or None; the maximum-saving plan, applied, for the error message).
+
+    The second element is only computed when the first is None (otherwise it is the same plan).
+    """
+    start = time.perf_counter()
+    groups = candidates(gm, args, kwargs, config, baseline, optimizer)
+    required = baseline.peak_bytes - budget_bytes
+    for rounds in range(1, MAX_ROUNDS + 1):
+        solution = solve_or_max(groups, required)
+        if solution is None:
+            break
+        found = _applied(gm, args, kwargs, config, groups, solution, optimizer, required, rounds, start)
+        if found.estimate.peak_bytes <= budget_bytes:
+            return found, found
+        if solution.freed_bytes >= max_saving(groups).freed_bytes:
+            break  # nothing more to free
+        # the peak moved less than the saved bytes (transients, or the peak is elsewhere): ask for more
+        required += found.estimate.peak_bytes - budget_bytes
+    best = _applied(gm, args, kwargs, config, groups, max_saving(groups), optimizer, required, MAX_ROUNDS, start)
+    return (best if best.estimate.peak_bytes <= budget_bytes else None), best
+
+
+def _applied(gm, args, kwargs, config, groups, solution, optimizer, required, rounds, start) -> BudgetPlan:
+    chosen = chosen_config(config, groups, solution.choice)
+    applied, records = apply_config(gm, chosen)
+    estimate = annotate(applied, args, kwargs, device=config.device, optimizer=optimizer)
+    return BudgetPlan(chosen, list(groups), solution, applied, records, estimate, required, rounds,
+                      time.perf_counter() - start)
+
+
+def plan_units(gm: fx.GraphModule, baseline: Estimate, estimate: Estimate,
+               planned: Optional[BudgetPlan]) -> List[Dict[str, Any]]:
+    """``Plan.units``: every group with its choice and alternatives when planned; otherwise what the
+    passes rewrote (no alternatives were considered)."""
+    if planned is not None:
+        return [{"name": g.name, "nodes": list(g.nodes), "chosen": g.options[i].to_dict(),
+                 "alternatives": [o.to_dict() for o in g.options]}
+                for g, i in zip(planned.groups, planned.solution.choice)]
+    entries = []
+    for technique in TECHNIQUES.values():
+        for unit, (nodes, new) in sorted(rewritten_units(gm, technique.field).items()):
+            option = make_option(technique, unit, nodes, new, baseline, estimate)
+            entries.append({"name": f"{technique.field}:{unit}", "nodes": sorted(nodes), "chosen": option.to_dict(),
+                            "alternatives": []})
+    return entries
