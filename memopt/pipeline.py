@@ -13,7 +13,7 @@ from cost_model.analysis import Estimate, annotate
 from memopt.capture import capture, check_inputs
 from memopt.config import Config
 from memopt.errors import BudgetError, MemoptError
-from memopt.plan import DECISION_KEY, Plan, node_plans
+from memopt.plan import DECISION_KEY, NodePlan, Plan, node_plans
 from memopt.report import fmt_bytes
 from passes.candidates import rewritten_units
 from passes.manager import passes_for, run_passes
@@ -153,15 +153,35 @@ def _has_meta(args: tuple, kwargs: dict) -> bool:
 
 
 def _budget_message(plan: Plan) -> str:
+    """The requested budget, the least peak the config can reach, and what would free the rest."""
     top = sorted(plan.nodes, key=lambda n: -n.saved_bytes_after)[:5]
+    b = plan.estimated_breakdown
     lines = [f"budget_mb={plan.budget_bytes / 2**20:.1f} ({fmt_bytes(plan.budget_bytes)}) cannot be met for "
              f"{plan.model}: the smallest estimated peak with the current config is "
-             f"{fmt_bytes(plan.estimated_peak_bytes)} (parameters and buffers "
-             f"{fmt_bytes(plan.estimated_breakdown.get('parameters_and_buffers'))}, optimizer state "
-             f"{fmt_bytes(plan.estimated_breakdown.get('optimizer_state'))}).",
-             "Largest remaining consumers of saved activation memory:"]
+             f"{fmt_bytes(plan.estimated_peak_bytes)} = {plan.estimated_peak_bytes / 2**20:.1f} MiB (baseline "
+             f"{fmt_bytes(plan.baseline_peak_bytes)}; of it parameters and buffers "
+             f"{fmt_bytes(b.get('parameters_and_buffers'))}, gradients {fmt_bytes(b.get('gradients'))}, "
+             f"optimizer state {fmt_bytes(b.get('optimizer_state'))}, activations {fmt_bytes(b.get('activations'))}).",
+             "Largest remaining consumers of saved activation memory, and what would free them:"]
+    config = Config.from_dict(plan.config)
     for n in top:
-        fix = n.reason or "already rewritten"
-        lines.append(f"  {n.name} ({n.op}, {n.shape}): {fmt_bytes(n.saved_bytes_after)} - {fix}")
-    lines.append("Raise budget_mb, lower the batch size, or enable more techniques in memopt.Config.")
+        lines.append(f"  {n.name} ({n.op}, {n.shape}): {fmt_bytes(n.saved_bytes_after)} - {_what_frees(n, config)}")
+    lines.append("Raise budget_mb, lower the batch size, or widen the techniques' plan_bits in memopt.Config.")
     return "\n".join(lines)
+
+
+def _what_frees(node: NodePlan, config: Config) -> str:
+    if node.technique == "stash" and node.bits:
+        return (f"a {node.bits}-bit stash, the fewest bits StashConfig.plan_bits={config.stash.plan_bits} allows; "
+                f"adding {node.bits // 2 or 1} to plan_bits would shrink it" if node.bits > 1 else "a 1-bit stash already")
+    if node.technique == "fewbit" and node.bits:
+        return (f"{node.bits}-bit few-bit codes; add {node.bits - 1} to FewBitConfig.plan_bits to shrink them"
+                if node.bits > 1 else "a 1-bit code already")
+    if node.op == "batch_norm" and config.stash is None:
+        return "exact; enable the stash (Config.stash=memopt.StashConfig())"
+    from memopt.fewbit.activations import ACTIVATIONS
+
+    if node.op in ACTIVATIONS and config.fewbit is None:
+        return "exact; enable few-bit (Config.fewbit=memopt.FewBitConfig())"
+    why = node.reason or "no enabled technique rewrites this op"
+    return f"exact: {why}; only recomputation (torch.utils.checkpoint) or a smaller batch frees it"

@@ -54,8 +54,31 @@ def render(plan: Plan, *, top: Optional[int] = None, group: bool = True, fmt: st
     if top is not None and len(nodes) > len(table):
         lines.append(f"(showing the top {len(table)} rows of {len(_rows(nodes, group))})")
     lines.append("")
+    if plan.planner:
+        lines += [_planner_table(plan, top, fmt), ""]
     lines.append(_totals(plan, fmt))
     return "\n".join(lines)
+
+
+def _option(o: Dict) -> str:
+    label = "exact" if o["technique"] == "exact" else f"{o['technique']}@{o['bits']}"
+    return f"{label} {fmt_bytes(o['freed_bytes'])}/{o['fidelity']:.3g}"
+
+
+def _planner_table(plan: Plan, top: Optional[int], fmt: str) -> str:
+    """Per unit: the choice and the alternatives considered (bytes freed / fidelity cost)."""
+    units = sorted(plan.units, key=lambda u: -u["chosen"]["freed_bytes"])
+    shown = units if top is None else units[:top]
+    table = [[u["name"], _option(u["chosen"]), "; ".join(_option(o) for o in u["alternatives"] if o != u["chosen"])]
+             for u in shown]
+    p = plan.planner
+    head = (f"planner: budget {fmt_bytes(plan.budget_bytes)}, estimated peak {fmt_bytes(plan.estimated_peak_bytes)} "
+            f"({plan.estimated_peak_bytes / plan.budget_bytes:.0%} of it); freed {fmt_bytes(p['estimated_freed_bytes'])} "
+            f"of saved activations (asked {fmt_bytes(p['required_bytes'])}), fidelity cost {p['cost']:.4g}, "
+            f"{p['groups']} units, {p['rounds']} estimates, {p['seconds']:.1f} s")
+    more = f"\n(showing {len(shown)} of {len(units)} units)" if len(shown) < len(units) else ""
+    return head + "\n" + tabulate(table, headers=["unit", "chosen (freed/fidelity)", "alternatives (freed/fidelity)"],
+                                   tablefmt=fmt) + more
 
 
 def _short(reason: str, limit: int = 90) -> str:

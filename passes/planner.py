@@ -18,8 +18,10 @@ extra elementwise passes the rewrite adds. TIME_WEIGHT = 1e-3 makes time a tie-b
 
 The freed bytes of different groups add up (they are disjoint sets of storages), but the peak of a
 training step is not just the saved bytes: ``plan_for_budget`` re-estimates the chosen plan with the
-full cost model and, if the peak still exceeds the budget, asks for the shortfall more and solves
-again (at most ``MAX_ROUNDS`` times).
+full cost model and, if the peak still exceeds the budget, bisects the bytes to free between that
+request and the maximum saving (``MAX_ROUNDS`` full estimates in all), keeping the cheapest plan
+that fits. The knapsack itself does not know *when* a storage is alive: freeing the last layers'
+activations does not lower a peak that happens after backward has released them.
 """
 from __future__ import annotations
 
@@ -39,7 +41,7 @@ from passes.manager import passes_for, run_passes
 
 TIME_WEIGHT = 1e-3
 DEFAULT_RESOLUTION = 2048
-MAX_ROUNDS = 4
+MAX_ROUNDS = 8
 
 
 def option_cost(option: Option) -> float:
@@ -176,19 +178,32 @@ def plan_for_budget(gm: fx.GraphModule, args: tuple, kwargs: dict, config: Any, 
     start = time.perf_counter()
     groups = candidates(gm, args, kwargs, config, baseline, optimizer)
     required = baseline.peak_bytes - budget_bytes
-    for rounds in range(1, MAX_ROUNDS + 1):
-        solution = solve_or_max(groups, required)
-        if solution is None:
-            break
+    rounds = 1
+    solution = solve_or_max(groups, required)
+    if solution is not None:
         found = _applied(gm, args, kwargs, config, groups, solution, optimizer, required, rounds, start)
         if found.estimate.peak_bytes <= budget_bytes:
             return found, found
-        if solution.freed_bytes >= max_saving(groups).freed_bytes:
-            break  # nothing more to free
-        # the peak moved less than the saved bytes (transients, or the peak is elsewhere): ask for more
-        required += found.estimate.peak_bytes - budget_bytes
-    best = _applied(gm, args, kwargs, config, groups, max_saving(groups), optimizer, required, MAX_ROUNDS, start)
-    return (best if best.estimate.peak_bytes <= budget_bytes else None), best
+    # Freed saved bytes did not all come off the peak (the peak is in backward, after the last
+    # layers' storages were released, or decode temporaries add to it): bisect on the bytes to free
+    # between what failed and the maximum saving, keeping the cheapest plan that fits.
+    rounds += 1
+    best = _applied(gm, args, kwargs, config, groups, max_saving(groups), optimizer, max_saving(groups).freed_bytes,
+                    rounds, start)
+    if best.estimate.peak_bytes > budget_bytes:
+        return None, best
+    low, high = required, best.solution.freed_bytes
+    while rounds < MAX_ROUNDS and high - low > 0.01 * high:
+        rounds += 1
+        middle = (low + high) // 2
+        solution = solve_or_max(groups, middle)
+        found = _applied(gm, args, kwargs, config, groups, solution, optimizer, middle, rounds, start)
+        if found.estimate.peak_bytes <= budget_bytes:
+            best, high = found, middle
+        else:
+            low = middle
+    best.rounds, best.seconds = rounds, time.perf_counter() - start
+    return best, best
 
 
 def _applied(gm, args, kwargs, config, groups, solution, optimizer, required, rounds, start) -> BudgetPlan:
