@@ -1,6 +1,8 @@
 """Errors raised by memopt. Every message names the culprit, quotes the bad value and says the fix."""
 from __future__ import annotations
 
+from typing import Optional
+
 
 class MemoptError(RuntimeError):
     """Base class of every error memopt raises on purpose."""
@@ -11,7 +13,16 @@ class TraceError(MemoptError):
 
 
 class BudgetError(MemoptError):
-    """The requested memory budget cannot be met with the current configuration."""
+    """The requested memory budget cannot be met with the current configuration.
+
+    ``budget_bytes`` is the budget asked for and ``minimum_bytes`` the least estimated peak the
+    current config reaches (None where unknown), for programs that search for a feasible budget.
+    """
+
+    def __init__(self, message: str, budget_bytes: Optional[int] = None, minimum_bytes: Optional[int] = None) -> None:
+        super().__init__(message)
+        self.budget_bytes = budget_bytes
+        self.minimum_bytes = minimum_bytes
 
 
 class PassError(MemoptError):

@@ -82,9 +82,9 @@ def build(model: nn.Module, args: tuple, kwargs: dict, config: Config, budget_by
     else:
         planned, best = plan_for_budget(gm, args, kwargs, config, baseline, budget_bytes, optimizer)
         if planned is None:
-            raise BudgetError(_budget_message(_make_plan(model, captured.method, args, kwargs, config, budget_bytes,
-                                                         baseline, best.estimate, best.records, best.graph_module,
-                                                         best)))
+            least = _make_plan(model, captured.method, args, kwargs, config, budget_bytes, baseline, best.estimate,
+                               best.records, best.graph_module, best)
+            raise BudgetError(_budget_message(least), budget_bytes, least.estimated_peak_bytes)
         gm, records = planned.graph_module, planned.records
     modified = any(r.modified for r in records)
     estimate = planned.estimate if planned is not None else (
@@ -92,7 +92,7 @@ def build(model: nn.Module, args: tuple, kwargs: dict, config: Config, budget_by
     result = _make_plan(model, captured.method, args, kwargs, config, budget_bytes, baseline, estimate, records, gm,
                         planned)
     if budget_bytes is not None and plan is None and result.estimated_peak_bytes > budget_bytes:
-        raise BudgetError(_budget_message(result))
+        raise BudgetError(_budget_message(result), budget_bytes, result.estimated_peak_bytes)
     return Built(gm, result, baseline, estimate)
 
 

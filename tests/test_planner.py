@@ -110,6 +110,8 @@ def test_budget_below_minimum_raises_with_minimum_and_consumers(resnet):
     with pytest.raises(memopt.BudgetError) as info:
         memopt.optimize(model, 0.5 * full / MiB, example_inputs=x, optimizer="sgd")
     message = str(info.value)
+    # the least peak uses the fewest plan_bits (2-bit stash), below the default plan (4-bit)
+    assert info.value.budget_bytes == int(0.5 * full) and 0.5 * full < info.value.minimum_bytes < full
     assert f"budget_mb={0.5 * full / MiB:.1f}" in message
     assert "smallest estimated peak with the current config is" in message
     lines = [line for line in message.splitlines() if line.startswith("  ")]
