@@ -140,6 +140,19 @@ def test_eight_bit_is_finer_than_four_bit():
     assert errors[8] < errors[4] / 8
 
 
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+def test_round_trip_at_other_bit_widths(bits):
+    # 3 bits does not divide a byte: the generic unpacking path; the others use the byte table
+    spec = QuantSpec(bits, 64, "dynamic")
+    m = torch.randn(7, 99, generator=torch.Generator().manual_seed(bits))
+    packed, scales = quantize(m, spec)
+    assert packed.numel() == math.ceil(7 * 99 * bits / 8)
+    back = dequantize(packed, scales, (7, 99), spec)
+    book = codebook("dynamic", bits)
+    codes = nearest_code(m / scales.repeat_interleave(64, 1)[:, :99], book)
+    assert torch.equal(back, book[codes] * scales.repeat_interleave(64, 1)[:, :99])
+
+
 def test_order_1200_costs_4_5_bits_per_element():
     assert QuantSpec().nbytes(1200, 1200) == 1200 * 1200 // 2 + 1200 * 19 * 4
     assert 4 * 1200 * 1200 / QuantSpec().nbytes(1200, 1200) == pytest.approx(7.1, abs=0.01)
