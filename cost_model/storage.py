@@ -15,7 +15,7 @@ Two traps shape this file:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Iterable, List
+from typing import Any, Dict, Iterable, List, Optional
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -123,7 +123,7 @@ class LiveStorageTracker(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         self._sweep()  # first: a storage that died inside this op may have lent its address to an output
-        for t in tree_flatten(out)[0]:
+        for t in tree_flatten(_unmasked(func, args, kwargs, out))[0]:
             if isinstance(t, torch.Tensor):
                 self._add(t)
         self._note_peak()
@@ -161,3 +161,24 @@ class LiveStorageTracker(TorchDispatchMode):
         self._sweep()
         entry = self._live.get(storage_key(t))
         return None if entry is None else (storage_key(t), entry[2])
+
+
+_MASK_INDEX: Dict[Any, Optional[int]] = {}  # op -> position of its output_mask argument (None: none)
+
+
+def _unmasked(func, args, kwargs, out):
+    """``out`` without the outputs that the op's ``output_mask`` turns off. Real kernels return
+    undefined tensors there, but some fake (meta) kernels allocate them anyway: the fake
+    ``native_batch_norm_backward`` returns a full grad_input for a BN whose input needs no grad."""
+    if not isinstance(out, tuple):
+        return out
+    if func not in _MASK_INDEX:
+        names = [a.name for a in func._schema.arguments] if hasattr(func, "_schema") else []
+        _MASK_INDEX[func] = names.index("output_mask") if "output_mask" in names else None
+    index = _MASK_INDEX[func]
+    if index is None:
+        return out
+    mask = (kwargs or {}).get("output_mask", args[index] if index < len(args) else None)
+    if mask is None or len(mask) != len(out):
+        return out
+    return tuple(o for o, keep in zip(out, mask) if keep)

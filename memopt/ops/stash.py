@@ -3,7 +3,8 @@
 A chain BatchNorm (training) -> [+ residual] -> [ReLU/ReLU6/LeakyReLU] runs in ``BNActStash``: the
 forward is the original ops (same kernels, same order: bit-identical output, running statistics
 updated once), and backward keeps, through ``ctx.save_for_backward``, only:
-- a K-bit code of the normalised BN input x̂ on a fixed per-channel grid: 2^K bins over
+- a K-bit code of the normalised BN input x̂ (over its own standard deviation, 1 up to eps and 0 in
+  a constant channel) on a fixed per-channel grid: 2^K bins over
   [-h, h] with h = WINDOWS[K] (3 at K = 4 as in the paper; x̂ has zero mean and unit variance per
   channel by construction, so no min/max reduction is needed), reconstructed at bin midpoints;
   values beyond ±h clip;
@@ -41,6 +42,16 @@ WINDOWS = {1: 1.5, 2: 2.0, 3: 2.5, 4: 3.0, 5: 3.25, 6: 3.5, 7: 3.75, 8: 4.0}
 
 def _per_channel(t: torch.Tensor, ndim: int) -> torch.Tensor:
     return t.view(1, -1, *([1] * (ndim - 2)))
+
+
+def _xhat_std(invstd: torch.Tensor, eps: float) -> torch.Tensor:
+    """Per-channel standard deviation of x̂ = (x - mean) * invstd: sqrt(var / (var + eps)). It is 1 up to
+    eps, except in a (nearly) constant channel (a dead ReLU before the BN), where it is about 0. The
+    code is of x̂ / std, so such a channel rebuilds as 0 instead of a bin midpoint, which gave the
+    BN weight a false gradient (and, with invstd near 1/sqrt(eps), the input a large one). A variance
+    below a few float32 ulps of 1 is the rounding of invstd, not a signal: it counts as 0."""
+    var = 1 - eps * invstd.float().square()
+    return torch.where(var > 8 * torch.finfo(torch.float32).eps, var, 0.0).sqrt()
 
 
 def _code_(v: torch.Tensor, origin, width, bins: int) -> torch.Tensor:
@@ -126,7 +137,9 @@ class BNActStash(torch.autograd.Function):
         y = _activation(z, act, act_params)
         nd, bins, half = x.dim(), 1 << bits, WINDOWS[bits]
         width = 2 * half / bins
-        xhat = (x - _per_channel(mean, nd)).mul_(_per_channel(invstd, nd))  # float32 (the stats are)
+        xstd = _xhat_std(invstd, eps)
+        # x̂ / its std (float32, as the stats are); a constant channel codes noise that rebuilds times 0
+        xhat = (x - _per_channel(mean, nd)).mul_(_per_channel(invstd / xstd.clamp_min(1e-12), nd))
         x_codes = pack_bits(_code_(xhat, -half, width, bins), bits)
         del xhat
         gamma = weight if weight is not None else torch.ones_like(mean)
@@ -136,8 +149,9 @@ class BNActStash(torch.autograd.Function):
         zero_code = torch.zeros(0, dtype=torch.int32, device=x.device)
         mask_packed = pack_bits(mask, 1) if mask is not None else empty_u8
         if residual is None:
-            # consumers rebuild z = γ x̂ + β from the x̂ code: z_k = β + γ(-h + (k + ½) w)
-            affine = torch.stack([beta.float() + gamma.float() * (-half + 0.5 * width), gamma.float() * width])
+            # consumers rebuild z = γ x̂ + β from the x̂ code: z_k = β + γ σ(-h + (k + ½) w), σ = xstd
+            affine = torch.stack([beta.float() + gamma.float() * xstd * (-half + 0.5 * width),
+                                  gamma.float() * xstd * width])
             y_codes = x_codes
         elif not need_y:  # nobody rebuilds y (e.g. it only feeds a pooling or an add): the mask is enough
             affine = torch.zeros(2, 0, device=x.device)
@@ -164,7 +178,7 @@ class BNActStash(torch.autograd.Function):
                 mask_packed = empty_u8
         del mask
         ctx.save_for_backward(x_codes, y_codes, mask_packed, zero_code, weight, mean, invstd)
-        ctx.shape, ctx.bits, ctx.act, ctx.act_params, ctx.node = x.shape, bits, act, act_params, node
+        ctx.shape, ctx.bits, ctx.act, ctx.act_params, ctx.node, ctx.eps = x.shape, bits, act, act_params, node, eps
         ctx.has_residual, ctx.has_weight, ctx.has_bias = residual is not None, weight is not None, bias is not None
         ctx.mark_non_differentiable(y_codes, mask_packed, affine, zero_code)
         return y, y_codes, mask_packed, affine, zero_code
@@ -187,7 +201,8 @@ class BNActStash(torch.autograd.Function):
         half = WINDOWS[ctx.bits]
         width = 2 * half / bins
         # x̂ at the bin midpoints, then reused in place for grad_x: at most two full-size temporaries
-        xhat = unpack_bits(x_codes, ctx.bits, n).view(shape).to(torch.float32).add_(0.5).mul_(width).sub_(half)
+        xhat = unpack_bits(x_codes, ctx.bits, n).view(shape).to(torch.float32).add_(0.5).mul_(width).sub_(half) \
+            .mul_(_per_channel(_xhat_std(invstd, ctx.eps), nd))
         dims = [d for d in range(nd) if d != 1]
         g = grad_z.float()
         sum_g = g.sum(dims)
