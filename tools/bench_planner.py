@@ -172,10 +172,13 @@ def main() -> None:
     parser.add_argument("--points", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default="docs/results/planner_sweep.md")
+    parser.add_argument("--only", default="", help="run only the models whose name contains this")
     args = parser.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
     results = {}
     for name, (make, x, blocks) in _models().items():
+        if args.only not in name:
+            continue
         results[name] = sweep(name, make, x, blocks, args.points, args.repeats)
     lines = ["# Budget planner sweep", "",
              f"Command: `python tools/bench_planner.py --points {args.points} --repeats {args.repeats}` "
