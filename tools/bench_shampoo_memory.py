@@ -70,11 +70,14 @@ def one_step(model, x, classes, make_opt) -> tuple[torch.optim.Optimizer, float]
 def measure(build, make_opt, real: bool):
     model, x, classes = build()
     estimated = memopt.estimate(model, x, optimizer=make_opt(model.parameters())).breakdown["optimizer_state"]
-    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-        fake = copy.deepcopy(model)
-        for module in fake.modules():
-            for name, p in list(module.named_parameters(recurse=False)):
-                setattr(module, name, torch.nn.Parameter(mode.from_tensor(p.detach())))
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fake = copy.deepcopy(model)
+    for module in fake.modules():
+        for name, p in list(module.named_parameters(recurse=False)):
+            setattr(module, name, torch.nn.Parameter(mode.from_tensor(p.detach())))
+        for name, b in list(module.named_buffers(recurse=False)):
+            setattr(module, name, mode.from_tensor(b))
+    with mode:
         sizes = state_bytes(one_step(fake, mode.from_tensor(x), classes, make_opt)[0])
     real_sizes, seconds = None, None
     if real:
