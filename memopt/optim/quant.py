@@ -68,21 +68,32 @@ def nearest_code(x: torch.Tensor, book: torch.Tensor) -> torch.Tensor:
     """Index (int64) of the entry of the sorted ``book`` nearest to each element of ``x``.
 
     Exact: equal to ``(x[..., None] - book).abs().argmin(-1)`` (same arithmetic, same tie rule),
-    at O(log K) per element. ``bucketize`` against the midpoints finds the cell; the midpoints are
-    rounded, so the two neighbours are compared by the brute-force distance as well.
+    in O(K) cheap passes for small books (O(log K) ``bucketize`` for large ones). Counting the
+    midpoints below x finds the cell; the midpoints are rounded, so the two neighbours are
+    compared by the brute-force distance as well. Counting in int32 and gathering with
+    ``index_select`` is 2-3x faster than ``bucketize`` and ``book[idx]`` (576x576, 4 bits, measured).
     """
     mids = (book[1:] + book[:-1]) / 2
-    mid = torch.bucketize(x, mids)
+    if book.numel() <= 16:
+        mid = torch.zeros(x.shape, dtype=torch.int32, device=x.device)
+        for m in mids.unbind():
+            mid += x > m
+    else:
+        mid = torch.bucketize(x, mids, out_int32=True)
     lo = (mid - 1).clamp_min(0)
     hi = (mid + 1).clamp_max(book.numel() - 1)
+
+    def value(i: torch.Tensor) -> torch.Tensor:
+        return book.index_select(0, i.reshape(-1)).view(i.shape)
+
     best = hi
-    best_d = (x - book[hi]).abs()
+    best_d = (x - value(hi)).abs()
     for cand in (mid, lo):  # lower indices last, with <=, so ties go to the lowest index
-        d = (x - book[cand]).abs()
+        d = (x - value(cand)).abs()
         take = d <= best_d
         best = torch.where(take, cand, best)
         best_d = torch.where(take, d, best_d)
-    return best
+    return best.long()
 
 
 @dataclass(frozen=True)
@@ -144,9 +155,13 @@ def dequantize(packed: torch.Tensor, scales: torch.Tensor, shape: tuple[int, int
     rows, cols = shape
     book = codebook(spec.quant_map, spec.bits, packed.device)
     if 8 % spec.bits == 0:
-        # one gather per byte through a 256-entry table: 4x faster than unpacking codes first
-        # (measured: 1200x1200 at 4 bits, 2 CPU threads, 40 ms -> 10 ms); runs at every step
-        values = _byte_table(book, spec.bits)[packed.long()].view(-1)[:rows * cols]
+        # one gather per byte through a 256-entry table
+        # (measured: 576x576 at 4 bits, 1 CPU thread, index_select 0.45 ms vs 1 ms for
+        # indexing with [] and 1.3 ms for unpacking first); the roots take this path at every step
+        values = _byte_table(book, spec.bits).index_select(0, packed.int()).view(-1)[:rows * cols]
     else:
         values = book[unpack_bits(packed, spec.bits, rows * cols).long()]
+    if cols % spec.block_size == 0:  # whole blocks: broadcast the scales, no expanded copy
+        blocks = values.view(rows, cols // spec.block_size, spec.block_size)
+        return (blocks * scales.unsqueeze(-1)).view(rows, cols)
     return values.view(rows, cols) * _expand(scales, spec.block_size, cols)

@@ -165,9 +165,9 @@ class _MatrixStore:
             self._set(key, m)
             return
         if sym:
-            diag = m.diagonal()
-            self._set(key + ".diag", diag)
-            m = m - torch.diag_embed(diag)
+            self._set(key + ".diag", m.diagonal())
+            m = m.clone()
+            m.diagonal().zero_()
         codes, scales = quantize(m, self.spec)
         self._set(key + ".codes", codes)
         self._set(key + ".scales", scales)
@@ -177,7 +177,9 @@ class _MatrixStore:
         if not self._quantized(n):
             return self.state[key]
         m = dequantize(self.state[key + ".codes"], self.state[key + ".scales"], (n, n), self.spec)
-        return m + torch.diag_embed(self.state[key + ".diag"]) if sym else m
+        if sym:
+            m.diagonal().add_(self.state[key + ".diag"])  # m is fresh: in place saves an n x n transient
+        return m
 
 
 class Shampoo(torch.optim.Optimizer):
@@ -295,14 +297,14 @@ class Shampoo(torch.optim.Optimizer):
         out = torch.empty_like(gm)
         for b, rows, cols in layout.blocks():
             gb = gm[rows, cols]
-            sides = ((f"{PRECONDITIONER_PREFIX}{b}.L", gb @ gb.mT), (f"{PRECONDITIONER_PREFIX}{b}.R", gb.mT @ gb))
             roots = []
-            for key, gg in sides:
-                if k % cfg.stat_every == 0:
-                    self._update_stat(store, key, gg, cfg)
+            for side, n in (("L", gb.shape[0]), ("R", gb.shape[1])):
+                key = f"{PRECONDITIONER_PREFIX}{b}.{side}"
+                if k % cfg.stat_every == 0:  # GGᵀ / GᵀG only when the statistic is updated
+                    self._update_stat(store, key, gb @ gb.mT if side == "L" else gb.mT @ gb, cfg)
                 if k % cfg.root_every == 0:
-                    self._update_root(store, key, gg.shape[0], cfg)
-                roots.append(store.get(key + ".root", gg.shape[0], sym=True))
+                    self._update_root(store, key, n, cfg)
+                roots.append(store.get(key + ".root", n, sym=True))
             out[rows, cols] = roots[0] @ gb @ roots[1]
         # grafting: the preconditioner picks the direction, the gradient's norm the step length
         scale = torch.linalg.vector_norm(gm) / torch.linalg.vector_norm(out).clamp_min(torch.finfo(out.dtype).tiny)
