@@ -15,7 +15,7 @@ Preconditioned matrices of 4096+ elements are quantized: digits conv2/conv3/line
 Reports test accuracy (mean ± std over 3 seeds), mean training loss per epoch (loss curves), and
 the step time (forward + backward + optimizer step) and optimizer-step time of each: the mean over
 all steps (wall clock, preconditioner updates included) and the median (a step without update).
-Run: python tools/bench_shampoo_training.py   (a few minutes on 1 core)
+Run: python tools/bench_shampoo_training.py [--sensitivity]   (4 minutes on 1 core; 7 with --sensitivity)
 """
 from __future__ import annotations
 
@@ -38,13 +38,18 @@ from bench_fewbit_mnist1d import GeluMLP
 from bench_stash_training import digits, mnist1d
 
 STAT_EVERY, ROOT_EVERY = 5, 20
-METHODS = {
-    "AdamW": lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.0),
-    "Shampoo 32-bit": lambda ps: Shampoo(ps, lr=1e-3, bits=32, stat_every=STAT_EVERY, root_every=ROOT_EVERY),
-    "Shampoo naive 4-bit": lambda ps: Shampoo(ps, lr=1e-3, bits=4, quantize="statistics",
-                                              stat_every=STAT_EVERY, root_every=ROOT_EVERY),
-    "Shampoo 4-bit": lambda ps: Shampoo(ps, lr=1e-3, bits=4, stat_every=STAT_EVERY, root_every=ROOT_EVERY),
-}
+SENSITIVITY = ((10, 50), (20, 100))  # --sensitivity: MNIST-1D, 32-bit vs 4-bit at these (stat_every, root_every)
+
+
+def methods(stat_every: int = STAT_EVERY, root_every: int = ROOT_EVERY, baselines: bool = True):
+    every = {"stat_every": stat_every, "root_every": root_every}
+    out = {
+        "AdamW": lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.0),
+        "Shampoo 32-bit": lambda ps: Shampoo(ps, lr=1e-3, bits=32, **every),
+        "Shampoo naive 4-bit": lambda ps: Shampoo(ps, lr=1e-3, bits=4, quantize="statistics", **every),
+        "Shampoo 4-bit": lambda ps: Shampoo(ps, lr=1e-3, bits=4, **every),
+    }
+    return out if baselines else {k: out[k] for k in ("Shampoo 32-bit", "Shampoo 4-bit")}
 
 
 class DigitsCNN(nn.Module):
@@ -60,14 +65,14 @@ class DigitsCNN(nn.Module):
         return self.fc(h.flatten(1))
 
 
-def run_seed(model_cls, data, seed: int, epochs: int, batch: int):
+def run_seed(model_cls, data, seed: int, epochs: int, batch: int, optimizers=None):
     """Train every method in lockstep; return {method: (accuracy, epoch losses, mean step s, mean
     optimizer-step s, median step s, median optimizer-step s)}."""
     x, y, xt, yt = data
     torch.manual_seed(seed)
     base = model_cls().train()
     runs = {}
-    for name, make in METHODS.items():
+    for name, make in (optimizers or methods()).items():
         model = copy.deepcopy(base)
         runs[name] = {"model": model, "opt": make(model.parameters()), "losses": [], "step": [], "opt_step": []}
     gen = torch.Generator().manual_seed(seed)
@@ -108,6 +113,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--digits-epochs", type=int, default=20)
     parser.add_argument("--mnist1d-epochs", type=int, default=30)
+    parser.add_argument("--sensitivity", action="store_true",
+                        help=f"also MNIST-1D 32-bit vs 4-bit at (stat_every, root_every) in {SENSITIVITY}")
     parser.add_argument("--out", default=str(Path(__file__).parents[1] / "docs" / "results" / "shampoo_training.md"))
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -118,7 +125,7 @@ def main() -> None:
         results = [run_seed(model_cls, data, seed, epochs, batch) for seed in range(3)]
         means, curve_rows = {}, []
         marks = sorted({0, 1, epochs // 4, epochs // 2, epochs - 1})
-        for name in METHODS:
+        for name in methods():
             accs = [r[name][0] for r in results]
             means[name] = statistics.mean(accs)
             acc_rows.append([task, name, f"{means[name]:.2f} ± {statistics.stdev(accs):.2f}",
@@ -142,9 +149,25 @@ def main() -> None:
                        f"({'meets' if ratio <= 1.10 else 'misses'} the <= 1.10 goal); optimizer step alone "
                        f"{t4[1] / t32[1]:.2f}; median step (a step without preconditioner update) "
                        f"{t4[2] / t32[2]:.2f}, its optimizer step {t4[3] / t32[3]:.2f}")
+    sensitivity = ""
+    if args.sensitivity:
+        rows = []
+        for stat_every, root_every in SENSITIVITY:
+            chosen = methods(stat_every, root_every, baselines=False)
+            results = [run_seed(GeluMLP, tasks[1][2], seed, args.mnist1d_epochs, 100, chosen) for seed in range(3)]
+            accs = {name: [r[name][0] for r in results] for name in chosen}
+            step = {name: statistics.mean(r[name][2] for r in results) for name in chosen}
+            rows.append([stat_every, root_every] + [f"{statistics.mean(accs[n]):.2f} ± {statistics.stdev(accs[n]):.2f}"
+                                                    for n in chosen]
+                        + [f"{statistics.mean(accs['Shampoo 4-bit']) - statistics.mean(accs['Shampoo 32-bit']):+.2f}",
+                           f"{step['Shampoo 4-bit'] / step['Shampoo 32-bit']:.2f}"])
+            print(rows[-1], flush=True)
+        sensitivity = ("\n\n## Sensitivity: MNIST-1D at other update intervals (3 seeds, same protocol)\n\n"
+                       + tabulate(rows, headers=["stat_every", "root_every", "32-bit acc %", "4-bit acc %",
+                                                 "4-bit − 32-bit", "mean step 4-bit / 32-bit"], tablefmt="github"))
     text = (f"# 4-bit Shampoo: training on digits and MNIST-1D\n\n"
             f"Command: `python tools/bench_shampoo_training.py --digits-epochs {args.digits_epochs} "
-            f"--mnist1d-epochs {args.mnist1d_epochs}` (torch {torch.__version__}, CPU, 1 thread).\n\n"
+            f"--mnist1d-epochs {args.mnist1d_epochs}{' --sensitivity' if args.sensitivity else ''}` (torch {torch.__version__}, CPU, 1 thread).\n\n"
             f"{__doc__.split(chr(10), 1)[1].rsplit('Run:', 1)[0].strip()}\n\n"
             "## Test accuracy (%)\n\n"
             + tabulate(acc_rows, headers=["task", "optimizer", "mean ± std", "seeds 0/1/2"], tablefmt="github")
@@ -153,7 +176,7 @@ def main() -> None:
             + "\n\n## Step time (per run, then the mean over seeds; measured side by side)\n\n"
             + tabulate(time_rows, headers=["task", "optimizer", "mean train step ms", "mean optimizer step ms",
                                            "median train step ms", "median optimizer step ms"], tablefmt="github")
-            + "\n\n## Against the goals\n\n" + "\n".join(summary) + "\n")
+            + sensitivity + "\n\n## Against the goals\n\n" + "\n".join(summary) + "\n")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(text)
     print(text)
