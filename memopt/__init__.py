@@ -7,6 +7,7 @@ from memopt.errors import BudgetError, MemoptError, PassError, TraceError
 from memopt.config import Config
 from memopt.fewbit.config import FewBitConfig
 from memopt.fewbit.tables import fewbit_table
+from memopt.recompute.config import RecomputeConfig
 from memopt.stash.config import StashConfig
 from memopt.plan import NodePlan, Plan
 from memopt.optimized import OptimizedModule
@@ -16,6 +17,6 @@ from memopt.measure import Measurement, measure
 __version__ = "0.1.0"
 
 __all__ = [
-    "BudgetError", "Config", "EstimateReport", "FewBitConfig", "StashConfig", "fewbit_table", "Measurement", "MemoptError", "NodePlan", "OptimizedModule",
+    "BudgetError", "Config", "EstimateReport", "FewBitConfig", "RecomputeConfig", "StashConfig", "fewbit_table", "Measurement", "MemoptError", "NodePlan", "OptimizedModule",
     "PassError", "Plan", "TraceError", "estimate", "load", "measure", "optimize", "__version__",
 ]

@@ -16,7 +16,11 @@ def _demo(args: argparse.Namespace) -> int:
     torch.manual_seed(0)
     model = TinyResNet(width=args.width).train()
     x = torch.randn(args.batch, 3, 32, 32)
-    om = memopt.optimize(model, budget_mb=args.budget_mb, example_inputs=x, optimizer="sgd")
+    try:
+        om = memopt.optimize(model, budget_mb=args.budget_mb, example_inputs=x, optimizer="sgd")
+    except memopt.BudgetError as e:
+        print(f"memopt: {e}", file=sys.stderr)
+        return 1
     om.report(print=True, top=args.top)
     before = memopt.measure(model, x, optimizer="sgd")
     after = memopt.measure(om, x, optimizer="sgd")
@@ -51,7 +55,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     demo = sub.add_parser("demo", help="optimize a built-in ResNet, print its report and measured memory")
     demo.add_argument("--batch", type=int, default=32)
     demo.add_argument("--width", type=int, default=16)
-    demo.add_argument("--budget-mb", type=float, default=None)
+    demo.add_argument("--budget-mb", type=float, default=None,
+                      help="peak memory budget of one training step in MiB (default: every technique at its default)")
     demo.add_argument("--top", type=int, default=20)
     demo.set_defaults(func=_demo)
     est = sub.add_parser("estimate", help="run the cost model on a model of the test zoo")

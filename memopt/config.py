@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, Optional
 
 from memopt.fewbit.config import FewBitConfig
+from memopt.recompute.config import RecomputeConfig
 from memopt.stash.config import StashConfig
 
 _DEVICES = ("cpu", "cuda", "meta")
@@ -22,6 +23,10 @@ class Config:
     """Options of ``memopt.optimize``.
 
     Attributes:
+        recompute: recomputation of whole blocks in backward (``RecomputeConfig``; None turns it
+            off). By default it recomputes nothing: the budget planner uses it as a last resort,
+            after few-bit and stash at their fewest bits. Runs first; the other techniques rewrite
+            what is left outside the recomputed blocks.
         stash: exact forward with a K-bit stash for BatchNorm-activation chains (``StashConfig``;
             None turns it off). Runs before few-bit, which takes the activations left over.
         fewbit: few-bit backward for pointwise activations (``FewBitConfig``; None turns it off).
@@ -29,6 +34,7 @@ class Config:
             "cuda" works on a machine without a GPU: planning runs on fake tensors.
     """
 
+    recompute: Optional[RecomputeConfig] = RecomputeConfig()
     stash: Optional[StashConfig] = StashConfig()
     fewbit: Optional[FewBitConfig] = FewBitConfig()
     device: Optional[str] = None
@@ -67,4 +73,4 @@ class Config:
 
 
 # Config field -> its technique's config class; a new technique adds its line here and its field above.
-_TECHNIQUES = {"stash": StashConfig, "fewbit": FewBitConfig}
+_TECHNIQUES = {"recompute": RecomputeConfig, "stash": StashConfig, "fewbit": FewBitConfig}

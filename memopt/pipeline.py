@@ -158,10 +158,11 @@ def _budget_message(plan: Plan) -> str:
     b = plan.estimated_breakdown
     lines = [f"budget_mb={plan.budget_bytes / 2**20:.1f} ({fmt_bytes(plan.budget_bytes)}) cannot be met for "
              f"{plan.model}: the smallest estimated peak with the current config is "
-             f"{fmt_bytes(plan.estimated_peak_bytes)} = {plan.estimated_peak_bytes / 2**20:.1f} MiB (baseline "
+             f"{fmt_bytes(plan.estimated_peak_bytes)} (baseline "
              f"{fmt_bytes(plan.baseline_peak_bytes)}; of it parameters and buffers "
              f"{fmt_bytes(b.get('parameters_and_buffers'))}, gradients {fmt_bytes(b.get('gradients'))}, "
-             f"optimizer state {fmt_bytes(b.get('optimizer_state'))}, activations {fmt_bytes(b.get('activations'))}).",
+             f"optimizer state {fmt_bytes(b.get('optimizer_state'))}, activations {fmt_bytes(b.get('activations'))}, "
+             f"transient {fmt_bytes(b.get('transient'))}).",
              "Largest remaining consumers of saved activation memory, and what would free them:"]
     config = Config.from_dict(plan.config)
     for n in top:

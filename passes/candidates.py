@@ -32,6 +32,7 @@ from memopt.fewbit.tables import table_error
 from memopt.ops.fewbit import fewbit_activation
 from memopt.ops.stash import WINDOWS, bn_act_stash
 from memopt.plan import DECISION_KEY
+from memopt.recompute.config import RecomputeConfig
 from memopt.stash.config import StashConfig
 from passes.base import registered_pass
 
@@ -73,12 +74,15 @@ class Group:
 @dataclass(frozen=True)
 class Technique:
     """How the planner drives one technique's pass: its config at one bit width for every unit,
-    and its config for a chosen set of units with their bits."""
+    and its config for a chosen set of units with their bits. ``last_resort`` techniques are
+    considered only when the others at their fewest bits do not fit."""
 
     field: str
-    uniform: Callable[[Any, int], Any]
-    choose: Callable[[Any, Dict[str, int]], Any]
+    uniform: Callable[[Any, Optional[int]], Any]
+    choose: Callable[[Any, Dict[str, Optional[int]]], Any]
     fidelity: Callable[[fx.Node, Estimate, str], float]
+    levels: Callable[[Any], Tuple[Optional[int], ...]] = lambda cfg: cfg.plan_bits
+    last_resort: bool = False
 
 
 def _stash_fidelity(new: fx.Node, baseline: Estimate, unit: str) -> float:
@@ -119,6 +123,12 @@ def _numel(baseline: Estimate, node: str) -> int:
 
 
 TECHNIQUES: Dict[type, Technique] = {
+    RecomputeConfig: Technique(
+        "recompute",
+        uniform=lambda cfg, bits: dataclasses.replace(cfg, segments=None),
+        choose=lambda cfg, chosen: dataclasses.replace(cfg, segments=tuple(sorted(chosen))),
+        fidelity=lambda new, baseline, unit: 0.0,  # exact
+        levels=lambda cfg: (None,), last_resort=True),
     StashConfig: Technique(
         "stash",
         uniform=lambda cfg, bits: dataclasses.replace(cfg, bits=bits, node_bits=()),
@@ -141,24 +151,28 @@ def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     return fx.GraphModule(gm, graph, class_name=type(gm).__name__)
 
 
-def technique_passes(config: Any) -> List[Tuple[Technique, Any]]:
-    """The enabled techniques the planner can drive, in ``Config`` field order."""
+def technique_passes(config: Any, last_resort: Optional[bool] = None) -> List[Tuple[Technique, Any]]:
+    """The enabled techniques the planner can drive, in ``Config`` field order (``last_resort``:
+    only those, or only the others; None: all)."""
     out = []
     for f in dataclasses.fields(config):
         value = getattr(config, f.name)
         if value is not None and type(value) in TECHNIQUES:
-            out.append((TECHNIQUES[type(value)], value))
+            technique = TECHNIQUES[type(value)]
+            if last_resort is None or technique.last_resort == last_resort:
+                out.append((technique, value))
     return out
 
 
 def candidates(gm: fx.GraphModule, args: tuple, kwargs: dict, config: Any, baseline: Estimate,
-               optimizer: Any = None) -> List[Group]:
-    """Every unit of every enabled technique with its options, grouped into exclusive groups."""
+               optimizer: Any = None, last_resort: bool = False) -> List[Group]:
+    """Every unit of every enabled technique (the last-resort ones, or the others) with its options,
+    grouped into exclusive groups."""
     per_unit: Dict[str, List[Option]] = {}
     covered: Dict[str, Set[str]] = {}
-    for technique, cfg in technique_passes(config):
+    for technique, cfg in technique_passes(config, last_resort):
         name, fn = registered_pass(type(cfg))
-        for bits in cfg.plan_bits:
+        for bits in technique.levels(cfg):
             variant = copy_graph_module(gm)
             fn(variant, technique.uniform(cfg, bits))
             variant.graph.lint()
@@ -178,7 +192,16 @@ def make_option(technique: Technique, unit: str, nodes: Set[str], new_nodes: Seq
     """The option a rewritten unit realises, with its bytes from the two estimates."""
     return Option(technique.field, bits_of(new_nodes), unit, int(freed_bytes(baseline, after, nodes, new_nodes)),
                   float(sum(technique.fidelity(n, baseline, unit) for n in new_nodes)),
-                  _EXTRA_PASSES[technique.field] * _numel(baseline, unit))
+                  _time(technique.field, unit, nodes, baseline))
+
+
+def _time(technique: str, unit: str, nodes: Set[str], baseline: Estimate) -> float:
+    """Extra work, in element passes (about one FLOP per element): a recomputed block repeats its
+    forward FLOPs plus one pass over each of its outputs."""
+    if technique == "recompute":
+        costs = [baseline.nodes[n] for n in nodes if n in baseline.nodes]
+        return float(sum(c.flops for c in costs) + sum(math.prod(s) for c in costs for s in c.shapes))
+    return _EXTRA_PASSES[technique] * _numel(baseline, unit)
 
 
 def rewritten_units(gm: fx.GraphModule, technique: str) -> Dict[str, Tuple[Set[str], List[fx.Node]]]:

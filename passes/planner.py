@@ -18,9 +18,9 @@ extra elementwise passes the rewrite adds. TIME_WEIGHT = 1e-3 makes time a tie-b
 
 The freed bytes of different groups add up (they are disjoint sets of storages), but the peak of a
 training step is not just the saved bytes: ``plan_for_budget`` re-estimates the chosen plan with the
-full cost model and, if the peak still exceeds the budget, bisects the bytes to free between that
-request and the maximum saving (``MAX_ROUNDS`` full estimates in all), keeping the cheapest plan
-that fits. The knapsack itself does not know *when* a storage is alive: freeing the last layers'
+full cost model and, if the peak still exceeds the budget, searches the bytes to free between that
+request and the maximum saving by false position (``MAX_ROUNDS`` full estimates in all, or until
+the bytes to free are known within ``TOLERANCE``), keeping the cheapest plan that fits. The knapsack itself does not know *when* a storage is alive: freeing the last layers'
 activations does not lower a peak that happens after backward has released them.
 """
 from __future__ import annotations
@@ -41,7 +41,8 @@ from passes.manager import passes_for, run_passes
 
 TIME_WEIGHT = 1e-3
 DEFAULT_RESOLUTION = 2048
-MAX_ROUNDS = 8
+MAX_ROUNDS = 6
+TOLERANCE = 0.03  # stop refining when the bytes asked for are known within 3%
 
 
 def option_cost(option: Option) -> float:
@@ -185,25 +186,71 @@ def plan_for_budget(gm: fx.GraphModule, args: tuple, kwargs: dict, config: Any, 
         if found.estimate.peak_bytes <= budget_bytes:
             return found, found
     # Freed saved bytes did not all come off the peak (the peak is in backward, after the last
-    # layers' storages were released, or decode temporaries add to it): bisect on the bytes to free
+    # layers' storages were released, or decode temporaries add to it): search the bytes to free
     # between what failed and the maximum saving, keeping the cheapest plan that fits.
     rounds += 1
     best = _applied(gm, args, kwargs, config, groups, max_saving(groups), optimizer, max_saving(groups).freed_bytes,
                     rounds, start)
     if best.estimate.peak_bytes > budget_bytes:
-        return None, best
+        return _last_resort(gm, args, kwargs, config, baseline, budget_bytes, optimizer, groups, best, start)
+    # regula falsi on (bytes asked -> estimated peak), clipped away from the ends of the interval
     low, high = required, best.solution.freed_bytes
-    while rounds < MAX_ROUNDS and high - low > 0.01 * high:
+    peak_low, peak_high = (found.estimate.peak_bytes if solution is not None else baseline.peak_bytes), \
+        best.estimate.peak_bytes
+    while rounds < MAX_ROUNDS and high - low > TOLERANCE * high:
         rounds += 1
-        middle = (low + high) // 2
+        slope = (peak_low - budget_bytes) / max(peak_low - peak_high, 1)
+        middle = int(low + (high - low) * min(max(slope, 0.1), 0.9))
         solution = solve_or_max(groups, middle)
         found = _applied(gm, args, kwargs, config, groups, solution, optimizer, middle, rounds, start)
         if found.estimate.peak_bytes <= budget_bytes:
-            best, high = found, middle
+            best, high, peak_high = found, middle, found.estimate.peak_bytes
         else:
-            low = middle
+            low, peak_low = middle, found.estimate.peak_bytes
     best.rounds, best.seconds = rounds, time.perf_counter() - start
     return best, best
+
+
+def _last_resort(gm, args, kwargs, config, baseline: Estimate, budget_bytes: int, optimizer, groups: List[Group],
+                 best: BudgetPlan, start: float) -> Tuple[Optional[BudgetPlan], BudgetPlan]:
+    """The maximum saving of the other techniques does not fit: recompute blocks on top of it.
+
+    A recomputed block replaces every unit that touches its nodes, so its gain is the bytes it
+    frees minus what those units freed at their maximum saving; blocks are added by gain per unit
+    of extra work (FLOPs) until the predicted gain covers the shortfall, then re-estimated; when the
+    peak still misses the budget, more blocks are asked for.
+    """
+    blocks = candidates(gm, args, kwargs, config, baseline, optimizer, last_resort=True)
+    base = best.solution.choice
+    owner: Dict[str, List[int]] = {}
+    for index, group in enumerate(groups):
+        for node in group.nodes:
+            owner.setdefault(node, []).append(index)
+    scored = []
+    for block in blocks:
+        touching = sorted({i for node in block.nodes for i in owner.get(node, [])})
+        option = block.options[-1]
+        gain = option.freed_bytes - sum(groups[i].options[base[i]].freed_bytes for i in touching)
+        if gain > 0:
+            scored.append((gain / max(option.time, 1.0), gain, block, touching))
+    scored.sort(key=lambda item: (-item[0], item[2].name))
+    every = list(blocks) + list(groups)
+    need, gained, taken, rounds = best.estimate.peak_bytes - budget_bytes, 0, 0, best.rounds
+    while taken < len(scored) and rounds < 2 * MAX_ROUNDS:
+        while taken < len(scored) and gained < need:
+            gained += scored[taken][1]
+            taken += 1
+        chosen_blocks = {id(item[2]) for item in scored[:taken]}
+        replaced = {i for item in scored[:taken] for i in item[3]}
+        choice = [len(b.options) - 1 if id(b) in chosen_blocks else 0 for b in blocks] + \
+                 [0 if i in replaced else base[i] for i in range(len(groups))]
+        rounds += 1
+        best = _applied(gm, args, kwargs, config, every, _solution(every, choice), optimizer,
+                        best.required_bytes + gained, rounds, start)
+        if best.estimate.peak_bytes <= budget_bytes:
+            return best, best
+        need = gained + best.estimate.peak_bytes - budget_bytes
+    return None, best
 
 
 def _applied(gm, args, kwargs, config, groups, solution, optimizer, required, rounds, start) -> BudgetPlan:

@@ -73,10 +73,11 @@ def _grads(model: nn.Module, x: torch.Tensor, forward=None) -> List[torch.Tensor
 
 
 def _cosines(ref: List[torch.Tensor], got: List[torch.Tensor]) -> Tuple[float, float]:
-    flat = torch.nn.functional.cosine_similarity(torch.cat([g.flatten() for g in ref]),
-                                                 torch.cat([g.flatten() for g in got]), dim=0)
-    per = [torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0).item()
-           for a, b in zip(ref, got) if a.norm() > 0]
+    """Cosine of the whole gradient and the worst per-parameter cosine, in float64."""
+    cos = torch.nn.functional.cosine_similarity
+    ref, got = [g.double().flatten() for g in ref], [g.double().flatten() for g in got]
+    flat = cos(torch.cat(ref), torch.cat(got), dim=0)
+    per = [cos(a, b, dim=0).item() for a, b in zip(ref, got) if a.norm() > 0]
     return float(flat), min(per)
 
 

@@ -1,0 +1,160 @@
+"""The recompute pass: chosen blocks become one call that keeps only the block's inputs.
+
+Blocks are found from ``node.meta["nn_module_stack"]`` (recorded by both capture paths): a node
+belongs to the outermost module on its stack whose path ends in an index (a member of a Sequential
+or ModuleList) and that is not the node's own leaf module. A block is eligible when its nodes are
+contiguous in the graph, take only tensors from outside (attributes are copied in), have exactly
+one value used outside (a tensor), and contain no in-place op on an outside tensor.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple, Union
+
+from torch import fx
+
+from cost_model.analysis import META_KEY
+from cost_model.op_registry import op_kind
+from memopt.ops.recompute import recompute_block
+from memopt.plan import DECISION_KEY
+from memopt.recompute.config import RecomputeConfig
+from passes.base import PassResult, register_pass
+
+
+@dataclass
+class Block:
+    name: str  # module path with dots as underscores
+    path: str
+    nodes: List[fx.Node]
+
+
+def _block_path(node: fx.Node) -> Optional[str]:
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return None
+    paths = [value[0] if isinstance(value, tuple) else str(key) for key, value in stack.items()]
+    own = paths[-1] if node.op == "call_module" else None
+    for path in paths:
+        if path.rsplit(".", 1)[-1].isdigit() and path != own:
+            return path
+    return None
+
+
+def find_blocks(gm: fx.GraphModule) -> List[Block]:
+    """Maximal contiguous runs of nodes sharing a block path, in graph order."""
+    blocks: List[Block] = []
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "output", "get_attr"):
+            continue
+        path = _block_path(node)
+        if path is None:
+            continue
+        if blocks and blocks[-1].path == path and _adjacent(blocks[-1].nodes[-1], node):
+            blocks[-1].nodes.append(node)
+        else:
+            blocks.append(Block(path.replace(".", "_"), path, [node]))
+    names: Dict[str, int] = {}
+    for block in blocks:  # a block split in two runs gets a suffix on its second run
+        count = names.get(block.name, 0)
+        names[block.name] = count + 1
+        if count:
+            block.name = f"{block.name}_{count}"
+    return blocks
+
+
+def _adjacent(previous: fx.Node, node: fx.Node) -> bool:
+    walker = previous.next
+    while walker is not node and walker.op == "get_attr":
+        walker = walker.next
+    return walker is node
+
+
+def why_not(block: Block) -> Union[str, Tuple[List[fx.Node], fx.Node]]:
+    """(outside inputs, the single output node), or the reason the block cannot be recomputed."""
+    inside = set(block.nodes)
+    inputs: List[fx.Node] = []
+    for node in block.nodes:
+        for arg in node.all_input_nodes:
+            if arg in inside or arg.op == "get_attr" or arg in inputs:
+                continue
+            cost = arg.meta.get(META_KEY)
+            if cost is None or not cost.shapes or len(cost.shapes) != 1:
+                return f"it reads {arg.name}, which is not a single tensor"
+            inputs.append(arg)
+        if _inplace_on(node, inside):
+            return f"{node.name} modifies an input of the block in place"
+    outputs = [n for n in block.nodes if any(u not in inside for u in n.users)]
+    if len(outputs) != 1:
+        return f"{len(outputs)} of its values are used outside it (one is needed)"
+    cost = outputs[0].meta.get(META_KEY)
+    if cost is None or len(cost.shapes) != 1:
+        return f"its output {outputs[0].name} is not a single tensor"
+    if not inputs:
+        return "it reads no tensor from outside"
+    return inputs, outputs[0]
+
+
+def _inplace_on(node: fx.Node, inside: set) -> bool:
+    first = node.args[0] if node.args else None
+    if not isinstance(first, fx.Node) or first in inside:
+        return False
+    if node.kwargs.get("inplace") is True:
+        return True
+    target = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+    if node.op in ("call_method", "call_function") and target.endswith("_") and not target.endswith("__"):
+        return True
+    if node.op == "call_module":
+        module = node.graph.owning_module.get_submodule(node.target)
+        return bool(getattr(module, "inplace", False))
+    return False
+
+
+def _extract(gm: fx.GraphModule, block: Block, inputs: List[fx.Node], output: fx.Node) -> fx.GraphModule:
+    graph = fx.Graph()
+    env: Dict[fx.Node, fx.Node] = {}
+    for i, node in enumerate(inputs):
+        env[node] = graph.placeholder(f"input_{i}")
+    for node in block.nodes:
+        for arg in node.all_input_nodes:
+            if arg.op == "get_attr" and arg not in env:
+                env[arg] = graph.get_attr(arg.target)
+        env[node] = graph.node_copy(node, lambda n: env[n])
+    graph.output(env[output])
+    return fx.GraphModule(gm, graph, class_name=f"Recomputed_{block.name}")
+
+
+@register_pass(RecomputeConfig, "recompute")
+def recompute_pass(gm: fx.GraphModule, cfg: RecomputeConfig) -> PassResult:
+    if cfg.segments == ():
+        return PassResult(gm, False)
+    modules = dict(gm.named_modules())
+    modified = False
+    for block in find_blocks(gm):
+        if cfg.segments is not None and block.name not in cfg.segments:
+            continue
+        found = why_not(block)
+        if isinstance(found, str):
+            for node in block.nodes:
+                node.meta.setdefault(DECISION_KEY, {"technique": "exact", "reason": f"recompute: {found}"})
+            continue
+        inputs, output = found
+        sub = _extract(gm, block, inputs, output)
+        attr = f"memopt_recompute_{block.name}"
+        gm.add_submodule(attr, sub)
+        random = any(op_kind(n, modules) == "dropout" for n in block.nodes)
+        with gm.graph.inserting_before(block.nodes[0]):
+            module_node = gm.graph.get_attr(attr)
+            new = gm.graph.create_node("call_function", recompute_block, (module_node, random, block.path, *inputs),
+                                       name=f"{block.name}_recompute")
+        new.meta[DECISION_KEY] = {"technique": "recompute", "bits": None, "unit": block.name,
+                                  "replaces": [n.name for n in block.nodes],
+                                  "reason": "recomputed in backward from its inputs (exact; one extra forward)"}
+        output.replace_all_uses_with(new)
+        attributes = {a for n in block.nodes for a in n.all_input_nodes if a.op == "get_attr"}
+        for node in reversed(block.nodes):
+            gm.graph.erase_node(node)
+        for node in attributes:
+            if not node.users:  # now read inside the block's own graph only
+                gm.graph.erase_node(node)
+        modified = True
+    return PassResult(gm, modified)
