@@ -84,7 +84,8 @@ def build(model: nn.Module, args: tuple, kwargs: dict, config: Config, budget_by
         if planned is None:
             least = _make_plan(model, captured.method, args, kwargs, config, budget_bytes, baseline, best.estimate,
                                best.records, best.graph_module, best)
-            raise BudgetError(_budget_message(least), budget_bytes, least.estimated_peak_bytes)
+            raise BudgetError(_budget_message(least), budget_bytes,
+                              min(least.estimated_peak_bytes, least.baseline_peak_bytes))
         gm, records = planned.graph_module, planned.records
     modified = any(r.modified for r in records)
     estimate = planned.estimate if planned is not None else (
@@ -167,6 +168,9 @@ def _budget_message(plan: Plan) -> str:
     config = Config.from_dict(plan.config)
     for n in top:
         lines.append(f"  {n.name} ({n.op}, {n.shape}): {fmt_bytes(n.saved_bytes_after)} - {_what_frees(n, config)}")
+    if plan.estimated_peak_bytes > plan.baseline_peak_bytes:
+        lines.append(f"On this model the rewrites' backward temporaries outweigh what they free: the least peak is "
+                     f"the baseline's own, {fmt_bytes(plan.baseline_peak_bytes)}.")
     lines.append("Raise budget_mb, lower the batch size, or widen the techniques' plan_bits in memopt.Config.")
     return "\n".join(lines)
 
