@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 GRAPH_HEADER = "# memopt: rewritten training graph of {model} (captured by {capture})\n"
 
 # fill colours: exact nodes by saved bytes (white -> red), rewritten nodes by technique
-_TECHNIQUE_COLOURS = {"fewbit": "#8fd18f", "stash": "#8fb8e8", "reversible": "#d2a8e8", "checkpoint": "#f0d080"}
+_TECHNIQUE_COLOURS = {"fewbit": "#8fd18f", "stash": "#8fb8e8", "reversible": "#d2a8e8", "recompute": "#f0d080"}
 
 
 def graph_code(gm: fx.GraphModule) -> str:
