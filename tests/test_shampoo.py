@@ -6,20 +6,12 @@ import io
 import pytest
 import torch
 import torch.nn.functional as F
+from test_shampoo_quant import one_thread  # noqa: F401  (the autouse fixture: one thread here too)
 from torch import nn
 
 import memopt
 from memopt.optim import Shampoo, state_bytes
 from memopt.optim.shampoo import ADAM_EPS
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Small LAPACK calls are 100x slower with 2 threads on a loaded 2-core machine (measured)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _grads(shape, steps, seed=0):

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 from pathlib import Path
 
 import torch
@@ -29,6 +30,9 @@ from torch import nn
 
 from memopt.optim.linalg import bjorck, eigh_inverse_root, inverse_root
 from memopt.optim.quant import QuantSpec, dequantize, quantize
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_shampoo_common import RESULTS, write_results
 
 EPS = 1e-6
 ORDER = 1200
@@ -94,7 +98,7 @@ def variants(a: torch.Tensor, quant_map: str) -> list[tuple[str, torch.Tensor]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=str(Path(__file__).parents[1] / "docs" / "results" / "shampoo_quant_error.md"))
+    parser.add_argument("--out", default=str(RESULTS / "shampoo_quant_error.md"))
     args = parser.parse_args()
     torch.set_num_threads(2)
     rows, summary = [], []
@@ -115,15 +119,11 @@ def main() -> None:
                            f"({'meets' if ratio > 10 else 'misses'} the >10x goal)")
     table = tabulate(rows, headers=["matrix", "code book", "what is quantized", "normwise rel. error", "angle (°)"],
                      tablefmt="github")
-    text = (f"# 4-bit Shampoo: quantization error of A^(-1/4), order {ORDER}\n\n"
-            f"Command: `python tools/bench_shampoo_error.py` (torch {torch.__version__}, CPU, float64 reference).\n\n"
-            f"{__doc__.split(chr(10), 1)[1].rsplit('Run:', 1)[0].strip()}\n\n"
-            "Published (Wang et al. 2024, a real order-1200 preconditioner, linear-2): quantize A 0.6243 / 17.3°; "
-            "U without rectification 0.0543 / 3.1°; U with rectification 0.0343 / 1.9°; 8-bit A 0.2164.\n\n"
-            f"{table}\n\n" + "\n".join(summary) + "\n")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(text)
-    print(text)
+    write_results(args.out, f"4-bit Shampoo: quantization error of A^(-1/4), order {ORDER}",
+                  "python tools/bench_shampoo_error.py", __doc__,
+                  "Published (Wang et al. 2024, a real order-1200 preconditioner, linear-2): quantize A 0.6243 / "
+                  "17.3°; U without rectification 0.0543 / 3.1°; U with rectification 0.0343 / 1.9°; 8-bit A 0.2164."
+                  f"\n\n{table}\n\n" + "\n".join(summary))
 
 
 if __name__ == "__main__":

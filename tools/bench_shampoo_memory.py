@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import sys
 import time
 from pathlib import Path
 
@@ -25,6 +26,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import memopt
 from memopt.optim import Shampoo, state_bytes
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_shampoo_common import RESULTS, write_results
 
 
 def resnet18():
@@ -89,7 +93,7 @@ def measure(build, make_opt, real: bool):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=str(Path(__file__).parents[1] / "docs" / "results" / "shampoo_memory.md"))
+    parser.add_argument("--out", default=str(RESULTS / "shampoo_memory.md"))
     args = parser.parse_args()
     torch.set_num_threads(2)
     rows, summary = [], []
@@ -115,14 +119,9 @@ def main() -> None:
                        f"32-bit Shampoo (AdamW graft) = {found['Shampoo 32-bit (AdamW graft)']['total'] / adamw:.2f}x")
     table = tabulate(rows, headers=["model", "optimizer", "params MiB", "preconditioner MiB", "first-order MiB",
                                     "total state MiB", "real MiB", "cost model MiB", "real first step s"], tablefmt="github")
-    text = (f"# 4-bit Shampoo: optimizer state memory\n\n"
-            f"Command: `python tools/bench_shampoo_memory.py` (torch {torch.__version__}, CPU).\n\n"
-            f"{__doc__.split(chr(10), 1)[1].rsplit('Run:', 1)[0].strip()}\n\n"
-            "Published (Wang et al. 2024): Shampoo-specific state 7.1-7.5x smaller at 4 bits.\n\n"
-            f"{table}\n\n" + "\n".join(summary) + "\n")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(text)
-    print(text)
+    write_results(args.out, "4-bit Shampoo: optimizer state memory", "python tools/bench_shampoo_memory.py", __doc__,
+                  "Published (Wang et al. 2024): Shampoo-specific state 7.1-7.5x smaller at 4 bits.\n\n"
+                  f"{table}\n\n" + "\n".join(summary))
 
 
 if __name__ == "__main__":

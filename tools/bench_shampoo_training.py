@@ -35,6 +35,7 @@ from memopt.optim import Shampoo
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_fewbit_mnist1d import GeluMLP
+from bench_shampoo_common import RESULTS, write_results
 from bench_stash_training import digits, mnist1d
 
 STAT_EVERY, ROOT_EVERY = 5, 20
@@ -115,7 +116,7 @@ def main() -> None:
     parser.add_argument("--mnist1d-epochs", type=int, default=30)
     parser.add_argument("--sensitivity", action="store_true",
                         help=f"also MNIST-1D 32-bit vs 4-bit at (stat_every, root_every) in {SENSITIVITY}")
-    parser.add_argument("--out", default=str(Path(__file__).parents[1] / "docs" / "results" / "shampoo_training.md"))
+    parser.add_argument("--out", default=str(RESULTS / "shampoo_training.md"))
     args = parser.parse_args()
     torch.set_num_threads(1)
     acc_rows, time_rows, curve_tables, summary = [], [], [], []
@@ -165,21 +166,17 @@ def main() -> None:
         sensitivity = ("\n\n## Sensitivity: MNIST-1D at other update intervals (3 seeds, same protocol)\n\n"
                        + tabulate(rows, headers=["stat_every", "root_every", "32-bit acc %", "4-bit acc %",
                                                  "4-bit − 32-bit", "mean step 4-bit / 32-bit"], tablefmt="github"))
-    text = (f"# 4-bit Shampoo: training on digits and MNIST-1D\n\n"
-            f"Command: `python tools/bench_shampoo_training.py --digits-epochs {args.digits_epochs} "
-            f"--mnist1d-epochs {args.mnist1d_epochs}{' --sensitivity' if args.sensitivity else ''}` (torch {torch.__version__}, CPU, 1 thread).\n\n"
-            f"{__doc__.split(chr(10), 1)[1].rsplit('Run:', 1)[0].strip()}\n\n"
-            "## Test accuracy (%)\n\n"
-            + tabulate(acc_rows, headers=["task", "optimizer", "mean ± std", "seeds 0/1/2"], tablefmt="github")
-            + "\n\n## Mean training loss per epoch (mean over seeds)\n\n"
-            + "\n\n".join(curve_tables)
-            + "\n\n## Step time (per run, then the mean over seeds; measured side by side)\n\n"
-            + tabulate(time_rows, headers=["task", "optimizer", "mean train step ms", "mean optimizer step ms",
-                                           "median train step ms", "median optimizer step ms"], tablefmt="github")
-            + sensitivity + "\n\n## Against the goals\n\n" + "\n".join(summary) + "\n")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(text)
-    print(text)
+    command = (f"python tools/bench_shampoo_training.py --digits-epochs {args.digits_epochs} "
+               f"--mnist1d-epochs {args.mnist1d_epochs}{' --sensitivity' if args.sensitivity else ''}")
+    write_results(args.out, "4-bit Shampoo: training on digits and MNIST-1D", command, __doc__,
+                  "## Test accuracy (%)\n\n"
+                  + tabulate(acc_rows, headers=["task", "optimizer", "mean ± std", "seeds 0/1/2"], tablefmt="github")
+                  + "\n\n## Mean training loss per epoch (mean over seeds)\n\n" + "\n\n".join(curve_tables)
+                  + "\n\n## Step time (per run, then the mean over seeds; measured side by side)\n\n"
+                  + tabulate(time_rows, headers=["task", "optimizer", "mean train step ms", "mean optimizer step ms",
+                                                 "median train step ms", "median optimizer step ms"],
+                             tablefmt="github")
+                  + sensitivity + "\n\n## Against the goals\n\n" + "\n".join(summary))
 
 
 if __name__ == "__main__":
