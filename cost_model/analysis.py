@@ -26,6 +26,7 @@ from cost_model.op_registry import describe_target, op_kind
 from cost_model.optimizers import resolve_optimizer
 from cost_model.step import LossFn, compute_loss
 from cost_model.storage import LiveStorageTracker, SavedTensorRecorder, distinct_bytes, storage_key
+from memopt.errors import MemoptError
 
 META_KEY = "memopt_cost"
 STATE_CATEGORIES = ("parameter", "buffer")
@@ -106,7 +107,12 @@ class _Annotator(fx.Interpreter):
     def run_node(self, n: fx.Node) -> Any:
         flops_before = self.flop_counter.get_total_flops()
         self.recorder.take()  # saves between nodes (none expected) are not this node's
-        out = super().run_node(n)
+        try:
+            out = super().run_node(n)
+        except MemoptError:
+            raise
+        except Exception as e:  # re-raised naming the node and the inputs it got
+            raise _node_error(n, self.env, e) from e
         outs = _tensors(out)
         for t in outs:
             self.producer.setdefault(storage_key(t), n.name)
@@ -129,6 +135,24 @@ class _Annotator(fx.Interpreter):
             flops=int(self.flop_counter.get_total_flops() - flops_before), saved=saved,
         )
         return out
+
+
+def _node_error(n: fx.Node, env: dict[fx.Node, Any], error: Exception) -> MemoptError:
+    """A model that fails on its example inputs (integer images, complex values where autograd needs
+    floats, a string for a tensor): name the node, what it got and the fix, not torch's internals."""
+    got = []
+    for arg in n.all_input_nodes:
+        value = env.get(arg)
+        if isinstance(value, torch.Tensor):
+            got.append(f"{arg.name}: {str(value.dtype).replace('torch.', '')}[{','.join(map(str, value.shape))}]")
+        elif arg in env:
+            got.append(f"{arg.name}: {type(value).__name__} {value!r:.40}")
+    first = str(error).strip().splitlines()[0][:300].rstrip(".") if str(error).strip() else ""
+    return MemoptError(
+        f"the model fails on the example inputs at {n.format_node()} (inputs {', '.join(got) or 'none'}): "
+        f"{type(error).__name__}: {first}. Pass example inputs of the dtype, shape and device that training "
+        f"uses (floating point where the model computes gradients, e.g. x.float() for integer images); the "
+        f"stock model fails on these too.")
 
 
 def annotate(gm: fx.GraphModule, args: tuple, kwargs: dict, *, device: Optional[str] = None,

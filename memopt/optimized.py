@@ -1,10 +1,14 @@
 """``OptimizedModule``: the user's model with a rewritten training graph and the same state.
 
-It registers the original model's own parameters, buffers and children as its own, so
+It holds the original model's own parameter, buffer and child dicts (the same dict objects), so
 ``state_dict()`` keys, ``parameters()`` (the same ``nn.Parameter`` objects) and ``train()/eval()``
-are those of the model. The rewritten ``GraphModule`` for each input signature lives outside the
-module tree (plain attributes), so nothing is registered twice. Training forwards (train mode,
-grad enabled) run the rewritten graph; every other forward runs the original model untouched.
+are those of the model, also after the model changes. The rewritten ``GraphModule`` for each input
+signature lives outside the module tree (plain attributes), so nothing is registered twice.
+Training forwards (train mode, grad enabled, no ``torch.func`` transform) run the rewritten graph;
+every other forward runs the original model untouched. A graph is keyed by the input signature
+and the model's structure (which module and parameter objects sit where, which require grad):
+replacing a submodule or a parameter, adding one, or freezing one re-captures and re-plans at the
+next training forward, so a stale graph never trains the old objects.
 """
 from __future__ import annotations
 
@@ -34,12 +38,9 @@ class OptimizedModule(nn.Module):
     def __init__(self, model: nn.Module, config: Config, budget_bytes: Optional[int], optimizer: Any,
                  plan: Optional[Plan] = None) -> None:
         super().__init__()
-        for name, p in model._parameters.items():
-            self.register_parameter(name, p)
-        for name, b in model._buffers.items():
-            self.register_buffer(name, b, persistent=name not in model._non_persistent_buffers_set)
-        for name, child in model._modules.items():
-            self.add_module(name, child)
+        # the model's own dicts, not copies: a module or parameter the user adds or replaces later is ours too
+        for name in ("_parameters", "_buffers", "_non_persistent_buffers_set", "_modules"):
+            object.__setattr__(self, name, getattr(model, name))
         self.training = model.training
         # Plain attributes (object.__setattr__), not registered: they hold the same objects again.
         object.__setattr__(self, "_memopt_model", model)
@@ -52,12 +53,16 @@ class OptimizedModule(nn.Module):
 
     # ---------------------------------------------------------------- capture and planning
     def _build_for(self, args: tuple, kwargs: dict) -> Built:
-        key = tuple(input_signature(args, kwargs))
+        signature, structure = tuple(input_signature(args, kwargs)), _structure(self._memopt_model)
+        key = (signature, structure)
         built = self._memopt_built.get(key)
         if built is None:
-            if self._memopt_built:
+            if any(k[0] == signature for k in self._memopt_built):
+                log.warning("memopt: %s changed since it was captured (a module or parameter was added, replaced "
+                            "or frozen); capturing and planning again", type(self._memopt_model).__name__)
+            elif self._memopt_built:
                 log.warning("memopt: new input signature %s for %s; capturing and planning again",
-                            list(key), type(self._memopt_model).__name__)
+                            list(signature), type(self._memopt_model).__name__)
             plan = self._memopt_plan
             if plan is not None and list(key) != plan.input_signature:
                 log.warning("memopt: the given plan is for inputs %s, not %s; planning these inputs anew",
@@ -85,7 +90,10 @@ class OptimizedModule(nn.Module):
         return self
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if not (self.training and torch.is_grad_enabled()):
+        # torch.func transforms (grad, vmap, jacrev, ...) run the original model: memopt's autograd
+        # Functions have no functorch rules, and a transform's forward is not the training step planned
+        if not (self.training and torch.is_grad_enabled()) or torch._C._functorch.peek_interpreter_stack() is not None \
+                or not _trains_anything(self._memopt_model, args, kwargs):
             return self._memopt_model(*args, **kwargs)
         return self._build_for(args, kwargs).graph_module(*args, **kwargs)
 
@@ -137,3 +145,21 @@ class OptimizedModule(nn.Module):
         if self._memopt_last is None:
             return f"OptimizedModule({type(self._memopt_model).__name__}, not captured yet)"
         return self.report()
+
+
+def _structure(model: nn.Module) -> tuple:
+    """Which module and parameter objects sit where in ``model`` and which require grad: a graph
+    captured for one structure must not run on another (it would call the old objects)."""
+    modules = tuple((name, id(m)) for name, m in model.named_modules(remove_duplicate=False))
+    params = tuple((name, id(p), p.requires_grad) for name, p in model.named_parameters(remove_duplicate=False))
+    buffers = tuple((name, id(b)) for name, b in model.named_buffers(remove_duplicate=False))
+    return modules + params + buffers
+
+
+def _trains_anything(model: nn.Module, args: tuple, kwargs: dict) -> bool:
+    """Whether a forward has anything to train: a parameter or an input that requires grad (not so under
+    ``torch.func.functional_call`` with detached tensors, or with every parameter frozen)."""
+    from torch.utils._pytree import tree_leaves
+
+    return any(p.requires_grad for p in model.parameters()) or any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in tree_leaves((args, kwargs)))

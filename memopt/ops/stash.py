@@ -49,9 +49,11 @@ def _xhat_std(invstd: torch.Tensor, eps: float) -> torch.Tensor:
     eps, except in a (nearly) constant channel (a dead ReLU before the BN), where it is about 0. The
     code is of x̂ / std, so such a channel rebuilds as 0 instead of a bin midpoint, which gave the
     BN weight a false gradient (and, with invstd near 1/sqrt(eps), the input a large one). A variance
-    below a few float32 ulps of 1 is the rounding of invstd, not a signal: it counts as 0."""
+    below a few float32 ulps of 1 is the rounding of invstd, not a signal: it counts as 0. A channel
+    with a NaN or inf has NaN statistics: its std is NaN, so its rebuilt x̂ (and its gradients) are NaN
+    as in stock PyTorch, never the finite bin midpoints its NaN codes would decode to."""
     var = 1 - eps * invstd.float().square()
-    return torch.where(var > 8 * torch.finfo(torch.float32).eps, var, 0.0).sqrt()
+    return var.masked_fill(var <= 8 * torch.finfo(torch.float32).eps, 0.0).sqrt()  # NaN stays NaN
 
 
 def _code_(v: torch.Tensor, origin, width, bins: int) -> torch.Tensor:
