@@ -179,6 +179,8 @@ def _what_frees(node: NodePlan, config: Config) -> str:
     if node.technique == "stash" and node.bits:
         return (f"a {node.bits}-bit stash, the fewest bits StashConfig.plan_bits={config.stash.plan_bits} allows; "
                 f"adding {node.bits // 2 or 1} to plan_bits would shrink it" if node.bits > 1 else "a 1-bit stash already")
+    if node.technique == "recompute":
+        return "a recomputed block: keeps only its inputs already"
     if node.technique == "fewbit" and node.bits:
         return (f"{node.bits}-bit few-bit codes; add {node.bits - 1} to FewBitConfig.plan_bits to shrink them"
                 if node.bits > 1 else "a 1-bit code already")

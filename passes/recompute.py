@@ -8,6 +8,7 @@ one value used outside (a tensor), and contain no in-place op on an outside tens
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple, Union
 
@@ -149,6 +150,8 @@ def recompute_pass(gm: fx.GraphModule, cfg: RecomputeConfig) -> PassResult:
         new.meta[DECISION_KEY] = {"technique": "recompute", "bits": None, "unit": block.name,
                                   "replaces": [n.name for n in block.nodes],
                                   "reason": "recomputed in backward from its inputs (exact; one extra forward)"}
+        if META_KEY in output.meta:  # shapes for the next block's checks (the re-annotation replaces it)
+            new.meta[META_KEY] = dataclasses.replace(output.meta[META_KEY], name=new.name, saved=[], flops=0)
         output.replace_all_uses_with(new)
         attributes = {a for n in block.nodes for a in n.all_input_nodes if a.op == "get_attr"}
         for node in reversed(block.nodes):
