@@ -39,7 +39,7 @@ def _models() -> Dict[str, Tuple[str, Callable[[], torch.nn.Module], Callable[[]
         "VGG-11-BN": ("torchvision", tv("vgg11_bn"), image(32)),
         "DenseNet-121": ("torchvision", tv("densenet121"), image(32)),
         "EfficientNet-B0": ("torchvision", tv("efficientnet_b0"), image(64)),
-        "ViT-B/16 (hidden 768, 2 of 12 layers)": (
+        "ViT (2 layers, hidden 128)": (
             "torchvision", lambda: torchvision.models.VisionTransformer(32, 16, 2, 4, 128, 256), image(32)),
         "BERT": ("transformers", lambda: T.BertModel(T.BertConfig(vocab_size=1000, **small)), tokens),
         "GPT-2": ("transformers", lambda: T.GPT2LMHeadModel(T.GPT2Config(
