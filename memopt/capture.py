@@ -87,11 +87,28 @@ def _drop_export_guards(graph: fx.Graph) -> None:
             graph.erase_node(node)
 
 
+def has_hooks(module: nn.Module) -> bool:
+    """Whether calling ``module`` runs hooks (its own, or global module hooks): a rewrite that replaces
+    the call would skip them, and a forward hook may change the output. Such modules stay exact."""
+    from torch.nn.modules import module as m
+
+    own = (module._forward_hooks, module._forward_pre_hooks, module._backward_hooks, module._backward_pre_hooks)
+    return any(own) or any((m._global_forward_hooks, m._global_forward_pre_hooks, m._global_backward_hooks,
+                            m._global_backward_pre_hooks))
+
+
+class _HookAwareTracer(fx.Tracer):
+    """``symbolic_trace``'s tracer, with every module that has hooks kept as one call: tracing through a
+    container would drop its hooks from the graph (stock PyTorch fires them)."""
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return (bool(module_qualified_name) and has_hooks(m)) or super().is_leaf_module(m, module_qualified_name)
+
+
 def capture(model: nn.Module, args: tuple, kwargs: dict) -> Captured:
     """Capture ``model`` on the example inputs; raise ``TraceError`` when neither path works."""
     try:
-        traced = fx.symbolic_trace(model)
-        gm = _rebuild_on_model(model, traced.graph, None)
+        gm = _rebuild_on_model(model, _HookAwareTracer().trace(model), None)
         return Captured(gm, "symbolic_trace")
     except Exception as fx_error:  # noqa: BLE001 - any tracing failure sends us to the export path
         fx_msg = f"{type(fx_error).__name__}: {fx_error}"

@@ -7,8 +7,9 @@ signature lives outside the module tree (plain attributes), so nothing is regist
 Training forwards (train mode, grad enabled, no ``torch.func`` transform) run the rewritten graph;
 every other forward runs the original model untouched. A graph is keyed by the input signature
 and the model's structure (which module and parameter objects sit where, which require grad):
-replacing a submodule or a parameter, adding one, or freezing one re-captures and re-plans at the
-next training forward, so a stale graph never trains the old objects.
+replacing a submodule or a parameter, adding one, freezing one or registering a hook re-captures
+and re-plans at the next training forward, so a stale graph never trains the old objects. Modules
+with hooks are captured as one call and never rewritten, so their hooks fire as in stock PyTorch.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from typing import Any, Optional, Union
 import torch
 from torch import nn
 
-from memopt.capture import normalize_inputs
+from memopt.capture import has_hooks, normalize_inputs
 from memopt.config import Config
 from memopt.errors import MemoptError
 from memopt.pipeline import Built, build, input_signature
@@ -59,7 +60,8 @@ class OptimizedModule(nn.Module):
         if built is None:
             if any(k[0] == signature for k in self._memopt_built):
                 log.warning("memopt: %s changed since it was captured (a module or parameter was added, replaced "
-                            "or frozen); capturing and planning again", type(self._memopt_model).__name__)
+                            "or frozen, or a hook registered); capturing and planning again",
+                            type(self._memopt_model).__name__)
             elif self._memopt_built:
                 log.warning("memopt: new input signature %s for %s; capturing and planning again",
                             list(signature), type(self._memopt_model).__name__)
@@ -148,9 +150,10 @@ class OptimizedModule(nn.Module):
 
 
 def _structure(model: nn.Module) -> tuple:
-    """Which module and parameter objects sit where in ``model`` and which require grad: a graph
-    captured for one structure must not run on another (it would call the old objects)."""
-    modules = tuple((name, id(m)) for name, m in model.named_modules(remove_duplicate=False))
+    """Which module and parameter objects sit where in ``model``, which require grad and which modules
+    have hooks: a graph captured for one structure must not run on another (it would call the old
+    objects, or skip hooks registered since)."""
+    modules = tuple((name, id(m), has_hooks(m)) for name, m in model.named_modules(remove_duplicate=False))
     params = tuple((name, id(p), p.requires_grad) for name, p in model.named_parameters(remove_duplicate=False))
     buffers = tuple((name, id(b)) for name, b in model.named_buffers(remove_duplicate=False))
     return modules + params + buffers

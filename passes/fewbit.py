@@ -15,6 +15,7 @@ from torch import fx, nn
 from cost_model.analysis import META_KEY
 from cost_model.histograms import HISTOGRAM_KEY
 from cost_model.op_registry import op_kind
+from memopt.capture import has_hooks
 from memopt.fewbit.activations import ACTIVATIONS, Params
 from memopt.fewbit.config import FewBitConfig
 from memopt.fewbit.tables import fewbit_table
@@ -79,6 +80,8 @@ def _input(node: fx.Node) -> Optional[fx.Node]:
 
 def _why_not(node: fx.Node, kind: str, module: Optional[nn.Module], cfg: FewBitConfig) -> Optional[str]:
     """None when the node can be rewritten, else the reason it stays exact."""
+    if module is not None and has_hooks(module):
+        return "its module has hooks, which a rewrite would skip"
     if cfg.allow is not None and node.name not in cfg.allow:
         return "not in FewBitConfig.allow"
     if node.name in cfg.deny:

@@ -19,6 +19,7 @@ from torch import fx, nn
 
 from cost_model.analysis import META_KEY
 from cost_model.op_registry import op_kind
+from memopt.capture import has_hooks
 from memopt.ops.stash import bn_act_stash, conv_from_stash, linear_from_stash, max_pool2d_indices_only
 from memopt.plan import DECISION_KEY
 from memopt.stash.config import StashConfig
@@ -58,6 +59,8 @@ def _consumer_reason(user: fx.Node, act: fx.Node, modules) -> Optional[str]:
         return None
     kind = op_kind(user, modules)
     module = modules.get(user.target) if user.op == "call_module" else None
+    if module is not None and has_hooks(module):
+        return f"{user.name} has hooks, which its rewrite would skip"
     supported = isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Linear)) or (
         isinstance(module, nn.MaxPool2d) and not module.return_indices)
     if not supported:
@@ -73,6 +76,8 @@ def _match(bn: fx.Node, modules) -> Union[str, Tuple[Optional[fx.Node], fx.Node,
     """(add node or None, the chain's last node, act kind) for a chain starting at ``bn``, or the reason
     not. Without an activation the chain ends at the BatchNorm (or its residual add): kind "identity"."""
     module = modules[bn.target]
+    if has_hooks(module):
+        return "the BatchNorm has hooks, which a rewrite would skip"
     if not module.track_running_stats or module.momentum is None:
         return "BatchNorm without running statistics or with cumulative momentum (momentum=None)"
     end, add = bn, None
@@ -84,6 +89,8 @@ def _match(bn: fx.Node, modules) -> Union[str, Tuple[Optional[fx.Node], fx.Node,
             nxt = _single_user(nxt)
     kind = op_kind(nxt, modules) if nxt is not None else None
     if kind in _ACTS and nxt.args[:1] == (end,):
+        if nxt.op == "call_module" and has_hooks(modules[nxt.target]):
+            return f"{nxt.name} has hooks, which a rewrite would skip"
         return add, nxt, kind
     return add, end, "identity"
 
