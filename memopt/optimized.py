@@ -66,9 +66,9 @@ class OptimizedModule(nn.Module):
                 log.warning("memopt: new input signature %s for %s; capturing and planning again",
                             list(signature), type(self._memopt_model).__name__)
             plan = self._memopt_plan
-            if plan is not None and list(key) != plan.input_signature:
+            if plan is not None and list(signature) != plan.input_signature:
                 log.warning("memopt: the given plan is for inputs %s, not %s; planning these inputs anew",
-                            plan.input_signature, list(key))
+                            plan.input_signature, list(signature))
                 plan = None
             built = build(self._memopt_model, args, kwargs, self._memopt_config, self._memopt_budget,
                           self._memopt_optimizer, plan)
