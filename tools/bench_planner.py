@@ -101,7 +101,7 @@ def _ratio(forward, model, x, repeats: int) -> float:
     return statistics.median(ours) / statistics.median(stock)
 
 
-def sweep(name: str, make, x, blocks, points: int, repeats: int):
+def sweep(name: str, make, x, blocks, points: int, repeats: int, budgets_mb=None):
     torch.manual_seed(0)
     model = make().train()
     baseline = memopt.estimate(model, x, optimizer="sgd")
@@ -113,8 +113,10 @@ def sweep(name: str, make, x, blocks, points: int, repeats: int):
         minimum = e.minimum_bytes
     reference = _grads(model, x)
     rows = []
-    for i in range(points):
-        budget = baseline.peak_bytes - (baseline.peak_bytes - minimum) * i / (points - 1)
+    budgets = [baseline.peak_bytes - (baseline.peak_bytes - minimum) * i / (points - 1) for i in range(points)]
+    if budgets_mb:
+        budgets = [b * MiB for b in budgets_mb]
+    for budget in budgets:
         budget = max(budget, minimum + 1024)  # validate_budget rounds MiB to whole bytes
         start = time.perf_counter()
         try:
@@ -174,15 +176,19 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default="docs/results/planner_sweep.md")
     parser.add_argument("--only", default="", help="run only the models whose name contains this")
+    parser.add_argument("--budgets", default="", help="comma-separated budgets in MiB instead of --points")
     args = parser.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
     results = {}
     for name, (make, x, blocks) in _models().items():
         if args.only not in name:
             continue
-        results[name] = sweep(name, make, x, blocks, args.points, args.repeats)
+        budgets_mb = [float(b) for b in args.budgets.split(",")] if args.budgets else None
+        results[name] = sweep(name, make, x, blocks, args.points, args.repeats, budgets_mb)
     lines = ["# Budget planner sweep", "",
-             f"Command: `python tools/bench_planner.py --points {args.points} --repeats {args.repeats}` "
+             f"Command: `python tools/bench_planner.py --points {args.points} --repeats {args.repeats}"
+             f"{' --only ' + repr(args.only) if args.only else ''}{' --budgets ' + args.budgets if args.budgets else ''}"
+             f"{' --out ' + args.out if args.out != 'docs/results/planner_sweep.md' else ''}` "
              f"(torch {torch.__version__}, CPU, {torch.get_num_threads()} threads). Peaks are of one SGD "
              f"(momentum) step: parameters, gradients, momentum, activations; measured with memopt.measure. "
              f"Step time is forward + backward, median of {args.repeats} interleaved with stock.", ""]
