@@ -33,3 +33,13 @@ def leaves(output):
 
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread for tests of many tiny ops: on a loaded 2-core machine two threads made
+    small LAPACK calls ~100x and tiny training steps ~30x slower (measured), and noisier."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -2,26 +2,18 @@
 stay identical, and parameters match the same run without memopt (exactly with exact rewrites,
 within the stash's documented gradient approximation with the defaults)."""
 import os
-import socket
-import time
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
 import memopt
+from memopt.testing.distributed import free_port, spawn
 from memopt.testing.zoo import TinyResNet
 
 STEPS = 3
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _model() -> nn.Module:
@@ -73,14 +65,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str, kind: str) -> None:
 
 @pytest.mark.parametrize("kind", ["ddp", "fsdp2"])
 def test_ranks_agree_and_match_the_stock_run(kind, tmp_path):
-    ctx = mp.start_processes(_worker, args=(2, _free_port(), str(tmp_path), kind), nprocs=2, join=False,
-                             start_method="spawn")
-    deadline = time.monotonic() + 180
-    while not ctx.join(timeout=5):
-        if time.monotonic() > deadline:
-            for proc in ctx.processes:
-                proc.kill()
-            pytest.fail(f"{kind} workers did not finish in 180 s")
+    spawn(_worker, (2, free_port(), str(tmp_path), kind), timeout=180)
     for rank in range(2):
         saved = torch.load(tmp_path / f"rank{rank}.pt")
         for name, parts in saved["gathered"].items():

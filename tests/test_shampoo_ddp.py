@@ -1,24 +1,15 @@
 """Shampoo under DistributedDataParallel: gloo, 2 CPU processes, each rank with the full state."""
 import os
-import socket
-import time
 
-import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
 from memopt.optim import Shampoo
+from memopt.testing.distributed import free_port, spawn
 
 STEPS = 4
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _initial_model() -> nn.Module:
@@ -50,14 +41,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
 
 
 def test_ddp_ranks_stay_identical(tmp_path):
-    ctx = mp.start_processes(_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=False,
-                             start_method="spawn")
-    deadline = time.monotonic() + 120
-    while not ctx.join(timeout=5):
-        if time.monotonic() > deadline:
-            for proc in ctx.processes:
-                proc.kill()
-            pytest.fail("DDP workers did not finish in 120 s")
+    spawn(_worker, (2, free_port(), str(tmp_path)), timeout=120)
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     initial = torch.cat([p.detach().reshape(-1) for p in _initial_model().parameters()])
     for res in results:

@@ -11,13 +11,7 @@ from memopt.optim.linalg import bjorck, eigh_inverse_root, inverse_root, subspac
 from memopt.optim.quant import QuantSpec, codebook, dequantize, nearest_code, quantize
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Small LAPACK calls are 100x slower with 2 threads on a loaded 2-core machine (measured)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _orthogonal(n, seed, dtype=torch.float64):
