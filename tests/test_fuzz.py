@@ -1,8 +1,10 @@
 """Property-based tests over random small models (tests/fuzz_models.py) and random Configs, and the
 regressions they found."""
 import copy
+import os
 import random
 
+import pytest
 import torch
 import torch.nn.functional as F
 from fuzz_models import FuzzNet, describe, image_ops, token_ops
@@ -11,6 +13,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 import memopt
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py: tiny ops, one thread
 
 
 class _BNFirst(nn.Module):
@@ -123,6 +127,12 @@ def _whole_cosine(ours, stock, ref64):
     return F.cosine_similarity(cat(ours), cat(ref64), 0).item()
 
 
+def _same(a, b):
+    """torch.equal, with NaN equal to NaN (matmul chains of random models can overflow after a step)."""
+    nan = a.isnan()
+    return torch.equal(nan, b.isnan()) and torch.equal(a.masked_fill(nan, 0), b.masked_fill(nan, 0))
+
+
 def check_model(spec, config, dtype, channels_last, lr=0.1):
     torch.manual_seed(0)
     model = FuzzNet(spec).to(dtype).train()
@@ -140,21 +150,19 @@ def check_model(spec, config, dtype, channels_last, lr=0.1):
     for net, inp in ((om, x), (stock, x), (ref64, x.double())):
         torch.manual_seed(1)  # dropout draws the same mask in every run
         outs.append(net(inp))
-    assert torch.equal(outs[0], outs[1])
+    assert _same(outs[0], outs[1])
     probe = torch.randn(outs[0].shape, dtype=torch.float64)
     for out in outs:
         out.backward(probe.to(out.dtype))
     grads = [[p.grad if p.grad is not None else torch.zeros_like(p) for p in net.parameters()]
              for net in (model, stock, ref64)]
-    # Exact masks pass PyTorch's own gradient values, but in the input's memory format where stock follows
-    # the incoming gradient's: in a channels_last model a later BatchNorm backward then sums in another
-    # order (last-bit differences), so there identical becomes a cosine of 1 up to rounding.
-    if config == memopt.Config.exact() or not (_approximate(om) or channels_last):
+    # exact masks and max-pool offsets: PyTorch's own gradient, in the same memory format (channels_last too)
+    if config == memopt.Config.exact() or not _approximate(om):
         assert all(torch.equal(a, b) for a, b in zip(grads[0], grads[1]))
     else:
         assert all(torch.isfinite(g).all() for g in grads[0])
         ours, theirs = _whole_cosine(*grads), _whole_cosine(grads[1], grads[1], grads[2])
-        bound = _bound(config) if _approximate(om) else 0.9999
+        bound = _bound(config)
         assert ours >= bound - (1 - theirs), (ours, theirs, bound)  # bf16: stock's own error adds to the bound
     for (name, a), b in zip(model.named_buffers(), stock.buffers()):
         assert torch.equal(a, b), name  # BatchNorm running statistics: updated once, exactly as stock
@@ -170,7 +178,7 @@ def check_model(spec, config, dtype, channels_last, lr=0.1):
     torch.manual_seed(2)
     again = om(x2)
     torch.manual_seed(2)
-    assert torch.equal(again, model(x2))
+    assert _same(again, model(x2))
 
 
 # Hypothesis draws one seed per example and the seed draws the model and the Config: structure drawn
@@ -185,13 +193,19 @@ def check_seed(seed: int, dtype: torch.dtype) -> None:
     check_model(spec, config, dtype, channels_last)
 
 
-@settings(max_examples=45, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+# CI: 100 + 30 fixed examples. tools/fuzz_nightly.py sets MEMOPT_FUZZ_EXAMPLES for a larger, random run.
+EXAMPLES = int(os.environ.get("MEMOPT_FUZZ_EXAMPLES", "100"))
+FIXED = "MEMOPT_FUZZ_EXAMPLES" not in os.environ
+
+
+@settings(max_examples=EXAMPLES, deadline=None, derandomize=FIXED, suppress_health_check=list(HealthCheck))
 @given(seed=st.integers(0, 2**32 - 1))
 def test_random_models_fp32(seed):
     check_seed(seed, torch.float32)
 
 
-@settings(max_examples=15, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@settings(max_examples=max(1, EXAMPLES * 3 // 10), deadline=None, derandomize=FIXED,
+          suppress_health_check=list(HealthCheck))
 @given(seed=st.integers(0, 2**32 - 1))
 def test_random_models_bf16(seed):
     check_seed(seed, torch.bfloat16)

@@ -11,14 +11,7 @@ from memopt.testing.zoo import TinyResNet, TinyViT
 MIB = 2 ** 20
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # tiny ops: intra-op threads only add overhead, and on a busy machine (other processes on the cores)
-    # two threads made a step 30x slower than one and its time too noisy to compare
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py: tiny ops, one thread
 
 
 def _image(gen, batch=4, size=16):

@@ -25,6 +25,10 @@ class Activation:
     # exact ops: (x, params) -> bool code, and (params) -> (level for code 0, level for code 1)
     mask: Optional[Callable[[torch.Tensor, dict], torch.Tensor]] = None
     mask_levels: Optional[Callable[[dict], Tuple[float, float]]] = None
+    # exact ops: PyTorch's backward lays its result out like the incoming gradient (hardtanh_backward,
+    # hardsigmoid_backward) rather than like the input (threshold_backward, leaky_relu_backward); the
+    # rewrite does the same, so later reductions sum in stock's order (bit-identical gradients)
+    grad_layout: bool = False
 
     @property
     def exact(self) -> bool:
@@ -52,14 +56,15 @@ def _hardtanh_fn(x, min_val, max_val):
 ACTIVATIONS: Dict[str, Activation] = {a.name: a for a in [
     Activation("relu", lambda x: torch.relu(x), mask=lambda x, p: ~(x <= 0), mask_levels=lambda p: (0.0, 1.0)),
     Activation("relu6", lambda x: F.relu6(x), mask=lambda x, p: ~((x <= 0) | (x >= 6)),
-               mask_levels=lambda p: (0.0, 1.0)),
+               mask_levels=lambda p: (0.0, 1.0), grad_layout=True),
     Activation("hardtanh", _hardtanh_fn, (("max_val", 1.0), ("min_val", -1.0)),
-               mask=lambda x, p: ~((x <= p["min_val"]) | (x >= p["max_val"])), mask_levels=lambda p: (0.0, 1.0)),
+               mask=lambda x, p: ~((x <= p["min_val"]) | (x >= p["max_val"])), mask_levels=lambda p: (0.0, 1.0),
+               grad_layout=True),
     Activation("leaky_relu", lambda x, negative_slope: F.leaky_relu(x, negative_slope), (("negative_slope", 0.01),),
                mask=lambda x, p: x > 0, mask_levels=lambda p: (float(p["negative_slope"]), 1.0)),
     # ATen's hardsigmoid backward multiplies by 1.0f/6.0f (single precision) for every dtype
     Activation("hardsigmoid", lambda x: F.hardsigmoid(x), mask=lambda x, p: (x > -3) & (x < 3),
-               mask_levels=lambda p: (0.0, 0.1666666716337204)),
+               mask_levels=lambda p: (0.0, 0.1666666716337204), grad_layout=True),
     Activation("threshold", lambda x, threshold, value: F.threshold(x, threshold, value),
                (("threshold", 0.0), ("value", 0.0)), mask=lambda x, p: ~(x <= p["threshold"]),
                mask_levels=lambda p: (0.0, 1.0)),

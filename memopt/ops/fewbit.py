@@ -27,12 +27,17 @@ SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # table ops
 EXACT_DTYPES = SUPPORTED_DTYPES + (torch.float64,)  # exact masks also take float64 (gradcheck)
 
 
+def _memory_order_perm(x: torch.Tensor) -> tuple[int, ...]:
+    """The dimensions of ``x`` from the outermost in memory to the innermost."""
+    return tuple(sorted(range(x.dim()), key=lambda d: (-x.stride(d), -x.shape[d])))
+
+
 def _memory_order(x: torch.Tensor) -> Tuple[torch.Tensor, Tuple[int, ...]]:
     """``x`` as a contiguous view in its own memory order (channels_last, transposed, ...), and the
     permutation used; codes are packed in that order, so a dense layout is never copied."""
     if x.is_contiguous():
         return x, tuple(range(x.dim()))
-    perm = tuple(sorted(range(x.dim()), key=lambda d: (-x.stride(d), -x.shape[d])))
+    perm = _memory_order_perm(x)
     view = x.permute(perm)
     if view.is_contiguous():
         return view, perm
@@ -85,6 +90,7 @@ class _FewBit(torch.autograd.Function):
         y = act(x, params)
         dense, perm = _memory_order(x)
         ctx.shape, ctx.perm, ctx.bits, ctx.exact, ctx.node, ctx.levels = dense.shape, perm, bits, act.exact, node, levels
+        ctx.grad_layout = act.grad_layout
         if act.exact:  # the two levels are Python floats; only the mask is kept
             ctx.save_for_backward(pack_bits(act.mask(dense, dict(params)), bits))
             return y
@@ -108,7 +114,13 @@ class _FewBit(torch.autograd.Function):
         codes = unpack_bits(packed, ctx.bits, grad.numel()).view(ctx.shape).permute(inverse)
         if ctx.exact:  # where, not multiply: a masked-out inf/NaN gradient gives 0, as in PyTorch
             low, high = ctx.levels
-            grad_x = torch.where(codes.bool(), grad * high if high != 1.0 else grad, grad * low if low else 0.0)
+            # laid out as PyTorch's own backward lays it out (like the gradient or like the input, where the
+            # codes live): another layout made later reductions (a BatchNorm backward) sum in another order
+            mask = codes.bool()
+            dense = grad.permute(_memory_order_perm(grad)).is_contiguous()  # else its layout ties: the input decides
+            grad_x = torch.empty_like(grad if ctx.grad_layout and dense else mask, dtype=grad.dtype)
+            torch.where(mask, grad * high if high != 1.0 else grad, grad * low if low else grad.new_zeros(()),
+                        out=grad_x)
         else:
             grad_x = _scale_by_levels(grad, codes, table[0].to(grad.dtype))
         return grad_x, None, None, None, None, None, None
