@@ -31,19 +31,32 @@ MiB = 2 ** 20
 
 
 class CheckpointBlocks(nn.Module):
-    """``model`` whose listed blocks run under ``torch.utils.checkpoint`` (non-reentrant)."""
+    """``model`` whose listed blocks run under ``torch.utils.checkpoint`` (non-reentrant) when called
+    through this wrapper; calling ``model`` directly still runs it plain (the stock side of a ratio)."""
 
     def __init__(self, model: nn.Module, blocks: List[nn.Module]) -> None:
         super().__init__()
         self.model = model
         self._originals = []
+        self.active = False
         for block in blocks:
             forward = block.forward
             self._originals.append((block, forward))
-            block.forward = (lambda f: lambda *a: checkpoint(f, *a, use_reentrant=False))(forward)
+            block.forward = self._checkpointed(forward)
+
+    def _checkpointed(self, forward):
+        def run(*args):
+            if self.active:
+                return checkpoint(forward, *args, use_reentrant=False)
+            return forward(*args)
+        return run
 
     def forward(self, x):
-        return self.model(x)
+        self.active = True
+        try:
+            return self.model(x)
+        finally:
+            self.active = False
 
     def restore(self) -> None:
         for block, forward in self._originals:
@@ -177,8 +190,10 @@ def main() -> None:
     parser.add_argument("--out", default="docs/results/planner_sweep.md")
     parser.add_argument("--only", default="", help="run only the models whose name contains this")
     parser.add_argument("--budgets", default="", help="comma-separated budgets in MiB instead of --points")
+    parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (default: torch's)")
     args = parser.parse_args()
-    torch.set_num_threads(max(1, torch.get_num_threads()))
+    if args.threads:
+        torch.set_num_threads(args.threads)
     results = {}
     for name, (make, x, blocks) in _models().items():
         if args.only not in name:
@@ -188,6 +203,7 @@ def main() -> None:
     lines = ["# Budget planner sweep", "",
              f"Command: `python tools/bench_planner.py --points {args.points} --repeats {args.repeats}"
              f"{' --only ' + repr(args.only) if args.only else ''}{' --budgets ' + args.budgets if args.budgets else ''}"
+             f"{' --threads ' + str(args.threads) if args.threads else ''}"
              f"{' --out ' + args.out if args.out != 'docs/results/planner_sweep.md' else ''}` "
              f"(torch {torch.__version__}, CPU, {torch.get_num_threads()} threads). Peaks are of one SGD "
              f"(momentum) step: parameters, gradients, momentum, activations; measured with memopt.measure. "
