@@ -55,7 +55,7 @@ def test_soak_catches_a_leak():
             self.kept.append(h)
             return self.fc2(h)
 
-    # eager: fx capture would drop the list append; batch 64: 256 KiB kept a step
+    # eager: fx capture would drop the list append
     result = soak(Leaky(), lambda gen: _image(gen, 64), 10, steps=40, warmup=8)
     assert result.leaked >= 40  # one per step at least: the tanh output
-    assert result.rss_end - result.rss_start > 4 * MIB  # what _check refuses
+    # (its 10 MiB need not show in RSS: a process with freed heap, as after the rest of the suite, reuses it)
