@@ -51,11 +51,11 @@ def main() -> None:
         start = time.time()
         r = soak(om, make_input, 10, args.steps, args.warmup)
         mib = 2 ** 20
+        (rss0, rss1), (t0, t1) = r.rss_ends, r.time_ends
         rows.append([name, ", ".join(f"{k} {v}" for k, v in sorted(rewritten.items())), args.steps,
-                     f"{r.rss_start / mib:.2f}", f"{r.rss_end / mib:.2f}", f"{(r.rss_end - r.rss_start) / mib:+.3f}",
+                     f"{rss0 / mib:.2f}", f"{rss1 / mib:.2f}", f"{(rss1 - rss0) / mib:+.3f}",
                      f"{r.rss_slope / mib:+.4f}", f"{max(r.rss[args.warmup:]) / mib:.2f}", r.packed[-1], r.leaked,
-                     r.graphs, f"{r.time_start * 1e3:.1f}", f"{r.time_end * 1e3:.1f}",
-                     f"{r.time_end / r.time_start:.2f}", f"{time.time() - start:.0f}"])
+                     r.graphs, f"{t0 * 1e3:.1f}", f"{t1 * 1e3:.1f}", f"{t1 / t0:.2f}", f"{time.time() - start:.0f}"])
         print(rows[-1], flush=True)
     headers = ["model", "rewritten nodes", "steps", "RSS first 200 after warm-up (MiB)", "RSS last 200 (MiB)",
                "growth (MiB)", "slope (MiB / 1000 steps)", "max RSS after warm-up (MiB)", "storages packed per step",

@@ -54,14 +54,20 @@ class SoakResult:
     def window(self) -> int:
         return max(1, min(200, (self.steps - self.warmup) // 4))
 
-    @property
-    def rss_start(self) -> float:
-        """Mean resident bytes over the first window after warm-up."""
-        return statistics.fmean(self.rss[self.warmup:self.warmup + self.window()])
+    def _ends(self, values: list, reduce) -> tuple[float, float]:
+        """``reduce`` over the first window after warm-up and over the last window."""
+        w = self.window()
+        return reduce(values[self.warmup:self.warmup + w]), reduce(values[-w:])
 
     @property
-    def rss_end(self) -> float:
-        return statistics.fmean(self.rss[-self.window():])
+    def rss_ends(self) -> tuple[float, float]:
+        """Mean resident bytes over the first window after warm-up and over the last one."""
+        return self._ends(self.rss, statistics.fmean)
+
+    @property
+    def time_ends(self) -> tuple[float, float]:
+        """Median step seconds over the first window after warm-up and over the last one."""
+        return self._ends(self.seconds, statistics.median)
 
     @property
     def rss_slope(self) -> float:
@@ -71,15 +77,6 @@ class SoakResult:
         mx, my = statistics.fmean(xs), statistics.fmean(ys)
         var = sum((x - mx) ** 2 for x in xs)
         return 1000 * sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else 0.0
-
-    @property
-    def time_start(self) -> float:
-        """Median step seconds over the first window after warm-up."""
-        return statistics.median(self.seconds[self.warmup:self.warmup + self.window()])
-
-    @property
-    def time_end(self) -> float:
-        return statistics.median(self.seconds[-self.window():])
 
 
 def soak(om: nn.Module, make_input: Callable[[torch.Generator], Any], classes: int, steps: int, warmup: int,
