@@ -6,12 +6,13 @@ import io
 import pytest
 import torch
 import torch.nn.functional as F
-from test_shampoo_quant import one_thread  # noqa: F401  (the autouse fixture: one thread here too)
 from torch import nn
 
 import memopt
 from memopt.optim import Shampoo, state_bytes
 from memopt.optim.shampoo import ADAM_EPS
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny LAPACK calls: see conftest
 
 
 def _grads(shape, steps, seed=0):
