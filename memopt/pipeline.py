@@ -136,15 +136,23 @@ def _check_applied(gm: fx.GraphModule, plan: Plan) -> None:
 
 
 def _explain_exact(decisions: Dict[str, Dict[str, Any]], units: List[Dict[str, Any]]) -> None:
-    """Nodes of units the planner left exact say so (instead of 'not in allow')."""
+    """Nodes of units the planner left exact say so (instead of 'not in allow'), and why."""
+    recomputed = {node: entry["chosen"]["unit"] for entry in units if entry["chosen"]["technique"] == "recompute"
+                  for node in entry["nodes"]}
     for entry in units:
         if entry["chosen"]["technique"] != "exact":
             continue
-        alternatives = ", ".join(f"{o['technique']}@{o['bits']} frees {fmt_bytes(o['freed_bytes'])}"
-                                 for o in entry["alternatives"][1:4])
+        blocks = sorted({recomputed[n] for n in entry["nodes"] if n in recomputed})
+        if blocks:
+            reason = (f"planner: part of this unit lies in the recomputed block {', '.join(blocks)}, so the "
+                      f"rest stays exact")
+        else:
+            alternatives = ", ".join(f"{o['technique']}@{o['bits']} frees {fmt_bytes(o['freed_bytes'])}"
+                                     for o in entry["alternatives"][1:4])
+            reason = f"planner: the budget is met without it ({alternatives})"
         for name in entry["nodes"]:
-            decisions[name] = dict(decisions.get(name, {}), technique="exact",
-                                   reason=f"planner: the budget is met without it ({alternatives})")
+            if name not in recomputed:
+                decisions[name] = dict(decisions.get(name, {}), technique="exact", reason=reason)
 
 
 def _has_meta(args: tuple, kwargs: dict) -> bool:

@@ -141,3 +141,25 @@ def test_a_block_whose_inner_value_is_used_outside_stays_exact_with_the_reason()
     assert [u["chosen"]["unit"] for u in om.plan.units] == ["blocks_1"]
     reasons = {n.name: n.reason for n in om.plan.nodes}
     assert reasons["blocks_0_fc"] == "recompute: 2 of its values are used outside it (one is needed)"
+
+
+def test_units_next_to_a_recomputed_block_say_why_they_stay_exact():
+    from memopt.pipeline import _explain_exact
+
+    def option(technique, unit, bits=None, freed=0):
+        return {"technique": technique, "bits": bits, "unit": unit, "freed_bytes": freed, "fidelity": 0.0, "time": 0.0}
+    units = [
+        {"name": "recompute:layers_0", "nodes": ["layers_0_conv1", "layers_0_bn2", "layers_0_relu_1"],
+         "chosen": option("recompute", "layers_0"), "alternatives": []},
+        # the chain ends in block 0 and feeds block 1's conv: recomputing block 0 leaves the conv exact
+        {"name": "stash:layers_0_bn2", "nodes": ["layers_0_bn2", "layers_0_relu_1", "layers_1_conv1"],
+         "chosen": option("exact", ""), "alternatives": [option("exact", ""), option("stash", "layers_0_bn2", 4, 100)]},
+        {"name": "stash:layers_2_bn1", "nodes": ["layers_2_bn1"],
+         "chosen": option("exact", ""), "alternatives": [option("exact", ""), option("stash", "layers_2_bn1", 4, 100)]},
+    ]
+    decisions = {}
+    _explain_exact(decisions, units)
+    assert decisions["layers_1_conv1"]["reason"] == ("planner: part of this unit lies in the recomputed block "
+                                                     "layers_0, so the rest stays exact")
+    assert "layers_0_bn2" not in decisions  # inside the recomputed block: no node of its own any more
+    assert decisions["layers_2_bn1"]["reason"] == "planner: the budget is met without it (stash@4 frees 100 B)"
