@@ -13,12 +13,13 @@ Results go to ``node.meta["memopt_cost"]`` (a ``NodeCost``) and into the returne
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Set
 
 import torch
 from torch import fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_flatten
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.flop_counter import FlopCounterMode
 
 from cost_model.fake import fake_copy
@@ -80,6 +81,9 @@ class Estimate:
     peak_bytes: int
     breakdown: Dict[str, int]
     device: str
+    # nodes whose outputs are alive at the forward/backward peak (empty when the peak is in the
+    # optimizer step, or without simulation): freeing what they keep is what lowers that peak
+    alive_at_peak: Set[str] = field(default_factory=set)
 
     def saved_by_category(self) -> Dict[str, int]:
         out: Dict[str, int] = {}
@@ -100,6 +104,7 @@ class _Annotator(fx.Interpreter):
         self.flop_counter = flops
         self.state_keys = state_keys
         self.producer: Dict[int, str] = {}
+        self._producer_refs: Dict[int, StorageWeakRef] = {}
         self.producer_op: Dict[str, str] = {}
         self.costs: Dict[str, NodeCost] = {}
         self.modules = dict(gm.named_modules())
@@ -115,7 +120,12 @@ class _Annotator(fx.Interpreter):
             raise _node_error(n, self.env, e) from e
         outs = _tensors(out)
         for t in outs:
-            self.producer.setdefault(storage_key(t), n.name)
+            # a view keeps its base's producer; a dead storage's reused address gets the new one
+            key = storage_key(t)
+            known = self._producer_refs.get(key)
+            if known is None or known.expired():
+                self.producer[key] = n.name
+                self._producer_refs[key] = StorageWeakRef(t.untyped_storage())
         self.producer_op[n.name] = n.op
         saved = []
         for s in self.recorder.take():
@@ -198,22 +208,23 @@ def annotate(gm: fx.GraphModule, args: tuple, kwargs: dict, *, device: Optional[
 
     # The autograd engine needs a real CUDA context for backward even on fake tensors, so without
     # a GPU the step's timeline is simulated with CPU kernels (saves above stay CUDA's).
-    peak, breakdown = 0, {}
+    peak, breakdown, alive = 0, {}, set()
     if simulate:
         sim_device = target
         if target.type == "cuda" and not torch.cuda.is_available():
             sim_device = torch.device("cpu")
-        peak, breakdown = simulate_step(gm, args, kwargs, sim_device, optimizer, loss_fn)
+        peak, breakdown, alive = simulate_step(gm, args, kwargs, sim_device, optimizer, loss_fn)
         breakdown["peak_simulated_on_" + sim_device.type] = 1
     for node in gm.graph.nodes:
         if node.name in annotator.costs:
             node.meta[META_KEY] = annotator.costs[node.name]
-    return Estimate(annotator.costs, storages, saved_bytes, peak, breakdown, str(target))
+    return Estimate(annotator.costs, storages, saved_bytes, peak, breakdown, str(target), alive)
 
 
 def simulate_step(gm: fx.GraphModule, args: tuple, kwargs: dict, device: torch.device, optimizer: Any,
                   loss_fn: Optional[LossFn]):
-    """Peak bytes of one steady-state training step on fake tensors, and its parts at the peak.
+    """Peak bytes of one steady-state training step on fake tensors, its parts at the peak, and the
+    nodes whose outputs are alive at the forward/backward peak (empty if the optimizer step peaks).
 
     Runs without saved-tensor hooks: hooks change when autograd frees saved tensors in backward.
     """
@@ -227,7 +238,10 @@ def simulate_step(gm: fx.GraphModule, args: tuple, kwargs: dict, device: torch.d
     tracker = LiveStorageTracker(preexisting=params + buffers + input_tensors)
     with mode, tracker:
         tracker.phase = "forward"
-        out = fx.Interpreter(fake_gm).run(*flat, enable_io_processing=False)
+        interpreter = _ProducerInterpreter(fake_gm, tracker)
+        out = interpreter.run(*flat, enable_io_processing=False)
+        producer = interpreter.producer
+        del interpreter  # its env would keep values alive past their last use
         loss = compute_loss(structured_output(fake_gm, out), loss_fn)
         del out
         boundary = tracker.current
@@ -257,7 +271,25 @@ def simulate_step(gm: fx.GraphModule, args: tuple, kwargs: dict, device: torch.d
         "activations_at_boundary": boundary,
         "peak_in_optimizer_step": int(at_step),
     }
-    return param_bytes + input_bytes + max(fb_total, opt.step_peak), breakdown
+    alive = set() if at_step else {producer[i] for i, _, _ in fb_at_peak if i in producer}
+    return param_bytes + input_bytes + max(fb_total, opt.step_peak), breakdown, alive
+
+
+class _ProducerInterpreter(fx.Interpreter):
+    """Records which node created each storage the tracker follows."""
+
+    def __init__(self, gm: fx.GraphModule, tracker: LiveStorageTracker) -> None:
+        super().__init__(gm)
+        self.tracker = tracker
+        self.producer: Dict[tuple, str] = {}
+
+    def run_node(self, n: fx.Node) -> Any:
+        out = super().run_node(n)
+        for t in _tensors(out):
+            identity = self.tracker.identity(t)  # sweeps first: a dead storage's address may be reused
+            if identity is not None:
+                self.producer.setdefault(identity, n.name)
+        return out
 
 
 @dataclass

@@ -53,6 +53,8 @@ class Option:
     freed_bytes: int
     fidelity: float
     time: float
+    # the part of freed_bytes that is alive at the baseline's forward/backward peak (what lowers it)
+    peak_freed_bytes: int = 0
 
     def to_dict(self) -> Dict[str, Any]:
         return dataclasses.asdict(self)
@@ -190,9 +192,18 @@ def candidates(gm: fx.GraphModule, args: tuple, kwargs: dict, config: Any, basel
 def make_option(technique: Technique, unit: str, nodes: Set[str], new_nodes: Sequence[fx.Node], baseline: Estimate,
                 after: Estimate) -> Option:
     """The option a rewritten unit realises, with its bytes from the two estimates."""
-    return Option(technique.field, bits_of(new_nodes), unit, int(freed_bytes(baseline, after, nodes, new_nodes)),
+    freed = int(freed_bytes(baseline, after, nodes, new_nodes))
+    return Option(technique.field, bits_of(new_nodes), unit, freed,
                   float(sum(technique.fidelity(n, baseline, unit) for n in new_nodes)),
-                  _time(technique.field, unit, nodes, baseline))
+                  _time(technique.field, unit, nodes, baseline), _peak_freed(baseline, nodes, freed))
+
+
+def _peak_freed(baseline: Estimate, nodes: Set[str], freed: int) -> int:
+    """``freed`` scaled by the share of the unit's storages whose producer is alive at the peak."""
+    records = [r for r in baseline.storages.values() if r.savers and set(r.savers) <= nodes]
+    total = sum(r.nbytes for r in records)
+    alive = sum(r.nbytes for r in records if r.producer in baseline.alive_at_peak)
+    return int(freed * alive / total) if total else 0
 
 
 def _time(technique: str, unit: str, nodes: Set[str], baseline: Estimate) -> float:

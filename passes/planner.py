@@ -17,11 +17,13 @@ extra elementwise passes the rewrite adds. TIME_WEIGHT = 1e-3 makes time a tie-b
 1-bit ReLU mask (no fidelity cost) is preferred to an 8-bit stash only when it frees as much.
 
 The freed bytes of different groups add up (they are disjoint sets of storages), but the peak of a
-training step is not just the saved bytes: ``plan_for_budget`` re-estimates the chosen plan with the
-full cost model and, if the peak still exceeds the budget, searches the bytes to free between that
-request and the maximum saving by false position (``MAX_ROUNDS`` full estimates in all, or until
-the bytes to free are known within ``TOLERANCE``), keeping the cheapest plan that fits. The knapsack itself does not know *when* a storage is alive: freeing the last layers'
-activations does not lower a peak that happens after backward has released them.
+training step is not just the saved bytes: when the peak falls inside backward, the last layers'
+activations are already released by then. So the knapsack first counts each option's
+``peak_freed_bytes`` (its freed bytes scaled by the share whose producer is alive at the baseline's
+peak, from the cost model), the chosen plan is re-estimated with the full cost model, and if the
+peak still exceeds the budget (the peak moved), the bytes to free are searched by false position
+between that request and the maximum saving (``MAX_ROUNDS`` full estimates in all, or until known
+within ``TOLERANCE``), keeping the cheapest plan that fits.
 """
 from __future__ import annotations
 
@@ -56,11 +58,15 @@ class Solution:
     cost: float
 
 
-def max_saving(groups: Sequence[Group]) -> Solution:
-    """Each group's option that frees the most (ties: the cheaper one)."""
-    choice = [max(range(len(g.options)), key=lambda i: (g.options[i].freed_bytes, -option_cost(g.options[i])))
+def max_saving(groups: Sequence[Group], weight: str = "freed_bytes") -> Solution:
+    """Each group's option that frees the most ``weight`` (ties: the cheaper one)."""
+    choice = [max(range(len(g.options)), key=lambda i: (getattr(g.options[i], weight), -option_cost(g.options[i])))
               for g in groups]
     return _solution(groups, choice)
+
+
+def weighted(groups: Sequence[Group], choice: Sequence[int], weight: str) -> int:
+    return sum(getattr(g.options[i], weight) for g, i in zip(groups, choice))
 
 
 def _solution(groups: Sequence[Group], choice: List[int]) -> Solution:
@@ -68,8 +74,10 @@ def _solution(groups: Sequence[Group], choice: List[int]) -> Solution:
     return Solution(choice, sum(o.freed_bytes for o in chosen), sum(option_cost(o) for o in chosen))
 
 
-def solve(groups: Sequence[Group], required: int, resolution: int = DEFAULT_RESOLUTION) -> Optional[Solution]:
-    """The least-cost choice that frees at least ``required`` bytes, or None when none does.
+def solve(groups: Sequence[Group], required: int, resolution: int = DEFAULT_RESOLUTION,
+          weight: str = "freed_bytes") -> Optional[Solution]:
+    """The least-cost choice that frees at least ``required`` bytes of ``weight`` (an Option field:
+    "freed_bytes", or "peak_freed_bytes" for those alive at the peak), or None when none does.
 
     dp[k] is the least cost of the groups so far freeing k cells (the last cell: k or more);
     per group and option the table shifts by the option's cells, so a group costs
@@ -77,7 +85,8 @@ def solve(groups: Sequence[Group], required: int, resolution: int = DEFAULT_RESO
     """
     if required <= 0:
         return _solution(groups, [0] * len(groups))
-    if max_saving(groups).freed_bytes < required:
+    best = max_saving(groups, weight)
+    if weighted(groups, best.choice, weight) < required:
         return None
     cell = required / resolution
     size = resolution + 1
@@ -89,7 +98,7 @@ def solve(groups: Sequence[Group], required: int, resolution: int = DEFAULT_RESO
     for group in groups:
         best, best_choice, best_prev = dp.clone(), torch.zeros(size, dtype=torch.int16), index.clone()
         for i, option in enumerate(group.options[1:], start=1):
-            cells = int(option.freed_bytes // cell)
+            cells = int(getattr(option, weight) // cell)
             if cells <= 0:
                 continue  # frees nothing at this resolution: never better than exact
             cand, prev = torch.full((size,), inf, dtype=torch.float64), torch.zeros(size, dtype=torch.long)
@@ -117,14 +126,14 @@ def solve(groups: Sequence[Group], required: int, resolution: int = DEFAULT_RESO
     return _solution(groups, choice)
 
 
-def solve_or_max(groups: Sequence[Group], required: int) -> Optional[Solution]:
+def solve_or_max(groups: Sequence[Group], required: int, weight: str = "freed_bytes") -> Optional[Solution]:
     """``solve`` at the default resolution, then 8x finer, then the maximum saving if it suffices."""
     for resolution in (DEFAULT_RESOLUTION, 8 * DEFAULT_RESOLUTION):
-        found = solve(groups, required, resolution)
+        found = solve(groups, required, resolution, weight)
         if found is not None:
             return found
-    best = max_saving(groups)
-    return best if best.freed_bytes >= required else None
+    best = max_saving(groups, weight)
+    return best if weighted(groups, best.choice, weight) >= required else None
 
 
 # ---------------------------------------------------------------- applying a choice
@@ -179,29 +188,34 @@ def plan_for_budget(gm: fx.GraphModule, args: tuple, kwargs: dict, config: Any, 
     start = time.perf_counter()
     groups = candidates(gm, args, kwargs, config, baseline, optimizer)
     required = baseline.peak_bytes - budget_bytes
+    # Count only the bytes alive at the baseline's peak when they can cover the request: freeing the
+    # last layers' activations does not lower a peak reached after backward released them.
+    weight = "peak_freed_bytes"
+    if weighted(groups, max_saving(groups, weight).choice, weight) < required:
+        weight = "freed_bytes"
     rounds = 1
-    solution = solve_or_max(groups, required)
+    solution = solve_or_max(groups, required, weight)
     if solution is not None:
         found = _applied(gm, args, kwargs, config, groups, solution, optimizer, required, rounds, start)
         if found.estimate.peak_bytes <= budget_bytes:
             return found, found
-    # Freed saved bytes did not all come off the peak (the peak is in backward, after the last
-    # layers' storages were released, or decode temporaries add to it): search the bytes to free
-    # between what failed and the maximum saving, keeping the cheapest plan that fits.
+    # Freed saved bytes did not all come off the peak (the peak moved, or decode temporaries add to
+    # it): search the bytes to free between what failed and the maximum saving, keeping the
+    # cheapest plan that fits.
     rounds += 1
     best = _applied(gm, args, kwargs, config, groups, max_saving(groups), optimizer, max_saving(groups).freed_bytes,
                     rounds, start)
     if best.estimate.peak_bytes > budget_bytes:
         return _last_resort(gm, args, kwargs, config, baseline, budget_bytes, optimizer, groups, best, start)
     # regula falsi on (bytes asked -> estimated peak), clipped away from the ends of the interval
-    low, high = required, best.solution.freed_bytes
+    low, high = required, weighted(groups, best.solution.choice, weight)
     peak_low, peak_high = (found.estimate.peak_bytes if solution is not None else baseline.peak_bytes), \
         best.estimate.peak_bytes
     while rounds < MAX_ROUNDS and high - low > TOLERANCE * high:
         rounds += 1
         slope = (peak_low - budget_bytes) / max(peak_low - peak_high, 1)
         middle = int(low + (high - low) * min(max(slope, 0.1), 0.9))
-        solution = solve_or_max(groups, middle)
+        solution = solve_or_max(groups, middle, weight)
         found = _applied(gm, args, kwargs, config, groups, solution, optimizer, middle, rounds, start)
         if found.estimate.peak_bytes <= budget_bytes:
             best, high, peak_high = found, middle, found.estimate.peak_bytes
