@@ -59,6 +59,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str, kind: str) -> None:
             dist.all_gather(parts, flat)
             gathered[name] = parts
         torch.save({"results": results, "gathered": gathered}, os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.barrier()  # no rank tears gloo down while the other still talks to it (SIGABRT seen)
     finally:
         dist.destroy_process_group()
 

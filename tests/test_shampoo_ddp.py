@@ -36,6 +36,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         dist.all_gather(gathered, flat)
         torch.save({"params": flat, "gathered": gathered, "state_keys": sorted(opt.state[model[2].weight])},
                    os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.barrier()  # no rank tears gloo down while the other still talks to it (SIGABRT seen)
     finally:
         dist.destroy_process_group()
 
