@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import statistics
 import sys
-import time
 from typing import Any, Callable, List, Optional, Tuple
 
 import torch
@@ -117,19 +115,9 @@ def _bench(args: argparse.Namespace) -> int:
     stock, ours = memopt.measure(model, inputs, optimizer=args.optimizer), memopt.measure(om, inputs,
                                                                                           optimizer=args.optimizer)
 
-    def step(module: nn.Module) -> float:
-        module.zero_grad(set_to_none=True)
-        start = time.perf_counter()
-        out = module(*inputs) if isinstance(inputs, tuple) else module(inputs)
-        (out if isinstance(out, torch.Tensor) else sum(o.float().sum() for o in out.values())).float().sum().backward()
-        return time.perf_counter() - start
+    from memopt.timing import step_time_ratio
 
-    step(model), step(om)  # warm-up
-    times = {"stock": [], "memopt": []}
-    for _ in range(args.steps):  # interleaved, so both see the same machine load
-        times["stock"].append(step(model))
-        times["memopt"].append(step(om))
-    ratio = statistics.median(times["memopt"]) / statistics.median(times["stock"])
+    ratio, _ = step_time_ratio(om, model, inputs, repeats=args.steps)
     print(f"{args.model}: one training step ({args.optimizer or 'no optimizer'}), measured on {ours.device}")
     print(f"  saved activations: stock {fmt_bytes(stock.saved_bytes)} -> memopt {fmt_bytes(ours.saved_bytes)}")
     print(f"  peak memory:       stock {fmt_bytes(stock.peak_bytes)} -> memopt {fmt_bytes(ours.peak_bytes)}")

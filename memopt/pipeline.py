@@ -84,7 +84,7 @@ def build(model: nn.Module, args: tuple, kwargs: dict, config: Config, budget_by
         if planned is None:
             least = _make_plan(model, captured.method, args, kwargs, config, budget_bytes, baseline, best.estimate,
                                best.records, best.graph_module, best)
-            raise BudgetError(_budget_message(least), budget_bytes,
+            raise BudgetError(_budget_message(least, config), budget_bytes,
                               min(least.estimated_peak_bytes, least.baseline_peak_bytes))
         gm, records = planned.graph_module, planned.records
     modified = any(r.modified for r in records)
@@ -93,7 +93,7 @@ def build(model: nn.Module, args: tuple, kwargs: dict, config: Config, budget_by
     result = _make_plan(model, captured.method, args, kwargs, config, budget_bytes, baseline, estimate, records, gm,
                         planned)
     if budget_bytes is not None and plan is None and result.estimated_peak_bytes > budget_bytes:
-        raise BudgetError(_budget_message(result), budget_bytes, result.estimated_peak_bytes)
+        raise BudgetError(_budget_message(result, config), budget_bytes, result.estimated_peak_bytes)
     return Built(gm, result, baseline, estimate)
 
 
@@ -161,7 +161,7 @@ def _has_meta(args: tuple, kwargs: dict) -> bool:
     return any(isinstance(t, torch.Tensor) and t.is_meta for t in tree_leaves((args, kwargs)))
 
 
-def _budget_message(plan: Plan) -> str:
+def _budget_message(plan: Plan, config: Config) -> str:
     """The requested budget, the least peak the config can reach, and what would free the rest."""
     top = sorted(plan.nodes, key=lambda n: -n.saved_bytes_after)[:5]
     b = plan.estimated_breakdown
@@ -173,7 +173,6 @@ def _budget_message(plan: Plan) -> str:
              f"optimizer state {fmt_bytes(b.get('optimizer_state'))}, activations {fmt_bytes(b.get('activations'))}, "
              f"transient {fmt_bytes(b.get('transient'))}).",
              "Largest remaining consumers of saved activation memory, and what would free them:"]
-    config = Config.from_dict(plan.config)
     for n in top:
         lines.append(f"  {n.name} ({n.op}, {n.shape}): {fmt_bytes(n.saved_bytes_after)} - {_what_frees(n, config)}")
     if plan.estimated_peak_bytes > plan.baseline_peak_bytes:

@@ -18,6 +18,7 @@ from tabulate import tabulate
 
 import memopt
 from memopt.testing.zoo import build
+from results_file import write_results_file
 
 MODELS = ["mlp", "vit", "shared", "multi_io", "shape_branch"]
 CONFIGS = [("uniform", b) for b in (1, 2, 3, 4)] + [("normal", 3)] + [("data", b) for b in (1, 2, 3, 4)]
@@ -81,9 +82,7 @@ def main() -> None:
             f"(torch {torch.__version__}, CPU). Per parameter tensor, vs stock autograd, over 3 input seeds; "
             f"the loss is a fixed random linear functional of the outputs.\n\n## Summary\n\n{overall}\n\n"
             f"## Per model\n\n{table}\n")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(text)
-    print(text)
+    write_results_file(args.out, text)
 
 
 if __name__ == "__main__":

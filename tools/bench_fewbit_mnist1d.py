@@ -22,6 +22,7 @@ import memopt
 
 sys.path.insert(0, str(Path(__file__).parent))
 from parity import fit_and_test  # noqa: E402
+from results_file import write_results_file
 
 
 def load_data():
@@ -93,9 +94,7 @@ def main() -> None:
             f"`python tools/bench_fewbit_mnist1d.py --epochs {args.epochs} --weight {args.weight}` (torch {torch.__version__}, CPU). 4000 training / 1000 test samples generated "
             f"by `mnist1d`; Adam lr 1e-3, batch 100, {args.epochs} epochs, 3 seeds (same initial weights and data "
             f"order for stock and few-bit within a seed).\n\n{table}\n")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(text)
-    print(text)
+    write_results_file(args.out, text)
 
 
 if __name__ == "__main__":

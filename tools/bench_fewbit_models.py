@@ -23,6 +23,7 @@ from torch import nn
 import memopt
 from memopt.report import fmt_bytes
 from memopt.testing.zoo import EncoderBlock
+from results_file import write_results_file
 
 
 def bert_base():
@@ -98,9 +99,7 @@ def main() -> None:
             f"({memopt.FewBitConfig().weight!r}); step time is forward + backward, median of 3, as a ratio to "
             f"stock measured in the same process; gradient agreement per parameter tensor vs stock autograd.\n\n"
             f"{table}\n")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(text)
-    print(text)
+    write_results_file(args.out, text)
 
 
 if __name__ == "__main__":

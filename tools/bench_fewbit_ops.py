@@ -20,6 +20,7 @@ from cost_model.storage import SavedTensorRecorder
 from memopt.fewbit.activations import ACTIVATIONS
 from memopt.fewbit.tables import table_error
 from memopt.ops.fewbit import fewbit_activation
+from results_file import write_results_file
 
 N = 1 << 20
 
@@ -84,9 +85,7 @@ def main() -> None:
     text = (f"# Few-bit activations vs native ops\n\nCommand: `python tools/bench_fewbit_ops.py` "
             f"(torch {torch.__version__}, CPU, {torch.get_num_threads()} threads, 2^20 float32 elements; "
             f"times are the best of {args.repeats} interleaved runs; ratio > 1 means slower than native).\n\n{table}\n")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(text)
-    print(text)
+    write_results_file(args.out, text)
 
 
 if __name__ == "__main__":

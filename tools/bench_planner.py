@@ -13,7 +13,6 @@ Run: python tools/bench_planner.py  (about 15 minutes on 2 CPU cores)
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 from pathlib import Path
 from typing import Callable, Dict, List, Tuple
@@ -25,6 +24,7 @@ from torch.utils.checkpoint import checkpoint
 
 import memopt
 from memopt.report import fmt_bytes
+from memopt.timing import step_time_ratio
 from memopt.testing.zoo import PreActResNet
 
 MiB = 2 ** 20
@@ -78,10 +78,14 @@ def _models() -> Dict[str, Tuple[Callable[[], nn.Module], torch.Tensor, Callable
     }
 
 
+def _loss(out: torch.Tensor) -> torch.Tensor:
+    return out.logsumexp(1).mean()
+
+
 def _grads(model: nn.Module, x: torch.Tensor, forward=None) -> List[torch.Tensor]:
     model.zero_grad(set_to_none=True)
     torch.manual_seed(0)
-    (forward or model)(x).logsumexp(1).mean().backward()
+    _loss((forward or model)(x)).backward()
     return [p.grad.detach().clone() for p in model.parameters()]
 
 
@@ -94,24 +98,9 @@ def _cosines(ref: List[torch.Tensor], got: List[torch.Tensor]) -> Tuple[float, f
     return float(flat), min(per)
 
 
-def _step_seconds(forward, model, x, repeats: int) -> List[float]:
-    out = []
-    for _ in range(repeats):
-        model.zero_grad(set_to_none=True)
-        start = time.perf_counter()
-        forward(x).logsumexp(1).mean().backward()
-        out.append(time.perf_counter() - start)
-    return out
-
-
 def _ratio(forward, model, x, repeats: int) -> float:
     """Median step time of ``forward`` over stock, the two interleaved step by step."""
-    _step_seconds(forward, model, x, 1)  # warm-up
-    ours, stock = [], []
-    for _ in range(repeats):
-        ours += _step_seconds(forward, model, x, 1)
-        stock += _step_seconds(model, model, x, 1)
-    return statistics.median(ours) / statistics.median(stock)
+    return step_time_ratio(forward, model, x, repeats=repeats, loss_fn=_loss)[0]
 
 
 def sweep(name: str, make, x, blocks, points: int, repeats: int, budgets_mb=None):

@@ -4,6 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from results_file import write_results_file
 
 RESULTS = Path(__file__).parents[1] / "docs" / "results"
 
@@ -15,6 +16,4 @@ def write_results(out: str, title: str, command: str, doc: str, body: str) -> No
     threads = ", 1 thread" if torch.get_num_threads() == 1 else ""
     text = (f"# {title}\n\nCommand: `{command}` (torch {torch.__version__}, CPU{threads}).\n\n"
             f"{description}\n\n{body.strip()}\n")
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
-    Path(out).write_text(text)
-    print(text)
+    write_results_file(out, text)

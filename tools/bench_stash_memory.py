@@ -10,8 +10,6 @@ Writes docs/results/stash_memory.md. Run: python tools/bench_stash_memory.py  (a
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from pathlib import Path
 
 import torch
@@ -19,7 +17,9 @@ from tabulate import tabulate
 
 import memopt
 from memopt.report import fmt_bytes
+from memopt.timing import step_time_ratio
 from memopt.testing.zoo import PreActResNet
+from results_file import write_results_file
 
 CONFIGS = [("stock", None)] + [(f"stash {b}-bit + few-bit", b) for b in (8, 4, 2)]
 
@@ -60,14 +60,7 @@ def estimated_rows(name, model, x):
 
 def step_ratio(model, x, repeats=5):
     om = memopt.optimize(model, example_inputs=x, config=_config(4))
-    stock_t, ours_t = [], []
-    for _ in range(repeats):
-        for net, times in ((model, stock_t), (om, ours_t)):
-            start = time.perf_counter()
-            net(x).sum().backward()
-            times.append(time.perf_counter() - start)
-            model.zero_grad(set_to_none=True)
-    return statistics.median(ours_t) / statistics.median(stock_t), statistics.median(stock_t)
+    return step_time_ratio(om, model, x, repeats=repeats, warmup=0)
 
 
 def main() -> None:
@@ -92,9 +85,7 @@ def main() -> None:
             f"from `memopt.measure` and equal the cost model's estimate (asserted).\n\n{table}\n\n"
             f"Step time (forward + backward) of ResNet-50 at batch 4, 224x224, stash 4-bit + few-bit vs stock, "
             f"interleaved in one process, median of 5: **{ratio:.2f}x** (stock {stock_s:.2f} s per step).\n")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(text)
-    print(text)
+    write_results_file(args.out, text)
 
 
 if __name__ == "__main__":

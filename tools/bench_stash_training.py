@@ -25,6 +25,7 @@ import memopt
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_stash_depth import naive_copy  # noqa: E402  (the same naive quantizer as the depth study)
 from parity import fit_and_test  # noqa: E402
+from results_file import write_results_file
 
 
 class Block2d(nn.Module):
@@ -122,9 +123,7 @@ def main() -> None:
             f"{args.epochs}` (torch {torch.__version__}, CPU). Adam lr 1e-3, batch 64, 3 seeds; stock and memopt "
             f"share initial weights and data order within a seed; 'naive 4-bit' quantizes each ReLU output in the "
             f"forward pass (the grid of the stash, straight-through backward).\n\n{table}\n")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(text)
-    print(text)
+    write_results_file(args.out, text)
 
 
 if __name__ == "__main__":
