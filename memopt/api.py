@@ -12,7 +12,7 @@ from cost_model.analysis import Estimate, NodeCost, annotate
 from cost_model.optimizers import resolve_optimizer
 from memopt.capture import capture, check_inputs, normalize_inputs
 from memopt.config import Config
-from memopt.errors import MemoptError
+from memopt.errors import MemoptError, TraceError
 from memopt.export import GRAPH_HEADER, graph_code
 from memopt.optimized import OptimizedModule
 from memopt.pipeline import validate_budget
@@ -28,12 +28,18 @@ def _check_model(model: Any) -> nn.Module:
 
 
 def _check_plan(plan: Any) -> Plan:
+    if isinstance(plan, (str, Path)):
+        import json
+
+        plan = json.loads(Path(plan).read_text())
+    if isinstance(plan, dict) and "submodules" in plan or getattr(plan, "submodules", None):
+        model = plan["model"] if isinstance(plan, dict) else plan.model
+        raise MemoptError(f"this plan is of {model} captured per submodule; such a plan cannot be re-applied yet. "
+                          f"Call memopt.optimize without plan= (it captures the submodules and plans them again).")
     if isinstance(plan, Plan):
         return plan
     if isinstance(plan, dict):
         return Plan.from_dict(plan)
-    if isinstance(plan, (str, Path)):
-        return Plan.load(plan)
     raise TypeError(f"plan must be a memopt.Plan, its dict or the path of its JSON, got {type(plan).__name__}: "
                     f"{plan!r:.80}")
 
@@ -121,6 +127,11 @@ def estimate(model: nn.Module, example_inputs: Any, *, device: Optional[str] = N
         captured = capture(model, args, kwargs)
         est: Estimate = annotate(captured.graph_module, args, kwargs, device=config.device,
                                  optimizer=optimizer, loss_fn=loss_fn)
+    except TraceError as whole:  # per-submodule capture (memopt/partial.py)
+        from memopt.partial import estimate_partial
+
+        saved, peak, nodes, plan = estimate_partial(model, args, kwargs, device, optimizer, loss_fn, whole)
+        return EstimateReport(saved, peak, nodes, {}, plan)
     finally:
         model.train(was_training)
     plan = Plan(model=type(model).__name__, capture=captured.method, device=est.device,

@@ -112,10 +112,12 @@ def capture(model: nn.Module, args: tuple, kwargs: dict) -> Captured:
         return Captured(gm, "symbolic_trace")
     except Exception as fx_error:  # noqa: BLE001 - any tracing failure sends us to the export path
         fx_msg = f"{type(fx_error).__name__}: {fx_error}"
+        fx_where = user_frame(fx_error)
     log.info("memopt: symbolic_trace failed for %s (%s); trying torch.export", type(model).__name__, fx_msg)
     was_training = model.training
     try:
-        exported = torch.export.export(model, args, kwargs=kwargs, strict=False)
+        with _quiet("torch.fx.experimental.symbolic_shapes"):  # a failure is reported by us, with its construct
+            exported = torch.export.export(model, args, kwargs=kwargs, strict=False)
         ep_module = exported.module()
         graph = ep_module.graph
         _drop_export_guards(graph)
@@ -124,18 +126,73 @@ def capture(model: nn.Module, args: tuple, kwargs: dict) -> Captured:
         return Captured(gm, "export")
     except Exception as export_error:  # noqa: BLE001
         export_msg = f"{type(export_error).__name__}: {export_error}"
+        export_where = user_frame(export_error)
     finally:
         model.train(was_training)
     first = lambda msg: msg.strip().splitlines()[0][:300] if msg.strip() else msg  # noqa: E731
-    raise TraceError(
+    where = fx_where or export_where
+    construct = f"  The construct: {where}\n" if where else ""
+    summary = (f"symbolic_trace: {first(fx_msg)[:160]}; torch.export: {first(export_msg)[:160]}"
+               + (f"; at {where}" if where else ""))
+    raise trace_error(
         f"memopt could not capture {type(model).__name__}.\n"
         f"  torch.fx.symbolic_trace failed with: {first(fx_msg)}\n"
         f"  torch.export.export(strict=False) failed with: {first(export_msg)}\n"
+        f"{construct}"
         f"What to try: make the failing construct traceable (replace Python control flow on tensor "
         f"values with torch.where / torch.cond), mark the submodule that contains it as a leaf "
         f"(wrap it in a module and call torch.fx.wrap / a custom Tracer.is_leaf_module), or optimize "
-        f"the traceable submodules separately with memopt.optimize(submodule, ...)."
-    )
+        f"the traceable submodules separately with memopt.optimize(submodule, ...).", summary)
+
+
+class _quiet:
+    """A failing torch.export prints its whole partial graph to stderr and logs a warning; we report
+    the failure ourselves, with its construct. The logger is raised to ERROR and stderr is held back
+    for the duration; on success what was written to stderr is passed on."""
+
+    def __init__(self, name: str) -> None:
+        self.logger = logging.getLogger(name)
+
+    def __enter__(self) -> None:
+        import contextlib
+        import io
+
+        self.level = self.logger.level
+        self.logger.setLevel(logging.ERROR)
+        self.buffer = io.StringIO()
+        self.redirect = contextlib.redirect_stderr(self.buffer)
+        self.redirect.__enter__()
+
+    def __exit__(self, exc_type, *exc) -> None:
+        import sys
+
+        self.redirect.__exit__(exc_type, *exc)
+        self.logger.setLevel(self.level)
+        if exc_type is None and self.buffer.getvalue():
+            sys.stderr.write(self.buffer.getvalue())
+
+
+def trace_error(message: str, summary: str) -> TraceError:
+    """A ``TraceError`` with ``summary``: one line naming both failures and the construct (for reports)."""
+    error = TraceError(message)
+    error.summary = summary
+    return error
+
+
+def user_frame(error: BaseException) -> str:
+    """``file:line (function): code`` of the innermost frame of the traceback outside torch: the
+    construct of the model's own code that tracing failed on ("" when there is none)."""
+    import os
+    import traceback
+
+    torch_dir = os.path.dirname(torch.__file__) + os.sep
+    frames = [f for f in traceback.extract_tb(error.__traceback__)
+              if not f.filename.startswith(torch_dir) and not f.filename.startswith("<")
+              and os.path.abspath(f.filename) != os.path.abspath(__file__)]
+    if not frames:
+        return ""
+    f = frames[-1]
+    return f"{f.filename}:{f.lineno} in {f.name}: {(f.line or '').strip()}"
 
 
 def flat_inputs(gm: fx.GraphModule, args: tuple, kwargs: dict) -> list:

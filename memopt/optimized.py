@@ -10,6 +10,8 @@ and the model's structure (which module and parameter objects sit where, which r
 replacing a submodule or a parameter, adding one, freezing one or registering a hook re-captures
 and re-plans at the next training forward, so a stale graph never trains the old objects. Modules
 with hooks are captured as one call and never rewritten, so their hooks fire as in stock PyTorch.
+A model that cannot be captured whole is captured per submodule (``memopt/partial.py``): its own
+forward runs, with the captured submodules' forwards routed through their graphs for that call only.
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ from torch import nn
 
 from memopt.capture import has_hooks, normalize_inputs
 from memopt.config import Config
-from memopt.errors import MemoptError
+from memopt.errors import MemoptError, TraceError
 from memopt.pipeline import Built, build, input_signature
 from memopt.plan import Plan
 
@@ -70,8 +72,16 @@ class OptimizedModule(nn.Module):
                 log.warning("memopt: the given plan is for inputs %s, not %s; planning these inputs anew",
                             plan.input_signature, list(signature))
                 plan = None
-            built = build(self._memopt_model, args, kwargs, self._memopt_config, self._memopt_budget,
-                          self._memopt_optimizer, plan)
+            try:
+                built = build(self._memopt_model, args, kwargs, self._memopt_config, self._memopt_budget,
+                              self._memopt_optimizer, plan)
+            except TraceError as whole:  # optimize the submodules that can be captured (memopt/partial.py)
+                from memopt.partial import build_partial
+
+                log.warning("memopt: %s cannot be captured whole; capturing its submodules instead (%s)",
+                            type(self._memopt_model).__name__, whole.summary)
+                built = build_partial(self._memopt_model, args, kwargs, self._memopt_config, self._memopt_budget,
+                                      self._memopt_optimizer, plan, whole)
             self._memopt_built[key] = built
             while len(self._memopt_built) > MAX_SIGNATURES:
                 self._memopt_built.popitem(last=False)
@@ -97,7 +107,10 @@ class OptimizedModule(nn.Module):
         if not (self.training and torch.is_grad_enabled()) or torch._C._functorch.peek_interpreter_stack() is not None \
                 or not _trains_anything(self._memopt_model, args, kwargs):
             return self._memopt_model(*args, **kwargs)
-        return self._build_for(args, kwargs).graph_module(*args, **kwargs)
+        built = self._build_for(args, kwargs)
+        if isinstance(built, Built):
+            return built.graph_module(*args, **kwargs)
+        return built.run(self._memopt_model, args, kwargs)  # captured per submodule
 
     def train(self, mode: bool = True) -> "OptimizedModule":
         super().train(mode)
@@ -112,6 +125,13 @@ class OptimizedModule(nn.Module):
     @property
     def graph_module(self) -> torch.fx.GraphModule:
         return self._last().graph_module
+
+    @property
+    def graph_modules(self) -> "dict[str, torch.fx.GraphModule]":
+        """{submodule path: rewritten graph}: {"": graph} for a model captured whole, one entry per
+        captured submodule for a model captured per submodule (``memopt/partial.py``)."""
+        built = self._last()
+        return {"": built.graph_module} if isinstance(built, Built) else built.graph_modules
 
     @property
     def plan(self) -> Plan:
@@ -141,6 +161,10 @@ class OptimizedModule(nn.Module):
         """Write graph.py, graph.dot, graph.graphml, plan.json and report.md into ``directory``."""
         from memopt.export import export_directory
 
+        if not isinstance(self._last(), Built):
+            from memopt.partial import export_partial
+
+            return export_partial(self, Path(directory))
         return export_directory(self, Path(directory))
 
     def __repr__(self) -> str:

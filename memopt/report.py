@@ -56,6 +56,13 @@ def render(plan: Plan, *, top: Optional[int] = None, group: bool = True, fmt: st
     lines.append("")
     if plan.planner:
         lines += [_planner_table(plan, top, fmt), ""]
+    if getattr(plan, "submodules", None):  # a model captured per submodule (memopt/partial.py)
+        from memopt.partial import submodule_table
+
+        lines += ["captured per submodule: the whole model could not be captured; its other code runs exact",
+                  tabulate(submodule_table(plan), headers=["submodule", "class", "captured by", "calls",
+                                                           "saved before", "saved after", "why"], tablefmt=fmt),
+                  f"totals {plan.totals}", ""]
     lines.append(_totals(plan, fmt))
     return "\n".join(lines)
 

@@ -97,15 +97,15 @@ def test_lazy_capture_and_recapture_on_new_shapes(caplog):
     assert om.original_module is model
 
 
-def test_untraceable_model_raises_trace_error_naming_the_model():
+def test_untraceable_model_raises_trace_error_naming_the_model_and_construct():
     class DataDependent(nn.Module):
         def __init__(self):
             super().__init__()
-            self.fc = nn.Linear(4, 4)
+            self.w = nn.Parameter(torch.randn(4, 4))  # no submodule to capture instead
 
         def forward(self, x):
             if x.sum() > 0:  # a branch on a tensor value: neither fx nor export can capture it
-                return self.fc(x)
+                return x @ self.w
             return x
 
     model = DataDependent()
@@ -115,8 +115,27 @@ def test_untraceable_model_raises_trace_error_naming_the_model():
     message = str(info.value)
     assert "DataDependent" in message
     assert "symbolic_trace failed" in message and "torch.export" in message
+    assert "The construct: " in message and "test_capture.py" in message and "if x.sum() > 0:" in message
     assert "leaf" in message  # says what to try
     assert model.training and all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+
+
+def test_untraceable_parent_with_traceable_children_is_captured_per_submodule():
+    class DataDependent(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            if x.sum() > 0:
+                return self.fc(x)
+            return x
+
+    model = DataDependent()
+    x = torch.ones(2, 4)
+    om = memopt.optimize(model, example_inputs=x)
+    assert om.plan.capture == "per-submodule" and list(om.graph_modules) == ["fc"]
+    assert torch.equal(om(x), model(x))
 
 
 def test_torch_save_of_an_export_captured_module_keeps_state_shared():

@@ -242,3 +242,27 @@ def build(name: str) -> Built:
     if name not in ZOO:
         raise KeyError(f"unknown zoo model {name!r}; known: {sorted(ZOO)}")
     return ZOO[name].build()
+
+
+class EarlyExitResNet(nn.Module):
+    """A residual net that stops early when its activations blow up: the branch reads a tensor value,
+    so neither symbolic_trace nor torch.export can capture the forward; each block can be captured."""
+
+    def __init__(self, width: int = 16, depth: int = 3, classes: int = 10, limit: float = 1e4) -> None:
+        super().__init__()
+        self.stem = ConvBNReLU(3, width)
+        self.blocks = nn.ModuleList([BasicBlock(width, width) for _ in range(depth)])
+        self.fc = nn.Linear(width, classes)
+        self.limit = limit
+
+    def forward(self, x):
+        h = self.stem(x)
+        for block in self.blocks:
+            h = block(h)
+            if h.detach().abs().amax() > self.limit:  # data-dependent control flow: not capturable
+                break
+        return self.fc(F.gelu(h).mean((2, 3)))
+
+
+ZOO["early_exit"] = ZooEntry("early_exit", _seeded(lambda: (EarlyExitResNet(), torch.randn(4, 3, 16, 16))),
+                             capture="per-submodule")

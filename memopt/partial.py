@@ -1,0 +1,329 @@
+"""Per-submodule capture: optimize the parts of a model that can be captured when the whole cannot.
+
+When neither ``torch.fx.symbolic_trace`` nor ``torch.export`` captures a model (Python control flow
+on tensor values, ``.item()`` driving a loop, a call into another library), memopt runs one real
+training forward of the model (state and RNG restored) with forward pre-hooks that record each
+submodule's first inputs. Then, top-down, every submodule that was called is captured on its own
+inputs; one that fails is reported with both capture errors and its children are tried instead. A
+submodule that is never called itself (a ``ModuleList`` the parent loops over) is looked into.
+
+Each captured submodule gets its own graph, cost-model annotation and rewrites (``pipeline.build``).
+At a training forward of the ``OptimizedModule`` the model's own Python forward runs, and for its
+duration (only) each captured submodule's ``forward`` is routed through its rewritten graph; calls
+with other inputs than those captured, in eval mode or without grad, run the original forward.
+
+The whole model's totals cannot come from fake tensors (its uncaptured code needs real values), so
+they are measured: one real training step of the original model and one of the routed model on the
+example inputs (``memopt.measure``; state, gradients and RNG restored). Per-node rows of the
+captured submodules come from the fake-tensor cost model, as for a fully captured model.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_leaves, tree_map
+
+from memopt.capture import trace_error
+from memopt.config import Config
+from memopt.errors import BudgetError, MemoptError, TraceError
+from memopt.plan import Plan
+from memopt.report import fmt_bytes
+
+log = logging.getLogger("memopt")
+
+CAPTURE = "per-submodule"
+
+
+@dataclass
+class PartialPlan(Plan):
+    """A ``Plan`` for a model captured per submodule. Node and unit names carry the submodule path
+    (``blocks.0/conv1``); ``submodules`` says which parts were captured, which not and why."""
+
+    # {"path", "class", "captured": bool, "method", "calls", "saved_bytes_before", "saved_bytes_after", "why"}
+    submodules: List[Dict[str, Any]] = field(default_factory=list)
+    totals: str = ""  # where the whole-model totals come from
+
+
+@dataclass
+class Unit:
+    path: str
+    signature: Tuple[str, ...]
+    built: Any  # pipeline.Built
+    calls: int
+
+
+@dataclass
+class PartialBuilt:
+    """What ``OptimizedModule`` keeps per input signature when the model was captured per submodule."""
+
+    plan: PartialPlan
+    units: List[Unit]
+
+    @property
+    def graph_module(self):
+        raise MemoptError(f"{self.plan.model} was captured per submodule ({len(self.units)} graphs: "
+                          f"{', '.join(u.path for u in self.units)}), not as one graph; use om.graph_modules")
+
+    @property
+    def graph_modules(self) -> Dict[str, torch.fx.GraphModule]:
+        return {u.path: u.built.graph_module for u in self.units}
+
+    @property
+    def estimate(self):
+        raise MemoptError(f"{self.plan.model} was captured per submodule: there is no single cost-model Estimate; "
+                          f"om.plan has the measured totals and the per-submodule estimates")
+
+    def run(self, model: nn.Module, args: tuple, kwargs: dict) -> Any:
+        with routed(model, self.units):
+            return model(*args, **kwargs)
+
+
+# ------------------------------------------------------------------------- recording the calls
+def _snapshot(value: Any) -> Any:
+    def copy(t):
+        if not isinstance(t, torch.Tensor):
+            return t
+        c = t.detach().clone()
+        return c.requires_grad_(t.requires_grad) if (c.is_floating_point() or c.is_complex()) else c
+    return tree_map(copy, value)
+
+
+def record_calls(model: nn.Module, args: tuple, kwargs: dict) -> Dict[str, list]:
+    """{submodule path: [args, kwargs, calls]}: the first inputs of every submodule the model's
+    training forward calls, from one real forward (grad on, train mode; state and RNG restored)."""
+    from memopt.state import preserved_state
+
+    calls: Dict[str, list] = {}
+    handles = []
+
+    def hook(path):
+        def pre_hook(module, a, kw):
+            if path in calls:
+                calls[path][2] += 1
+            else:
+                calls[path] = [_snapshot(a), _snapshot(kw), 1]
+        return pre_hook
+
+    for path, module in model.named_modules():
+        if path:
+            handles.append(module.register_forward_pre_hook(hook(path), with_kwargs=True))
+    try:
+        with preserved_state(model), torch.enable_grad():
+            model.train(True)
+            model(*args, **kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+    return calls
+
+
+# ------------------------------------------------------------------------- choosing and building
+def _signature(args: tuple, kwargs: dict) -> Tuple[str, ...]:
+    from memopt.pipeline import input_signature
+
+    return tuple(input_signature(args, kwargs))
+
+
+def capture_units(model: nn.Module, args: tuple, kwargs: dict, config: Config, whole_error: TraceError):
+    """Build every largest capturable submodule; returns (units, submodule records)."""
+    from memopt.pipeline import build
+
+    calls = record_calls(model, args, kwargs)
+    records: List[Dict[str, Any]] = [{"path": "", "class": type(model).__name__, "captured": False, "method": "",
+                                      "calls": 1, "saved_bytes_before": None, "saved_bytes_after": None,
+                                      "why": whole_error.summary}]
+    units: List[Unit] = []
+
+    def visit(prefix: str, module: nn.Module) -> None:
+        for name, child in module.named_children():
+            path = f"{prefix}.{name}" if prefix else name
+            if path not in calls:
+                if any(p.startswith(path + ".") for p in calls):
+                    visit(path, child)  # a container the parent loops over, never called itself
+                continue
+            a, kw, count = calls[path]
+            try:
+                built = build(child, a, kw, config, None)
+            except TraceError as e:
+                records.append({"path": path, "class": type(child).__name__, "captured": False, "method": "",
+                                "calls": count, "saved_bytes_before": None, "saved_bytes_after": None,
+                                "why": e.summary})
+                visit(path, child)
+                continue
+            units.append(Unit(path, _signature(a, kw), built, count))
+            records.append({"path": path, "class": type(child).__name__, "captured": True,
+                            "method": built.plan.capture, "calls": count,
+                            "saved_bytes_before": built.plan.baseline_saved_bytes,
+                            "saved_bytes_after": built.plan.estimated_saved_bytes,
+                            "why": "" if count == 1 else f"called {count} times; calls with other inputs than the "
+                                                        f"first run the original forward"})
+
+    visit("", model)
+    return units, records
+
+
+def build_partial(model: nn.Module, args: tuple, kwargs: dict, config: Config, budget_bytes: Optional[int],
+                  optimizer: Any, plan: Optional[Plan], whole_error: TraceError) -> PartialBuilt:
+    """The fallback of ``pipeline.build`` when ``model`` cannot be captured whole."""
+    from memopt.measure import measure
+    from memopt.pipeline import input_signature
+
+    if plan is not None:
+        raise MemoptError(f"{type(model).__name__} cannot be captured whole ({whole_error.summary}); a saved plan "
+                          f"cannot be re-applied to a model captured per submodule yet. Call memopt.optimize "
+                          f"without plan= (it captures the submodules and plans them again).")
+    _require_real_inputs(model, args, kwargs, whole_error, "memopt.optimize")
+    units, records = capture_units(model, args, kwargs, config, whole_error)
+    if not units:
+        raise trace_error(f"{whole_error}\nNo submodule of it could be captured either (tried: "
+                          f"{', '.join(r['path'] for r in records[1:]) or 'none: the forward calls no submodule'}).",
+                          whole_error.summary)
+    inputs = args if not kwargs else (args if args else kwargs)
+    if args and kwargs:
+        raise MemoptError(f"{type(model).__name__} is captured per submodule, whose totals are measured with "
+                          f"memopt.measure; give its example inputs either positionally or by keyword, not both")
+    base = measure(model, inputs, optimizer=optimizer)
+    if budget_bytes is not None and base.peak_bytes <= budget_bytes:
+        units_run: List[Unit] = []
+        after = base
+    else:
+        units_run = units
+        with routed(model, units):
+            after = measure(model, inputs, optimizer=optimizer)
+    if budget_bytes is not None and after.peak_bytes > budget_bytes:
+        raise BudgetError(f"budget_mb={budget_bytes / 2**20:.1f} ({fmt_bytes(budget_bytes)}) cannot be met for "
+                          f"{type(model).__name__}: it is captured per submodule ({whole_error.summary}), where "
+                          f"memopt applies every technique at its defaults and does not plan for a budget; the "
+                          f"measured peak with them is {fmt_bytes(after.peak_bytes)} (baseline "
+                          f"{fmt_bytes(base.peak_bytes)}). Raise budget_mb, lower the batch size, or make the "
+                          f"model capturable whole so the planner can use recomputation.",
+                          budget_bytes, after.peak_bytes)
+    nodes, unit_entries, passes = [], [], []
+    for unit in units_run:
+        nodes += [dataclasses.replace(n, name=f"{unit.path}/{n.name}") for n in unit.built.plan.nodes]
+        unit_entries += [_prefixed_unit(unit.path, u) for u in unit.built.plan.units]
+        passes += [dict(p, submodule=unit.path) for p in unit.built.plan.passes]
+    result = PartialPlan(
+        model=type(model).__name__, capture=CAPTURE, device=after.device,
+        input_signature=input_signature(args, kwargs), torch_version=torch.__version__, config=config.to_dict(),
+        budget_bytes=budget_bytes, baseline_saved_bytes=base.saved_bytes, estimated_saved_bytes=after.saved_bytes,
+        baseline_peak_bytes=base.peak_bytes, estimated_peak_bytes=after.peak_bytes, baseline_breakdown={},
+        estimated_breakdown={}, passes=passes, nodes=nodes, units=unit_entries, submodules=records,
+        totals=f"measured: one real training step of the original and of the optimized model on the example "
+               f"inputs ({after.method}); the code outside the captured submodules cannot run on fake tensors")
+    return PartialBuilt(result, units_run)
+
+
+def _prefixed_unit(path: str, entry: Dict[str, Any]) -> Dict[str, Any]:
+    def option(o):
+        return dict(o, unit=f"{path}/{o['unit']}") if o.get("unit") else dict(o)
+    return dict(entry, name=f"{path}/{entry['name']}", nodes=[f"{path}/{n}" for n in entry["nodes"]],
+                chosen=option(entry["chosen"]), alternatives=[option(o) for o in entry["alternatives"]])
+
+
+def _require_real_inputs(model: nn.Module, args: tuple, kwargs: dict, whole_error: TraceError, caller: str) -> None:
+    fake = [t for t in tree_leaves((args, kwargs)) + list(model.parameters())
+            if isinstance(t, torch.Tensor) and t.is_meta]
+    if fake:
+        raise MemoptError(f"{caller} cannot cover {type(model).__name__} on the meta device: the model cannot be "
+                          f"captured whole ({whole_error.summary}), so the code outside its captured submodules must "
+                          f"run on real values. Give real example inputs (and parameters) on the model's device, or "
+                          f"make the forward capturable.")
+
+
+# ------------------------------------------------------------------------- routing at run time
+@contextmanager
+def routed(model: nn.Module, units: List[Unit]) -> Iterator[None]:
+    """For the duration of the block, each unit's submodule runs its rewritten graph (instance attribute
+    ``forward``); afterwards the model is as it was."""
+    patched = []
+    try:
+        for unit in units:
+            module = model.get_submodule(unit.path)
+            own = module.__dict__.get("forward", _MISSING)
+            module.__dict__["forward"] = _router(module, unit, module.forward)
+            patched.append((module, own))
+        yield
+    finally:
+        for module, own in reversed(patched):
+            if own is _MISSING:
+                module.__dict__.pop("forward", None)
+            else:
+                module.__dict__["forward"] = own
+
+
+_MISSING = object()
+
+
+def _router(module: nn.Module, unit: Unit, original):
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if not (module.training and torch.is_grad_enabled()):
+            return original(*args, **kwargs)
+        if _signature(args, kwargs) != unit.signature:
+            log.info("memopt: %s called with inputs %s, captured for %s; running its original forward",
+                     unit.path, list(_signature(args, kwargs)), list(unit.signature))
+            return original(*args, **kwargs)
+        return unit.built.graph_module(*args, **kwargs)
+    return forward
+
+
+# ------------------------------------------------------------------------- estimate and report
+def estimate_partial(model: nn.Module, args: tuple, kwargs: dict, device: Optional[str], optimizer: Any,
+                     loss_fn, whole_error: TraceError):
+    """``memopt.estimate`` of a model that cannot be captured whole: per-node costs of the captured
+    submodules (fake tensors) and the whole model's totals from one real step (nothing rewritten)."""
+    from memopt.measure import measure
+
+    _require_real_inputs(model, args, kwargs, whole_error, "memopt.estimate")
+    config = Config.exact(device=device)
+    units, records = capture_units(model, args, kwargs, config, whole_error)
+    if args and kwargs:
+        raise MemoptError(f"give {type(model).__name__}'s example inputs either positionally or by keyword, not both")
+    real = measure(model, args if args else kwargs, loss_fn, optimizer=optimizer)
+    nodes = [dataclasses.replace(n, name=f"{u.path}/{n.name}") for u in units for n in u.built.baseline.nodes.values()]
+    plan_nodes = [dataclasses.replace(n, name=f"{u.path}/{n.name}") for u in units for n in u.built.plan.nodes]
+    from memopt.pipeline import input_signature
+
+    plan = PartialPlan(
+        model=type(model).__name__, capture=CAPTURE, device=real.device, input_signature=input_signature(args, kwargs),
+        torch_version=torch.__version__, config=config.to_dict(), budget_bytes=None,
+        baseline_saved_bytes=real.saved_bytes, estimated_saved_bytes=real.saved_bytes,
+        baseline_peak_bytes=real.peak_bytes, estimated_peak_bytes=real.peak_bytes, baseline_breakdown={},
+        estimated_breakdown={}, nodes=plan_nodes, submodules=records,
+        totals=f"measured: one real training step on the example inputs ({real.method}); the code outside the "
+               f"captured submodules cannot run on fake tensors")
+    return real.saved_bytes, real.peak_bytes, nodes, plan
+
+
+def submodule_table(plan: PartialPlan) -> List[List[Any]]:
+    """Rows for the report: path, class, captured by / not captured, calls, saved before/after, why."""
+    return [[r["path"] or "(whole model)", r["class"], r["method"] if r["captured"] else "not captured", r["calls"],
+             fmt_bytes(r["saved_bytes_before"]), fmt_bytes(r["saved_bytes_after"]), r["why"]]
+            for r in plan.submodules]
+
+
+def export_partial(om, directory):
+    """``om.export`` for a model captured per submodule: plan.json, report.md, and graph.py / graph.dot
+    per captured submodule (``graph_<path>.py``)."""
+    from memopt.export import GRAPH_HEADER, graph_code, to_dot
+    from memopt.report import render
+
+    plan = om.plan
+    directory.mkdir(parents=True, exist_ok=True)
+    for unit in om._last().units:
+        prefix = unit.path + "/"
+        nodes = {n.name[len(prefix):]: n for n in plan.nodes if n.name.startswith(prefix)}
+        stem = "graph_" + unit.path.replace(".", "_")
+        title = f"{plan.model}.{unit.path}"
+        (directory / f"{stem}.py").write_text(GRAPH_HEADER.format(model=title, capture=unit.built.plan.capture)
+                                             + graph_code(unit.built.graph_module))
+        (directory / f"{stem}.dot").write_text(to_dot(unit.built.graph_module, nodes, title))
+    plan.save(directory / "plan.json")
+    (directory / "report.md").write_text(f"# memopt report: {plan.model}\n\n" + render(plan, fmt="github") + "\n")
+    return directory
