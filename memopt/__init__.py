@@ -8,6 +8,7 @@ from memopt.config import Config
 from memopt.fewbit.config import FewBitConfig
 from memopt.fewbit.tables import fewbit_table
 from memopt.recompute.config import RecomputeConfig
+from memopt.reversible.config import ReversibleConfig
 from memopt.stash.config import StashConfig
 from memopt.plan import NodePlan, Plan
 from memopt.optimized import OptimizedModule
@@ -17,6 +18,6 @@ from memopt.measure import Measurement, measure
 __version__ = "0.1.0"
 
 __all__ = [
-    "BudgetError", "Config", "EstimateReport", "FewBitConfig", "RecomputeConfig", "StashConfig", "fewbit_table", "Measurement", "MemoptError", "NodePlan", "OptimizedModule",
+    "BudgetError", "Config", "EstimateReport", "FewBitConfig", "RecomputeConfig", "ReversibleConfig", "StashConfig", "fewbit_table", "Measurement", "MemoptError", "NodePlan", "OptimizedModule",
     "PassError", "Plan", "TraceError", "estimate", "load", "measure", "optimize", "__version__",
 ]

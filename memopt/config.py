@@ -13,6 +13,7 @@ from typing import Any, Dict, Optional
 
 from memopt.fewbit.config import FewBitConfig
 from memopt.recompute.config import RecomputeConfig
+from memopt.reversible.config import ReversibleConfig
 from memopt.stash.config import StashConfig
 
 _DEVICES = ("cpu", "cuda", "meta")
@@ -23,6 +24,10 @@ class Config:
     """Options of ``memopt.optimize``.
 
     Attributes:
+        reversible: reversible segments (``ReversibleConfig``; None turns it off): coupling blocks
+            (RevNet, reversible transformers) rebuild their inputs from their outputs in backward,
+            checked on the example inputs first. Runs first; models without such blocks are
+            unchanged.
         recompute: recomputation of whole blocks in backward (``RecomputeConfig``; None turns it
             off). By default it recomputes nothing: the budget planner uses it as a last resort,
             after few-bit and stash at their fewest bits. Runs first; the other techniques rewrite
@@ -34,6 +39,7 @@ class Config:
             "cuda" works on a machine without a GPU: planning runs on fake tensors.
     """
 
+    reversible: Optional[ReversibleConfig] = ReversibleConfig()
     recompute: Optional[RecomputeConfig] = RecomputeConfig()
     stash: Optional[StashConfig] = StashConfig()
     fewbit: Optional[FewBitConfig] = FewBitConfig()
@@ -73,4 +79,4 @@ class Config:
 
 
 # Config field -> its technique's config class; a new technique adds its line here and its field above.
-_TECHNIQUES = {"recompute": RecomputeConfig, "stash": StashConfig, "fewbit": FewBitConfig}
+_TECHNIQUES = {"reversible": ReversibleConfig, "recompute": RecomputeConfig, "stash": StashConfig, "fewbit": FewBitConfig}

@@ -10,11 +10,12 @@ from torch import fx, nn
 from torch.utils._pytree import tree_flatten_with_path, keystr
 
 from cost_model.analysis import Estimate, annotate
-from memopt.capture import capture, check_inputs
+from memopt.capture import capture, check_inputs, flat_inputs
 from memopt.config import Config
 from memopt.errors import BudgetError, MemoptError
 from memopt.plan import DECISION_KEY, NodePlan, Plan, node_plans
 from memopt.report import fmt_bytes
+from memopt.reversible.check import example_inputs
 from passes.candidates import rewritten_units
 from passes.manager import passes_for, run_passes
 from passes.planner import BudgetPlan, apply_config, config_for_units, plan_for_budget, plan_units
@@ -67,10 +68,17 @@ def build(model: nn.Module, args: tuple, kwargs: dict, config: Config, budget_by
     baseline = annotate(gm, args, kwargs, device=config.device, optimizer=optimizer)
     if config.fewbit is not None and config.fewbit.weight == "data" and not _has_meta(args, kwargs):
         from cost_model.histograms import record_input_histograms
-        from memopt.capture import flat_inputs
         from memopt.fewbit.activations import TABLE_ACTIVATIONS
 
         record_input_histograms(gm, flat_inputs(gm, args, kwargs), TABLE_ACTIVATIONS, config.fewbit.domain)
+    with example_inputs(None if _has_meta(args, kwargs) else flat_inputs(gm, args, kwargs)):
+        return _rewrite(model, captured, args, kwargs, config, budget_bytes, optimizer, plan, baseline)
+
+
+def _rewrite(model: nn.Module, captured: Any, args: tuple, kwargs: dict, config: Config, budget_bytes: Optional[int],
+             optimizer: Any, plan: Optional[Plan], baseline: Estimate) -> Built:
+    """Apply ``plan``, every technique, or the planner's choice (real example inputs visible to checks)."""
+    gm = captured.graph_module
     planned: Optional[BudgetPlan] = None
     if plan is not None:
         gm, records = apply_config(gm, config_for_units(config, plan.chosen_units()))

@@ -1,0 +1,1 @@
+"""Reversible segments: configuration and the plan-time numeric check."""
