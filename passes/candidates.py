@@ -19,18 +19,20 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+from statistics import NormalDist
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import fx
 
-from cost_model.analysis import Estimate, annotate
+from cost_model.analysis import META_KEY, Estimate, annotate
 from memopt.fewbit.activations import ACTIVATIONS
 from memopt.fewbit.config import FewBitConfig
 from memopt.fewbit.tables import table_error
 from memopt.ops.fewbit import fewbit_activation
 from memopt.ops.stash import WINDOWS, bn_act_stash
+from memopt.ops.stash_generic import generic_encode
 from memopt.plan import DECISION_KEY
 from memopt.recompute.config import RecomputeConfig
 from memopt.stash.config import StashConfig
@@ -90,6 +92,8 @@ class Technique:
 def _stash_fidelity(new: fx.Node, baseline: Estimate, unit: str) -> float:
     """Mean squared error of the stashed x̂ ~ N(0, 1) on its K-bit grid (bin width 2h/2^K, clipping at
     ±h), times the elements of the BN output: (width²/12)·P(|z|<h) + E[(|z|−h)²; |z|>h]."""
+    if new.target is generic_encode:
+        return _generic_fidelity(new)
     if new.target is not bn_act_stash:
         return 0.0  # its consumers reuse the same codes
     bits = new.meta[DECISION_KEY]["bits"]
@@ -99,6 +103,18 @@ def _stash_fidelity(new: fx.Node, baseline: Estimate, unit: str) -> float:
     pdf = math.exp(-half * half / 2) / math.sqrt(2 * math.pi)
     clip = (1 + half * half) * tail - 2 * half * pdf
     return (width * width / 12 * (1 - tail) + clip) * _numel(baseline, unit)
+
+
+def _generic_fidelity(new: fx.Node) -> float:
+    """The generic stash on the same scale as the chains' (a unit-variance input): per group of G normal
+    values the range is about 2·Φ⁻¹((G − 3/8)/(G + 1/4)) (Blom; 5.6 for G = 256), the step that over
+    2^K − 1, the mean squared error step²/12 (nearest) or step²/6 (stochastic), times the elements."""
+    _, bits, group, stochastic = new.args
+    cost = new.args[0].meta.get(META_KEY)
+    numel = math.prod(cost.shapes[0]) if cost is not None and cost.shapes else 0
+    span = 2 * NormalDist().inv_cdf((group - 0.375) / (group + 0.25)) if group > 1 else 0.0
+    step = span / ((1 << bits) - 1)
+    return step * step / (6 if stochastic else 12) * numel
 
 
 _TABLE_ERRORS: Dict[Tuple, float] = {}

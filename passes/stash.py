@@ -8,6 +8,9 @@ and Linear modules (rewritten to rebuild their input from the stash), MaxPool2d 
 only its indices), and users that keep nothing (average pooling, add, the model output, another
 chain's residual input). Anything else keeps the output, so the chain stays exact and the report
 says which consumer blocked it.
+
+Then, in ``passes/stash_generic.py``: the generic stash of the remaining conv / linear / matmul inputs
+(``StashConfig.generic``) and the exact 1-bit extras (``StashConfig.compact_extras``).
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ from memopt.ops.stash import bn_act_stash, conv_from_stash, linear_from_stash, m
 from memopt.plan import DECISION_KEY
 from memopt.stash.config import StashConfig
 from passes.base import PassResult, register_pass
+from passes.stash_generic import compact_extras, generic_stash
 
 _ACTS = ("relu", "relu6", "leaky_relu")
 _KEEPS_NOTHING = ("avg_pool", "add")
@@ -120,6 +124,10 @@ def stash_pass(gm: fx.GraphModule, cfg: StashConfig) -> PassResult:
         add, end, kind = found
         _rewrite(gm, modules, bn, add, end, kind, cfg.bits_for(bn.name))
         modified = True
+    if cfg.generic:  # after the chains: what they cover is no longer a plain conv / linear input
+        modified |= generic_stash(gm, cfg)
+    if cfg.compact_extras:
+        modified |= compact_extras(gm, cfg)
     return PassResult(gm, modified)
 
 

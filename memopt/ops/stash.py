@@ -238,10 +238,7 @@ class ConvFromStash(torch.autograd.Function):
         packed, mask_packed, affine, zero_code, weight = ctx.saved_tensors
         shape, dtype, bits, act, act_params, stride, padding, dilation, groups, has_bias = ctx.meta
         y_hat = _Stash.rebuild(packed, mask_packed, affine, zero_code, bits, shape, act, act_params).to(dtype)
-        dims = len(shape) - 2
-        grad_in, grad_w, grad_b = torch.ops.aten.convolution_backward(
-            grad, y_hat, weight, [weight.shape[0]] if has_bias else None, _tuple(stride, dims),
-            _tuple(padding, dims), _tuple(dilation, dims), False, [0] * dims, groups, [True, True, has_bias])
+        grad_in, grad_w, grad_b = conv_grads(grad, y_hat, weight, stride, padding, dilation, groups, has_bias)
         return grad_in, grad_w, grad_b, None, None, None, None, None, None, None, None, None, None, None
 
 
@@ -257,10 +254,24 @@ class LinearFromStash(torch.autograd.Function):
         packed, mask_packed, affine, zero_code, weight = ctx.saved_tensors
         shape, dtype, bits, act, act_params, has_bias = ctx.meta
         y_hat = _Stash.rebuild(packed, mask_packed, affine, zero_code, bits, shape, act, act_params).to(dtype)
-        grad_in = grad.matmul(weight)
-        grad_w = grad.reshape(-1, grad.shape[-1]).t().matmul(y_hat.reshape(-1, shape[-1]))
-        grad_b = grad.reshape(-1, grad.shape[-1]).sum(0) if has_bias else None
-        return grad_in, grad_w, grad_b, None, None, None, None, None, None, None
+        return (*linear_grads(grad, y_hat, weight, has_bias), None, None, None, None, None, None, None)
+
+
+def conv_grads(grad, x_hat, weight, stride, padding, dilation, groups, has_bias):
+    """(input, weight, bias) gradients of a conv whose input is rebuilt as ``x_hat``: the input gradient
+    needs the weight only (exact), the weight gradient uses ``x_hat`` (approximate)."""
+    dims = x_hat.dim() - 2
+    return torch.ops.aten.convolution_backward(
+        grad, x_hat, weight, [weight.shape[0]] if has_bias else None, _tuple(stride, dims),
+        _tuple(padding, dims), _tuple(dilation, dims), False, [0] * dims, groups, [True, True, has_bias])
+
+
+def linear_grads(grad, x_hat, weight, has_bias):
+    """(input, weight, bias) gradients of ``F.linear`` with its input rebuilt as ``x_hat`` (see conv_grads)."""
+    grad_in = grad.matmul(weight)
+    grad_w = grad.reshape(-1, grad.shape[-1]).t().matmul(x_hat.reshape(-1, x_hat.shape[-1]))
+    grad_b = grad.reshape(-1, grad.shape[-1]).sum(0) if has_bias else None
+    return grad_in, grad_w, grad_b
 
 
 class MaxPoolIndices(torch.autograd.Function):

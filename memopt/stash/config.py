@@ -1,10 +1,13 @@
-"""``memopt.StashConfig``: exact forward, K-bit stash for backward, for BN-activation chains."""
+"""``memopt.StashConfig``: exact forward, K-bit stash for backward: BN-activation chains, optionally the
+inputs of every other conv / linear / matmul, and exact 1-bit extras."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Mapping, Optional, Tuple, Union
 
 from memopt.validation import check_bits, check_bits_choices, normalise_node_bits, normalise_node_names
+
+CONSUMERS = ("conv", "linear", "matmul")
 
 
 @dataclass(frozen=True)
@@ -21,6 +24,25 @@ class StashConfig:
             near-total cancellation (with 2 it is exactly zero up to eps) that a quantized x̂
             cannot reproduce: DenseNet-121 at 32x32, batch 2 (2 elements per channel in its last
             block) got sign-flipped upstream gradients from them.
+        generic: also stash the inputs of conv / linear / matmul-with-a-parameter nodes that no chain
+            covers (transformer projections, LayerNorm and GELU outputs): per group of ``group_size``
+            elements a float32 minimum and step, K-bit codes. Forward outputs and input gradients
+            stay exact; the weight gradients of those layers become approximate. Off by default
+            (opt-in): unlike a BN chain, whose x̂ has unit variance by construction, these inputs
+            have no known scale, so the error depends on the data (outlier features in a group
+            widen its step: at 4 bits the Gaussian relative error of the rebuilt input is about
+            0.12), and every conv / linear of a model would change its weight gradient without the
+            user asking. With ``generic=True`` the budget planner also offers these units (unit =
+            the node whose output is coded; ``allow``, ``deny`` and ``node_bits`` take that name).
+        group_size: elements per group of the generic stash (default 256, as ActNN): 8 bytes of
+            metadata per group, 6% on top of 4-bit codes.
+        stochastic: stochastic rounding for the generic stash (unbiased in expectation, about 1.6x
+            the squared error of rounding to nearest); default False: deterministic.
+        consumers: which op kinds the generic stash rewrites, a subset of ("conv", "linear",
+            "matmul"); a matmul qualifies only with a 2-D parameter as its second operand.
+        compact_extras: keep training-dropout masks and ``torch.where`` boolean conditions as 1 bit
+            per element (default True: exact, same ops and random draws, bit-identical outputs
+            and gradients; CPU dropout otherwise keeps a float32 noise tensor).
     """
 
     bits: int = 4
@@ -29,14 +51,28 @@ class StashConfig:
     min_per_channel: int = 32
     node_bits: Union[Tuple[Tuple[str, int], ...], Mapping[str, int]] = ()
     plan_bits: Tuple[int, ...] = (2, 3, 4, 8)
+    generic: bool = False
+    group_size: int = 256
+    stochastic: bool = False
+    consumers: Tuple[str, ...] = CONSUMERS
+    compact_extras: bool = True
 
     def __post_init__(self) -> None:
         check_bits(self.bits, "StashConfig.bits")
+        for name in ("generic", "stochastic", "compact_extras"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"StashConfig.{name} must be True or False, got {getattr(self, name)!r}")
+        if not isinstance(self.group_size, int) or isinstance(self.group_size, bool) or self.group_size < 1:
+            raise ValueError(f"StashConfig.group_size must be a positive int, got {self.group_size!r}")
+        if not isinstance(self.consumers, (tuple, list)) or not set(self.consumers) <= set(CONSUMERS):
+            raise ValueError(f"StashConfig.consumers must be a tuple drawn from {CONSUMERS}, got {self.consumers!r}")
+        object.__setattr__(self, "consumers", tuple(self.consumers))
         if not isinstance(self.min_per_channel, int) or self.min_per_channel < 1:
             raise ValueError(f"StashConfig.min_per_channel must be a positive int, got {self.min_per_channel!r}")
         normalise_node_names(self, "allow", "deny")
         normalise_node_bits(self, "node_bits")
         object.__setattr__(self, "plan_bits", check_bits_choices(self.plan_bits, "StashConfig.plan_bits"))
 
-    def bits_for(self, bn_name: str) -> int:
-        return dict(self.node_bits).get(bn_name, self.bits)
+    def bits_for(self, unit: str) -> int:
+        """Bits of a unit: a chain's BatchNorm node, or the node whose output the generic stash codes."""
+        return dict(self.node_bits).get(unit, self.bits)

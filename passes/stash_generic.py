@@ -1,0 +1,257 @@
+"""The stash pass, second part: a generic K-bit stash for weight-op inputs and compact exact extras.
+
+Generic stash (``StashConfig(generic=True)``): the inputs of conv, linear and matmul-with-a-parameter
+nodes that no BatchNorm chain covers (transformer projections, LayerNorm outputs, first layers) are
+coded once per tensor (``memopt.ops.stash_generic``) and every consumer keeps the codes instead of the
+tensor. A unit is one saved storage, named by the node that produced it, and is rewritten only when
+every node that keeps that storage is such a consumer (the cost model's ``savers``): a LayerNorm
+output feeding q, k and v frees only if all three are rewritten, a ReLU output the ReLU keeps too
+stays exact, and the report says which node blocked it. Only weight gradients become approximate.
+
+Compact extras (``StashConfig(compact_extras=True)``, exact): training dropout keeps a 1-bit mask,
+``torch.where`` a 1-bit condition, where the node alone keeps that tensor.
+"""
+from __future__ import annotations
+
+import operator
+from typing import Dict, List, NamedTuple, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+
+from cost_model.analysis import META_KEY, STATE_CATEGORIES
+from cost_model.op_registry import op_kind
+from memopt.capture import has_hooks
+from memopt.ops.bitpack import packed_nbytes
+from memopt.ops.stash_generic import (conv_from_codes, dropout_1bit, generic_encode, linear_from_codes,
+                                      matmul_from_codes, where_1bit)
+from memopt.plan import DECISION_KEY
+from memopt.stash.config import StashConfig
+
+aten = torch.ops.aten
+_FLOATS = ("float32", "bfloat16", "float16")
+_CONV_DEFAULTS = (1, 0, 1, 1)  # stride, padding, dilation, groups
+
+
+class Consumer(NamedTuple):
+    node: fx.Node
+    kind: str  # conv | linear | matmul
+    data: fx.Node  # the input whose copy it keeps
+    weight: fx.Node  # a get_attr node (inserted for modules)
+    bias: Optional[fx.Node]
+    conv: Tuple  # stride, padding, dilation, groups (conv only)
+
+
+def _arg(node: fx.Node, index: int, name: str, default=None):
+    return node.args[index] if len(node.args) > index else node.kwargs.get(name, default)
+
+
+def _parameter(gm: fx.GraphModule, node) -> Optional[torch.Tensor]:
+    """The tensor a get_attr node reads, else None."""
+    if not isinstance(node, fx.Node) or node.op != "get_attr":
+        return None
+    value = gm
+    for part in node.target.split("."):
+        value = getattr(value, part, None)
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def _consumer(gm: fx.GraphModule, node: fx.Node, modules, kinds: Tuple[str, ...]) -> Optional[Tuple[str, str]]:
+    """(kind, why not) for a node of a kind in ``kinds``: why not is "" when it can be rewritten."""
+    kind = op_kind(node, modules)
+    if kind not in kinds or kind not in ("conv", "linear", "matmul"):
+        return None
+    module = modules.get(node.target) if node.op == "call_module" else None
+    if module is not None:
+        if has_hooks(module):
+            return kind, "its module has hooks, which a rewrite would skip"
+        if not isinstance(module, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)):
+            return kind, f"{type(module).__name__} has no generic stash form"
+        if isinstance(module, nn.Conv1d | nn.Conv2d | nn.Conv3d) and (
+                module.padding_mode != "zeros" or isinstance(module.padding, str)):
+            return kind, f"padding {module.padding!r} / mode {module.padding_mode!r} (zeros, numeric only)"
+        return kind, ""
+    if node.op != "call_function" or node.target not in (
+            F.linear, aten.linear.default, F.conv1d, F.conv2d, F.conv3d, aten.conv1d.default, aten.conv2d.default,
+            aten.conv3d.default, torch.matmul, operator.matmul, aten.matmul.default, aten.mm.default):
+        return kind, f"{node.target} has no generic stash form"
+    weight = _parameter(gm, _arg(node, 1, "weight", _arg(node, 1, "other")))
+    if weight is None:
+        return kind, "its weight is computed in the graph, not a parameter (both operands are activations)"
+    if kind == "conv" and isinstance(_arg(node, 4, "padding", 0), str):
+        return kind, f"padding {_arg(node, 4, 'padding')!r} (numeric only)"
+    if kind == "matmul" and weight.dim() != 2:
+        return kind, f"a matmul with a {weight.dim()}-D parameter (2-D only)"
+    return kind, ""
+
+
+def _describe(node: fx.Node, kind: str, gm: fx.GraphModule, modules) -> Consumer:
+    module = modules.get(node.target) if node.op == "call_module" else None
+    graph = gm.graph
+    if module is not None:
+        with graph.inserting_before(node):
+            weight = graph.get_attr(f"{node.target}.weight")
+            bias = graph.get_attr(f"{node.target}.bias") if module.bias is not None else None
+        conv = (module.stride, module.padding, module.dilation, module.groups) if kind == "conv" else ()
+        return Consumer(node, kind, node.args[0], weight, bias, conv)
+    weight = _arg(node, 1, "weight", _arg(node, 1, "other"))
+    bias = _arg(node, 2, "bias") if kind != "matmul" else None
+    conv = tuple(_arg(node, 3 + i, n, d) for i, (n, d) in
+                 enumerate(zip(("stride", "padding", "dilation", "groups"), _CONV_DEFAULTS))) if kind == "conv" else ()
+    return Consumer(node, kind, _arg(node, 0, "input"), weight, bias, conv)
+
+
+def _kept(node: fx.Node):
+    cost = node.meta.get(META_KEY)
+    return [] if cost is None else [s for s in cost.saved if s.category not in STATE_CATEGORIES]
+
+
+def _decide(node: fx.Node, reason: str) -> None:
+    node.meta[DECISION_KEY] = {"technique": "exact", "reason": f"stash: {reason}"}
+
+
+def generic_stash(gm: fx.GraphModule, cfg: StashConfig) -> bool:
+    """Rewrite every eligible weight-op input (see the module docstring); True when anything changed."""
+    modules = dict(gm.named_modules())
+    units: Dict[int, Tuple[str, List[str], List[fx.Node]]] = {}  # storage key -> (unit, savers, consumers)
+    blocked: Dict[int, str] = {}
+    for node in list(gm.graph.nodes):
+        found = _consumer(gm, node, modules, cfg.consumers)
+        if found is None:
+            continue
+        kind, why = found
+        kept = _kept(node)
+        if not kept:
+            continue  # keeps nothing: nothing to free
+        data = _arg(node, 0, "input")
+        if not why and _dtype(data) not in _FLOATS:
+            why = f"its input's dtype {_dtype(data)} is not one of {list(_FLOATS)}"
+        if not why and len(kept) != 1:
+            why = "it keeps more than its input"
+        if not why and kept[0].category == "input":
+            why = ("its input is a model input, which stays alive outside the step: coding it would add bytes, "
+                   "not free them")
+        for ref in kept:
+            entry = units.setdefault(ref.key, (ref.source, list(ref.savers), []))
+            entry[2].append(node)
+            if why:
+                blocked.setdefault(ref.key, f"{node.name} ({kind}): {why}")
+    modified = False
+    taken = set()
+    for key, (unit, savers, consumers) in units.items():
+        names = {c.name for c in consumers}
+        reason = blocked.get(key)
+        if reason is None and not set(savers) <= names:
+            others = sorted(set(savers) - names)
+            reason = f"the tensor it keeps is also kept by {', '.join(others[:3])}, which have no generic stash form"
+        if reason is None and ((cfg.allow is not None and unit not in cfg.allow) or unit in cfg.deny):
+            reason = f"the unit {unit} is excluded by StashConfig allow/deny"
+        if reason is None and unit in taken:
+            reason = f"another storage of {unit} is already a unit"
+        if reason is not None:
+            for c in consumers:
+                _decide(c, f"generic stash: {reason}")
+            continue
+        taken.add(unit)
+        _rewrite_unit(gm, modules, unit, consumers, cfg)
+        modified = True
+    return modified
+
+
+def _rewrite_unit(gm: fx.GraphModule, modules, unit: str, consumers: List[fx.Node], cfg: StashConfig) -> None:
+    graph = gm.graph
+    bits, group = cfg.bits_for(unit), cfg.group_size
+    rounding = "stochastic" if cfg.stochastic else "nearest"
+    encoded: Dict[fx.Node, Tuple[fx.Node, fx.Node]] = {}
+    for node in consumers:
+        c = _describe(node, op_kind(node, modules), gm, modules)
+        if c.data not in encoded:
+            with graph.inserting_after(c.data):
+                enc = graph.create_node("call_function", generic_encode, (c.data, bits, group, cfg.stochastic),
+                                        name=f"{c.data.name}_codes")
+            with graph.inserting_after(enc):
+                packed = graph.call_function(operator.getitem, (enc, 0))
+            with graph.inserting_after(packed):
+                params = graph.call_function(operator.getitem, (packed.args[0], 1))
+            encoded[c.data] = (packed, params)
+            enc.meta[DECISION_KEY] = {
+                "technique": "stash", "bits": bits, "replaces": [], "unit": unit,
+                "reason": f"generic stash of {c.data.name}: {bits}-bit codes in groups of {group} "
+                          f"(min and step per group, float32), {rounding} rounding"}
+        packed, params = encoded[c.data]
+        label = node.format_node()
+        with graph.inserting_before(node):
+            if c.kind == "linear":
+                new = graph.create_node("call_function", linear_from_codes,
+                                        (c.data, c.weight, c.bias, packed, params, bits, group, label),
+                                        name=f"{node.name}_stash")
+            elif c.kind == "conv":
+                new = graph.create_node("call_function", conv_from_codes,
+                                        (c.data, c.weight, c.bias, packed, params, bits, group, label, *c.conv),
+                                        name=f"{node.name}_stash")
+            else:
+                new = graph.create_node("call_function", matmul_from_codes,
+                                        (c.data, c.weight, packed, params, bits, group, label),
+                                        name=f"{node.name}_stash")
+        new.meta[DECISION_KEY] = {"technique": "stash", "bits": bits, "replaces": [node.name], "unit": unit,
+                                  "reason": f"input rebuilt from the generic stash of {unit} for the weight "
+                                            f"gradient; the input gradient stays exact"}
+        node.replace_all_uses_with(new)
+        graph.erase_node(node)
+
+
+def stash_nbytes(numel: int, bits: int, group: int) -> int:
+    """Bytes the generic stash keeps for ``numel`` elements: codes plus 8 bytes (min, step) per group."""
+    return packed_nbytes(numel, bits) + 8 * -(-numel // group)
+
+
+def _dropout_args(node: fx.Node, modules) -> Optional[Tuple[float, bool, bool]]:
+    """(p, training, inplace) of a plain element-wise dropout node, else None."""
+    if node.op == "call_module":
+        module = modules[node.target]
+        if type(module) is not nn.Dropout or has_hooks(module):
+            return None
+        return float(module.p), module.training, module.inplace
+    if node.target is F.dropout:
+        return float(_arg(node, 1, "p", 0.5)), _arg(node, 2, "training", True), _arg(node, 3, "inplace", False)
+    if node.target is aten.dropout.default:
+        return float(_arg(node, 1, "p")), _arg(node, 2, "train"), False
+    return None
+
+
+def _dtype(node) -> Optional[str]:
+    cost = node.meta.get(META_KEY) if isinstance(node, fx.Node) else None
+    return cost.dtypes[0] if cost is not None and cost.dtypes else None
+
+
+def compact_extras(gm: fx.GraphModule, cfg: StashConfig) -> bool:
+    """Dropout masks and ``torch.where`` conditions kept as 1 bit (exact); True when anything changed."""
+    modules = dict(gm.named_modules())
+    graph = gm.graph
+    modified = False
+    for node in list(graph.nodes):
+        kind = op_kind(node, modules)
+        kept = _kept(node)
+        if not kept or node.name in cfg.deny or any(set(s.savers) != {node.name} for s in kept):
+            continue  # keeps nothing, or shares what it keeps: a compact copy would free nothing
+        if kind == "dropout":
+            found = _dropout_args(node, modules)
+            if found is None or found[1] is not True or found[2] or not 0.0 < found[0] < 1.0:
+                continue
+            with graph.inserting_before(node):
+                new = graph.create_node("call_function", dropout_1bit, (_arg(node, 0, "input"), found[0]),
+                                        name=f"{node.name}_1bit")
+            note = "dropout mask kept as 1 bit per element (exact)"
+        elif node.target in (torch.where, aten.where.self) and len(node.args) == 3 and not node.kwargs \
+                and _dtype(node.args[0]) == "bool":
+            with graph.inserting_before(node):
+                new = graph.create_node("call_function", where_1bit, node.args, name=f"{node.name}_1bit")
+            note = "boolean condition kept as 1 bit per element (exact)"
+        else:
+            continue
+        new.meta[DECISION_KEY] = {"technique": "stash", "bits": 1, "replaces": [node.name], "reason": note}
+        node.replace_all_uses_with(new)
+        graph.erase_node(node)
+        modified = True
+    return modified
