@@ -22,7 +22,7 @@ from torch.utils._pytree import tree_flatten
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.flop_counter import FlopCounterMode
 
-from cost_model.fake import fake_copy
+from cost_model.fake import RealDtypes, fake_copy
 from cost_model.op_registry import describe_target, op_kind
 from cost_model.optimizers import resolve_optimizer
 from cost_model.step import LossFn, compute_loss
@@ -188,7 +188,7 @@ def annotate(gm: fx.GraphModule, args: tuple, kwargs: dict, *, device: Optional[
     recorder = SavedTensorRecorder()
     flops = FlopCounterMode(display=False)
     annotator = _Annotator(fake_gm, recorder, flops, state_keys)
-    with mode, flops, recorder:
+    with mode, RealDtypes(), flops, recorder:
         out = annotator.run(*flat, enable_io_processing=False)
     del out
 
@@ -236,7 +236,7 @@ def simulate_step(gm: fx.GraphModule, args: tuple, kwargs: dict, device: torch.d
     flat = flat_inputs(fake_gm, fargs, fkwargs)
     input_tensors = _tensors(flat)
     tracker = LiveStorageTracker(preexisting=params + buffers + input_tensors)
-    with mode, tracker:
+    with mode, RealDtypes(), tracker:
         tracker.phase = "forward"
         interpreter = _ProducerInterpreter(fake_gm, tracker)
         out = interpreter.run(*flat, enable_io_processing=False)

@@ -84,6 +84,10 @@ def measure(model: nn.Module, example_inputs: Any, loss_fn: Optional[LossFn] = N
 
 
 def _step(model, args, kwargs, loss_fn, opt) -> None:
+    # Inside one autocast region the casts of the warm-up step (bf16 copies of the weights) stay in
+    # autocast's cache and would not be allocated again; a training step casts anew (the cache is
+    # emptied whenever the region is left), so the measured step starts with an empty cache.
+    torch.clear_autocast_cache()
     loss = compute_loss(model(*args, **kwargs), loss_fn)
     loss.backward()
     del loss

@@ -30,7 +30,8 @@ class Built:
 
 
 def input_signature(args: tuple, kwargs: dict) -> List[str]:
-    """One readable line per input leaf; two calls with equal signatures share a plan."""
+    """One readable line per input leaf, and one per device type autocast is on for; two calls with
+    equal signatures share a plan (autocast changes the dtypes and so the bytes of every node)."""
     out = []
     for path, leaf in tree_flatten_with_path((args, kwargs))[0]:
         if isinstance(leaf, torch.Tensor):
@@ -39,7 +40,13 @@ def input_signature(args: tuple, kwargs: dict) -> List[str]:
                        f"{' requires_grad' if leaf.requires_grad else ''}")
         else:
             out.append(f"{keystr(path)}: {type(leaf).__name__} {leaf!r:.40}")
-    return out
+    return out + autocast_state()
+
+
+def autocast_state() -> List[str]:
+    """``["autocast cpu: bfloat16", ...]`` for each device type autocast is enabled for now ([] when off)."""
+    return [f"autocast {device}: {str(torch.get_autocast_dtype(device)).replace('torch.', '')}"
+            for device in ("cpu", "cuda") if torch.is_autocast_enabled(device)]
 
 
 def validate_budget(budget_mb: Any) -> Optional[int]:
