@@ -62,7 +62,7 @@ def test_registry_selects_passes_from_config_fields():
     assert registered_pass(_TanhConfig)[0] == "test_exact_tanh"
     assert [name for name, _, _ in passes_for(_Holder())] == ["test_exact_tanh"]
     assert passes_for(_Holder(tanh=None)) == []
-    assert [name for name, _, _ in passes_for(memopt.Config())] == ["recompute", "stash", "fewbit"]
+    assert [name for name, _, _ in passes_for(memopt.Config())] == ["reversible", "recompute", "stash", "fewbit"]
     assert passes_for(memopt.Config.exact()) == []
     with pytest.raises(ValueError, match="already registered"):
         register_pass(_TanhConfig, "again")(_tanh_pass)

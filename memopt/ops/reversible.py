@@ -206,10 +206,11 @@ class _Reversible(torch.autograd.Function):
     @staticmethod
     def forward(ctx, segment: ReversibleSegment, n_inputs: int, *tensors: torch.Tensor):
         inputs = tensors[:n_inputs]
-        segment.calls += 1
+        real = _is_real(inputs[0])  # the cost model runs this on fake tensors: no counting, no sentinel
+        segment.calls += real
         # detached: views of inputs made here must not look differentiable to module hooks (no grad_fn)
         detached = [t.detach() for t in inputs]
-        sentinel = bool(segment.check_every) and segment.calls % segment.check_every == 0
+        sentinel = real and bool(segment.check_every) and segment.calls % segment.check_every == 0
         with torch.no_grad():
             outputs, rng, shapes = run_forward(segment, detached)
         ctx.segment, ctx.n_inputs, ctx.shapes, ctx.sentinel = segment, n_inputs, shapes, sentinel
@@ -241,6 +242,12 @@ class _Reversible(torch.autograd.Function):
         params = segment.params()
         return (None, None, *[input_grads[name] for name in segment.inputs],
                 *[param_grads.get(id(p)) for p in params])
+
+
+def _is_real(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return not t.is_meta and not isinstance(t, FakeTensor)
 
 
 def relative_error(rebuilt: Sequence[torch.Tensor], true: Sequence[torch.Tensor]) -> float:
