@@ -31,10 +31,12 @@ from memopt.fewbit.activations import ACTIVATIONS
 from memopt.fewbit.config import FewBitConfig
 from memopt.fewbit.tables import table_error
 from memopt.ops.fewbit import fewbit_activation
-from memopt.ops.stash import WINDOWS, bn_act_stash
+from memopt.ops.stash import bn_act_stash, split_by_mask, x_grid_half
 from memopt.ops.stash_generic import generic_encode
 from memopt.plan import DECISION_KEY
+from memopt.ops.reversible import reversible_segment
 from memopt.recompute.config import RecomputeConfig
+from memopt.reversible.config import ReversibleConfig
 from memopt.stash.config import StashConfig
 from passes.base import registered_pass
 
@@ -91,14 +93,15 @@ class Technique:
 
 def _stash_fidelity(new: fx.Node, baseline: Estimate, unit: str) -> float:
     """Mean squared error of the stashed x̂ ~ N(0, 1) on its K-bit grid (bin width 2h/2^K, clipping at
-    ±h), times the elements of the BN output: (width²/12)·P(|z|<h) + E[(|z|−h)²; |z|>h]."""
+    ±h; 2h/2^(K+1) when the mask splits it), times the elements of the BN output: (width²/12)·P(|z|<h) + E[(|z|−h)²; |z|>h]."""
     if new.target is generic_encode:
         return _generic_fidelity(new)
     if new.target is not bn_act_stash:
         return 0.0  # its consumers reuse the same codes
     bits = new.meta[DECISION_KEY]["bits"]
-    half = WINDOWS[bits]
-    width = 2 * half / (1 << bits)
+    split = split_by_mask(new.args[9], new.args[6] is not None)  # then a (K+1)-bit grid
+    half = x_grid_half(bits, split)
+    width = 2 * half / (1 << (bits + split))
     tail = math.erfc(half / math.sqrt(2))  # P(|z| > h)
     pdf = math.exp(-half * half / 2) / math.sqrt(2 * math.pi)
     clip = (1 + half * half) * tail - 2 * half * pdf
@@ -140,7 +143,22 @@ def _numel(baseline: Estimate, node: str) -> int:
     return math.prod(cost.shapes[0]) if cost is not None and cost.shapes else 0
 
 
+def _reversible_fidelity(new: fx.Node, baseline: Estimate, unit: str) -> float:
+    """The checked relative gradient error squared times the elements the piece replaces (an MSE
+    on the same scale as the others'); unchecked pieces (fake inputs) count as exact."""
+    decision = new.meta[DECISION_KEY]
+    if new.target is not reversible_segment or not decision.get("grad_error"):
+        return 0.0
+    return decision["grad_error"] ** 2 * sum(_numel(baseline, n) for n in decision["replaces"])
+
+
 TECHNIQUES: Dict[type, Technique] = {
+    ReversibleConfig: Technique(
+        "reversible",
+        uniform=lambda cfg, bits: dataclasses.replace(cfg, segments=None),
+        choose=lambda cfg, chosen: dataclasses.replace(cfg, segments=tuple(sorted(chosen))),
+        fidelity=_reversible_fidelity,
+        levels=lambda cfg: (None,)),
     RecomputeConfig: Technique(
         "recompute",
         uniform=lambda cfg, bits: dataclasses.replace(cfg, segments=None),
@@ -225,7 +243,7 @@ def _peak_freed(baseline: Estimate, nodes: Set[str], freed: int) -> int:
 def _time(technique: str, unit: str, nodes: Set[str], baseline: Estimate) -> float:
     """Extra work, in element passes (about one FLOP per element): a recomputed block repeats its
     forward FLOPs plus one pass over each of its outputs."""
-    if technique == "recompute":
+    if technique in ("recompute", "reversible"):  # one extra forward of the block / of each H
         costs = [baseline.nodes[n] for n in nodes if n in baseline.nodes]
         return float(sum(c.flops for c in costs) + sum(math.prod(s) for c in costs for s in c.shapes))
     return _EXTRA_PASSES[technique] * _numel(baseline, unit)

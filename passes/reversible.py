@@ -81,7 +81,7 @@ def _piece_name(segment: Segment, start: int, end: int) -> str:
 
 
 def _install(gm: fx.GraphModule, segment: Segment, runtime: ReversibleSegment, start: int, end: int,
-             bounds: List[List[fx.Node]], reason: str) -> bool:
+             bounds: List[List[fx.Node]], reason: str, grad_error: Optional[float]) -> bool:
     names = [[n.name for n in b] for b in bounds]
     name = _piece_name(segment, start, end)
     piece = sub_segment(runtime, start, end, names, name=name, check_every=runtime.check_every,
@@ -102,7 +102,7 @@ def _install(gm: fx.GraphModule, segment: Segment, runtime: ReversibleSegment, s
     attr = f"memopt_{name}"
     gm.add_submodule(attr, piece)
     decision = {"technique": "reversible", "bits": None, "unit": name, "replaces": [n.name for n in inside],
-                "reason": reason}
+                "reason": reason, "grad_error": grad_error}
     with gm.graph.inserting_before(inside[0]):
         module_node = gm.graph.get_attr(attr)
         call = gm.graph.create_node("call_function", reversible_segment, (module_node, *inputs), name=name)
@@ -144,6 +144,7 @@ def reversible_pass(gm: fx.GraphModule, cfg: ReversibleConfig) -> PassResult:
         runtime = build_segment(gm, segment, cfg)
         names = [[n.name for n in b] for b in bounds]
         coupling_nodes = [s.node for s in segment.steps if s.kind == "coupling"]
+        grad_errors: Dict[tuple, Optional[float]] = {}
         if examples is None:
             result_pieces = [(0, len(segment.steps), "not checked: no real example inputs (estimate on fake or "
                                                      "meta tensors); the check runs when the model first trains")]
@@ -172,6 +173,7 @@ def reversible_pass(gm: fx.GraphModule, cfg: ReversibleConfig) -> PassResult:
                 if piece.rejected:
                     _mark([s.node for s in steps if s.kind == "coupling"], piece.rejected)
                     continue
+                grad_errors[(piece.start, piece.end)] = piece.grad_error
                 result_pieces.append((piece.start, piece.end,
                                       f"reversible: {sum(s.kind == 'coupling' for s in steps)} couplings rebuilt "
                                       f"from the outputs; checked on the example inputs: rebuilt-input error "
@@ -182,7 +184,7 @@ def reversible_pass(gm: fx.GraphModule, cfg: ReversibleConfig) -> PassResult:
             name = _piece_name(segment, start, end)
             if cfg.segments is not None and name not in cfg.segments:
                 continue
-            modified |= _install(gm, segment, runtime, start, end, bounds, reason)
+            modified |= _install(gm, segment, runtime, start, end, bounds, reason, grad_errors.get((start, end)))
     return PassResult(gm, modified)
 
 

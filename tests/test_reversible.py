@@ -164,3 +164,13 @@ def test_estimate_on_meta_inputs_rewrites_unchecked_and_torch_save_round_trips()
 def test_config_errors_quote_the_value(bad, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         ReversibleConfig(**bad)
+
+
+def test_planner_offers_reversible_pieces_and_the_estimate_holds():
+    model, x = revnet((4,), batch=8, size=16)
+    baseline = memopt.estimate(model, x).peak_bytes
+    om = memopt.optimize(model, budget_mb=0.7 * baseline / 2**20, example_inputs=x)
+    chosen = {u["chosen"]["technique"] for u in om.plan.units}
+    assert "reversible" in chosen, om.plan.units
+    assert om.plan.estimated_peak_bytes <= 0.7 * baseline
+    assert memopt.measure(om, x).peak_bytes == om.plan.estimated_peak_bytes
