@@ -28,7 +28,7 @@ def boundaries(segment: Segment) -> List[List[fx.Node]]:
     streams = list(segment.inputs)
     out = [list(streams)]
     for step in segment.steps:
-        at = min(streams.index(r) for r in step.reads if r in streams) if step.kind == "glue" else \
+        at = min(streams.index(r) for r in step.reads if r in streams) if step.kind != "coupling" else \
             streams.index(step.reads[0])
         if step.kind == "coupling":
             streams[at] = step.node
@@ -40,7 +40,7 @@ def boundaries(segment: Segment) -> List[List[fx.Node]]:
 
 
 def _step_module(gm: fx.GraphModule, step: FoundStep, k: int) -> fx.GraphModule:
-    """H (sources -> h) for a coupling; the op itself (reads -> writes) for glue."""
+    """H (sources -> h) for a coupling; the op itself (reads -> writes) for glue and bijections."""
     graph = fx.Graph()
     env: Dict[fx.Node, fx.Node] = {}
     reads = step.reads[1:] if step.kind == "coupling" else step.reads
@@ -70,7 +70,8 @@ def build_segment(gm: fx.GraphModule, segment: Segment, cfg: ReversibleConfig) -
         children[key] = _step_module(gm, step, k)
         random = step.kind == "coupling" and any(is_random(n, modules) for n in step.cone)
         specs.append(StepSpec(step.kind, tuple(n.name for n in step.reads), tuple(n.name for n in step.writes), key,
-                              step.node.format_node(), step.target, step.u_first, step.sign, random))
+                              step.node.format_node(), step.target, step.u_first, step.sign, random, step.inverse,
+                              step.params))
     return ReversibleSegment(segment.name, [n.name for n in segment.inputs], [n.name for n in segment.outputs],
                              specs, children, cfg.check_every, cfg.tolerance)
 
@@ -134,7 +135,7 @@ def _mark(nodes: Sequence[fx.Node], reason: str) -> None:
 
 @register_pass(ReversibleConfig, "reversible")
 def reversible_pass(gm: fx.GraphModule, cfg: ReversibleConfig) -> PassResult:
-    segments, reasons = find_segments(gm)
+    segments, reasons = find_segments(gm, aggressive=cfg.mode == "aggressive")
     for node, why in reasons.items():
         _mark([node], why)
     examples = current_examples()

@@ -47,12 +47,16 @@ ADDS = {operator.add: operator.add, torch.add: torch.add, "add": operator.add, "
         aten.add: aten.add.Tensor}
 SUBS = {operator.sub: operator.sub, torch.sub: torch.sub, "sub": operator.sub, "__sub__": operator.sub,
         aten.sub: aten.sub.Tensor}
+MULS = {operator.mul: "mul", torch.mul: "mul", "mul": "mul", "__mul__": "mul", "__rmul__": "mul", aten.mul: "mul",
+        operator.truediv: "div", torch.div: "div", "div": "div", "__truediv__": "div", aten.div: "div"}
 _FLOAT_STREAMS = ("float32", "float64")
+MIN_SLOPE = 0.1  # LeakyReLU slopes below this amplify rounding error by > 10x per inverse
+MIN_SCALE = 1e-3  # |scale| and |gamma| below this make an inverse divide by nearly zero
 
 
 @dataclass
 class FoundStep:
-    kind: str  # "coupling" | "glue"
+    kind: str  # "coupling" | "glue" | "bijection"
     node: fx.Node
     reads: List[fx.Node]  # coupling: [u, *V]
     writes: List[fx.Node]  # coupling: [u']; glue: its outputs (getitems for a split)
@@ -60,6 +64,8 @@ class FoundStep:
     sign: int = 1
     u_first: bool = True
     target: object = None
+    inverse: str = ""  # bijection (aggressive mode): "leaky_relu", "affine", "batch_norm"
+    params: tuple = ()
 
 
 @dataclass
@@ -162,8 +168,9 @@ def _split_outputs(node: fx.Node) -> Optional[List[fx.Node]]:
 class _Scan:
     """One scan from a split node; see the module docstring."""
 
-    def __init__(self, gm: fx.GraphModule, split: fx.Node, parts: List[fx.Node], modules: Dict[str, nn.Module]):
-        self.gm, self.modules = gm, modules
+    def __init__(self, gm: fx.GraphModule, split: fx.Node, parts: List[fx.Node], modules: Dict[str, nn.Module],
+                 aggressive: bool = False):
+        self.gm, self.modules, self.aggressive = gm, modules, aggressive
         self.source = split.args[0]
         self.streams: List[fx.Node] = list(parts)
         self.pending: Dict[fx.Node, Set[fx.Node]] = {}  # pending node -> streams its cone reads
@@ -192,7 +199,7 @@ class _Scan:
         if is_random(node, self.modules) and any(a in self.streams for a in ours):
             self.reasons[node] = (f"{node.name} is random on the stream {ours[0].name} itself (not inside an update): "
                                   f"not invertible, so a segment must end before it")
-        step = self._coupling(node) or self._glue(node)
+        step = self._coupling(node) or self._glue(node) or (self._bijection(node) if self.aggressive else None)
         if step is not None:
             self.steps.append(step)
             if not self.pending:
@@ -288,6 +295,55 @@ class _Scan:
         return FoundStep("glue", node, [stream], writes)
 
 
+    def _bijection(self, node: fx.Node) -> Optional[FoundStep]:
+        """An elementwise map with a closed-form inverse on a stream it is the only user of."""
+        tensors = [a for a in node.all_input_nodes if a.op != "get_attr"]
+        if len(tensors) != 1 or tensors[0] not in self.streams or len(tensors[0].users) != 1 or self.pending:
+            return None
+        stream = tensors[0]
+        found = _bijection_kind(node, stream, self.modules)
+        if isinstance(found, str):
+            self.reasons[node] = found
+            return None
+        if found is None:
+            return None
+        self.streams[self.streams.index(stream)] = node
+        return FoundStep("bijection", node, [stream], [node], inverse=found[0], params=found[1])
+
+
+def _bijection_kind(node: fx.Node, stream: fx.Node, modules: Dict[str, nn.Module]):
+    """(inverse kind, params), a reason it is not invertible enough, or None (not a bijection)."""
+    kind = op_kind(node, modules)
+    if kind == "leaky_relu":
+        if node.op == "call_module":
+            slope = modules[node.target].negative_slope
+        else:
+            slope = node.kwargs.get("negative_slope", node.args[1] if len(node.args) > 1 else 0.01)
+        if not isinstance(slope, (int, float)) or not slope >= MIN_SLOPE:
+            return f"{node.name}: LeakyReLU slope {slope!r} < {MIN_SLOPE}: its inverse amplifies error too much"
+        return "leaky_relu", (float(slope),)
+    if kind == "batch_norm" and node.op == "call_module":
+        bn = modules[node.target]
+        if not (bn.training and bn.affine):
+            return f"{node.name}: only train-mode BatchNorm with affine parameters is inverted"
+        smallest = bn.weight.detach().abs().min().item()
+        if not smallest >= MIN_SCALE:
+            return f"{node.name}: BatchNorm gamma has |value| {smallest:.2e} < {MIN_SCALE}: not invertible"
+        return "batch_norm", (node.target,)
+    op = _lookup(MULS, node) or ("add" if _lookup(ADDS, node) else "sub" if _lookup(SUBS, node) else None)
+    if op is None or len(node.args) != 2 or node.kwargs:
+        return None
+    first, second = node.args
+    constant = second if first is stream else first
+    if not isinstance(constant, (int, float)) or isinstance(constant, bool):
+        return None
+    if first is not stream and op in ("sub", "div"):
+        return None
+    if op in ("mul", "div") and not abs(constant) >= MIN_SCALE:
+        return f"{node.name}: scaling by {constant!r} is not invertible enough (|scale| < {MIN_SCALE})"
+    return "affine", (op, float(constant))
+
+
 def _first_violation(segment_nodes: List[fx.Node], outputs: List[fx.Node]) -> Optional[str]:
     inside = set(segment_nodes)
     for node in segment_nodes:
@@ -300,8 +356,9 @@ def _first_violation(segment_nodes: List[fx.Node], outputs: List[fx.Node]) -> Op
     return None
 
 
-def find_segments(gm: fx.GraphModule) -> Tuple[List[Segment], Dict[fx.Node, str]]:
-    """Segments in graph order, and reasons for nodes where a candidate segment stopped or failed."""
+def find_segments(gm: fx.GraphModule, aggressive: bool = False) -> Tuple[List[Segment], Dict[fx.Node, str]]:
+    """Segments in graph order, and reasons for nodes where a candidate segment stopped or failed.
+    ``aggressive``: also take elementwise bijections on streams (``_bijection_kind``)."""
     modules = dict(gm.named_modules())
     segments: List[Segment] = []
     reasons: Dict[fx.Node, str] = {}
@@ -312,7 +369,7 @@ def find_segments(gm: fx.GraphModule) -> Tuple[List[Segment], Dict[fx.Node, str]
         parts = _split_outputs(node)
         if parts is None or not isinstance(node.args[0], fx.Node):
             continue
-        scan = _Scan(gm, node, parts, modules)
+        scan = _Scan(gm, node, parts, modules, aggressive)
         scan.run()
         best, why = None, None
         for count, streams in reversed(scan.checkpoints):

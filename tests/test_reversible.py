@@ -174,3 +174,22 @@ def test_planner_offers_reversible_pieces_and_the_estimate_holds():
     assert "reversible" in chosen, om.plan.units
     assert om.plan.estimated_peak_bytes <= 0.7 * baseline
     assert memopt.measure(om, x).peak_bytes == om.plan.estimated_peak_bytes
+
+
+def test_aggressive_mode_inverts_batchnorm_and_leaky_relu_on_the_spine():
+    saved = {}
+    for mode in ("safe", "aggressive"):
+        model, x = revnet((2, 2), batch=8, size=8, spine_norm=True)
+        ref = copy.deepcopy(model)
+        om = memopt.optimize(model, config=Config(reversible=ReversibleConfig(mode=mode), **ONLY_REVERSIBLE),
+                             example_inputs=x)
+        assert torch.equal(_train_step(om, x), _train_step(ref, x))
+        assert max(_grad_errors(model, ref).values()) < 1e-4
+        assert all(torch.equal(a, b) for a, b in zip(model.buffers(), ref.buffers()))
+        assert memopt.measure(om, x).saved_bytes == om.plan.estimated_saved_bytes
+        saved[mode] = om.plan.estimated_saved_bytes
+    assert saved["aggressive"] < 0.6 * saved["safe"]
+    model.body[2].negative_slope = 0.01  # too flat to invert accurately: the spine stops there
+    om = memopt.optimize(model, config=Config(reversible=ReversibleConfig(mode="aggressive"), **ONLY_REVERSIBLE),
+                         example_inputs=x)
+    assert any("LeakyReLU slope 0.01 < 0.1" in n.reason for n in om.plan.nodes)

@@ -34,7 +34,8 @@ _BatchNorm = nn.modules.batchnorm._BatchNorm
 
 @dataclass(frozen=True)
 class StepSpec:
-    """One step. ``kind``: "coupling" or "glue". For a coupling: ``reads`` = (u, *V), ``writes`` =
+    """One step. ``kind``: "coupling", "glue" or "bijection" (aggressive mode: an elementwise map
+    with a closed-form inverse, see ``_invert``). For a coupling: ``reads`` = (u, *V), ``writes`` =
     (u',), ``target`` the original add/sub callable, ``u_first`` whether u is its first argument and
     ``sign`` +1 for ``u' = u + h`` / ``h + u``, -1 for ``u' = u - h``. ``module`` names the step's
     GraphModule child (H for a coupling, the op for glue); ``where`` is the node for messages."""
@@ -48,6 +49,8 @@ class StepSpec:
     u_first: bool = True
     sign: int = 1
     random: bool = False
+    inverse: str = ""  # bijection: "leaky_relu", "affine" or "batch_norm"
+    params: Tuple[Any, ...] = ()  # bijection: (slope,), (op, constant) or (BatchNorm path,)
 
 
 class ReversibleSegment(nn.Module):
@@ -95,12 +98,14 @@ def _as_tuple(value: Any) -> Tuple[torch.Tensor, ...]:
 
 def run_forward(segment: ReversibleSegment, inputs: Sequence[torch.Tensor],
                 on_step: Optional[Callable[[int, Dict[str, torch.Tensor]], None]] = None
-                ) -> Tuple[List[torch.Tensor], List[List[torch.Tensor]], List[Tuple]]:
-    """Run the steps (no autograd); returns the outputs, the RNG states of random steps, and the input
-    shapes of glue steps. ``on_step(k, state)`` sees the streams before step k and after the last."""
+                ) -> Tuple[List[torch.Tensor], Dict[int, List[torch.Tensor]], Dict[int, Tuple]]:
+    """Run the steps (no autograd); returns the outputs, per step index the tensors backward needs
+    besides the outputs (RNG states of random couplings, per-channel statistics of BatchNorm
+    bijections), and the input shapes of glue steps. ``on_step(k, state)`` sees the streams before
+    step k and after the last."""
     state = dict(zip(segment.inputs, inputs))
-    rng: List[List[torch.Tensor]] = []
-    shapes: List[Tuple] = []
+    extras: Dict[int, List[torch.Tensor]] = {}
+    shapes: Dict[int, Tuple] = {}
     for k, step in enumerate(segment.steps):
         if on_step is not None:
             on_step(k, state)
@@ -108,21 +113,53 @@ def run_forward(segment: ReversibleSegment, inputs: Sequence[torch.Tensor],
         if step.kind == "coupling":
             sources = [state[name] for name in step.reads[1:]]
             if step.random:
-                rng.append(_rng_state(sources))
+                extras[k] = _rng_state(sources)
             h = module(*sources)
             u = state.pop(step.reads[0])
             state[step.writes[0]] = step.target(u, h) if step.u_first else step.target(h, u)
         else:
             reads = [state.pop(name) for name in step.reads]
-            shapes.append(tuple((t.shape, t.dtype) for t in reads))
+            if step.kind == "bijection":
+                side = _side_info(step, module, reads[0])
+                if side:
+                    extras[k] = side
+            shapes[k] = tuple((t.shape, t.dtype) for t in reads)
             state.update(zip(step.writes, _as_tuple(module(*reads))))
     if on_step is not None:
         on_step(len(segment.steps), state)
-    return [state[name] for name in segment.outputs], rng, shapes
+    return [state[name] for name in segment.outputs], extras, shapes
 
 
-def undo_steps(segment: ReversibleSegment, outputs: Sequence[torch.Tensor], rng: Sequence[List[torch.Tensor]],
-               shapes: Sequence[Tuple], grads: Optional[Sequence[Optional[torch.Tensor]]] = None,
+def _batch_norm(module: nn.Module, step: StepSpec) -> nn.Module:
+    return module.get_submodule(step.params[0])
+
+
+def _side_info(step: StepSpec, module: nn.Module, x: torch.Tensor) -> List[torch.Tensor]:
+    """What inverting the bijection needs besides its output: BatchNorm's batch mean and std."""
+    if step.inverse != "batch_norm":
+        return []
+    bn = _batch_norm(module, step)
+    dims = [d for d in range(x.dim()) if d != 1]
+    var, mean = torch.var_mean(x.float(), dim=dims, unbiased=False)
+    return [mean, torch.sqrt(var + bn.eps)]
+
+
+def _invert(step: StepSpec, module: nn.Module, y: torch.Tensor, side: List[torch.Tensor]) -> torch.Tensor:
+    """The input of a bijection from its output: LeakyReLU y<0 -> y/slope; affine with a constant;
+    train-mode BatchNorm x = (y - beta) / gamma * std + mean with the batch statistics kept."""
+    if step.inverse == "leaky_relu":
+        return torch.where(y >= 0, y, y / step.params[0])
+    if step.inverse == "affine":
+        op, c = step.params
+        return {"mul": y / c, "div": y * c, "add": y - c, "sub": y + c}[op]
+    bn = _batch_norm(module, step)
+    shape = [1, -1] + [1] * (y.dim() - 2)
+    mean, std = (t.view(shape) for t in side)
+    return ((y.float() - bn.bias.view(shape)) / bn.weight.view(shape) * std + mean).to(y.dtype)
+
+
+def undo_steps(segment: ReversibleSegment, outputs: Sequence[torch.Tensor], extras: Dict[int, List[torch.Tensor]],
+               shapes: Dict[int, Tuple], grads: Optional[Sequence[Optional[torch.Tensor]]] = None,
                on_step: Optional[Callable[[int, Dict[str, torch.Tensor]], None]] = None
                ) -> Tuple[Dict[str, torch.Tensor], Dict[str, Optional[torch.Tensor]], Dict[int, torch.Tensor]]:
     """Walk the steps backwards from the outputs: rebuild every stream, and with ``grads`` also the
@@ -131,22 +168,49 @@ def undo_steps(segment: ReversibleSegment, outputs: Sequence[torch.Tensor], rng:
     state = {name: t.detach() for name, t in zip(segment.outputs, outputs)}
     stream_grads: Dict[str, Optional[torch.Tensor]] = dict(zip(segment.outputs, grads)) if grads is not None else {}
     param_grads: Dict[int, torch.Tensor] = {}
-    rng_index, shape_index = len(rng), len(shapes)
     for k in range(len(segment.steps) - 1, -1, -1):
         step = segment.steps[k]
         module = getattr(segment, step.module)
+        wanted = stream_grads if grads is not None else None
         if step.kind == "coupling":
-            if step.random:
-                rng_index -= 1
-            _undo_coupling(segment, step, module, state, stream_grads if grads is not None else None, param_grads,
-                           rng[rng_index] if step.random else None)
+            _undo_coupling(segment, step, module, state, wanted, param_grads, extras.get(k))
+        elif step.kind == "glue":
+            _undo_glue(step, module, state, wanted, shapes[k])
         else:
-            shape_index -= 1
-            _undo_glue(step, module, state, stream_grads if grads is not None else None, shapes[shape_index])
+            _undo_bijection(segment, step, module, state, wanted, param_grads, extras.get(k, []))
         if on_step is not None:
             on_step(k, state)
     return ({name: state[name] for name in segment.inputs},
             {name: stream_grads.get(name) for name in segment.inputs}, param_grads)
+
+
+def _undo_bijection(segment: ReversibleSegment, step: StepSpec, module: nn.Module, state: Dict[str, torch.Tensor],
+                    grads: Optional[Dict[str, Optional[torch.Tensor]]], param_grads: Dict[int, torch.Tensor],
+                    side: List[torch.Tensor]) -> None:
+    y = state.pop(step.writes[0])
+    with torch.no_grad():
+        x = _invert(step, module, y, side)
+    state[step.reads[0]] = x
+    g = grads.pop(step.writes[0], None) if grads is not None else None
+    if grads is None:
+        return
+    grads[step.reads[0]] = None
+    if g is None:
+        return
+    params = segment.step_params(step)
+    x_d = x.detach().requires_grad_(True)
+    with torch.enable_grad():
+        again = module(x_d)  # a train-mode BatchNorm recomputes its statistics from the rebuilt input
+    found = torch.autograd.grad(again, [x_d, *params], g, allow_unused=True)
+    grads[step.reads[0]] = found[0]
+    _accumulate(param_grads, params, found[1:])
+
+
+def _accumulate(param_grads: Dict[int, torch.Tensor], params: Sequence[torch.Tensor],
+                found: Sequence[Optional[torch.Tensor]]) -> None:
+    for p, gp in zip(params, found):
+        if gp is not None:
+            param_grads[id(p)] = gp if id(p) not in param_grads else param_grads[id(p)] + gp
 
 
 def _undo_coupling(segment: ReversibleSegment, step: StepSpec, module: nn.Module, state: Dict[str, torch.Tensor],
@@ -178,9 +242,7 @@ def _undo_coupling(segment: ReversibleSegment, step: StepSpec, module: nn.Module
     for name, gs in zip(sources, found[:len(inputs)]):
         if gs is not None:
             grads[name] = gs if grads.get(name) is None else grads[name] + gs
-    for p, gp in zip(params, found[len(inputs):]):
-        if gp is not None:
-            param_grads[id(p)] = gp if id(p) not in param_grads else param_grads[id(p)] + gp
+    _accumulate(param_grads, params, found[len(inputs):])
 
 
 def _undo_glue(step: StepSpec, module: nn.Module, state: Dict[str, torch.Tensor],
@@ -212,10 +274,11 @@ class _Reversible(torch.autograd.Function):
         detached = [t.detach() for t in inputs]
         sentinel = real and bool(segment.check_every) and segment.calls % segment.check_every == 0
         with torch.no_grad():
-            outputs, rng, shapes = run_forward(segment, detached)
+            outputs, extras, shapes = run_forward(segment, detached)
         ctx.segment, ctx.n_inputs, ctx.shapes, ctx.sentinel = segment, n_inputs, shapes, sentinel
-        ctx.rng_sizes = [len(r) for r in rng]
-        ctx.save_for_backward(*outputs, *[s for r in rng for s in r], *(inputs if sentinel else ()))
+        ctx.extra_sizes = [(k, len(v)) for k, v in sorted(extras.items())]
+        ctx.save_for_backward(*outputs, *[t for _, v in sorted(extras.items()) for t in v],
+                              *(inputs if sentinel else ()))
         return tuple(outputs) if len(outputs) > 1 else outputs[0]
 
     @staticmethod
@@ -228,12 +291,12 @@ class _Reversible(torch.autograd.Function):
         saved = ctx.saved_tensors
         n_out = len(segment.outputs)
         outputs, rest = saved[:n_out], saved[n_out:]
-        rng, at = [], 0
-        for size in ctx.rng_sizes:
-            rng.append(list(rest[at:at + size]))
+        extras, at = {}, 0
+        for k, size in ctx.extra_sizes:
+            extras[k] = list(rest[at:at + size])
             at += size
         stats = [(b, b.clone()) for b in segment.bn_buffers()]
-        inputs, input_grads, param_grads = undo_steps(segment, outputs, rng, ctx.shapes, list(grads))
+        inputs, input_grads, param_grads = undo_steps(segment, outputs, extras, ctx.shapes, list(grads))
         with torch.no_grad():  # after every grad: BN backward reads the running stats' versions
             for buffer, before in stats:  # the forward already updated them once
                 buffer.copy_(before)

@@ -102,7 +102,7 @@ def check_segment(segment: ReversibleSegment, true_input: Sequence[torch.Tensor]
     with preserved_state(state_of), torch.no_grad():
         rng_start = torch.get_rng_state()
         states: List[Dict[str, torch.Tensor]] = []
-        outputs, rng, shapes = run_forward(segment, true_input, lambda k, s: states.append(dict(s)))
+        outputs, extras, shapes = run_forward(segment, true_input, lambda k, s: states.append(dict(s)))
         torch.set_rng_state(rng_start)
         again, _, _ = run_forward(segment, true_input)
     if not all(torch.equal(a, b) for a, b in zip(outputs, again)):
@@ -110,18 +110,11 @@ def check_segment(segment: ReversibleSegment, true_input: Sequence[torch.Tensor]
                                           "cannot be rebuilt from outputs")
     if true_output is not None and not all(torch.equal(a, b) for a, b in zip(outputs, true_output)):
         return CheckResult([], {}, False, "running its steps does not reproduce the graph's values bit for bit")
-    random_before = [0] * (n + 1)
-    glue_before = [0] * (n + 1)
-    for k, step in enumerate(segment.steps):
-        random_before[k + 1] = random_before[k] + (step.kind == "coupling" and step.random)
-        glue_before[k + 1] = glue_before[k] + (step.kind == "glue")
-
     def undo_one(k: int, after: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
         sub = sub_segment(segment, k, k + 1, boundaries)
         with preserved_state(state_of), torch.no_grad():
             rebuilt, _, _ = undo_steps(sub, [after[name] for name in sub.outputs],
-                                       rng[random_before[k]:random_before[k + 1]],
-                                       shapes[glue_before[k]:glue_before[k + 1]])
+                                       {0: extras[k]} if k in extras else {}, {0: shapes[k]} if k in shapes else {})
         out = {name: t for name, t in after.items() if name not in sub.outputs}
         out.update(rebuilt)
         return out

@@ -7,14 +7,14 @@ from typing import Optional, Tuple
 
 from memopt.validation import normalise_node_names
 
-MODES = ("safe",)
+MODES = ("safe", "aggressive")
 
 
 @dataclass(frozen=True)
 class ReversibleConfig:
     """Reversible segments: backward rebuilds each step's input from its output instead of keeping it.
 
-    In ``safe`` mode (the default and, for now, the only mode) a segment is a run of *coupling
+    In ``safe`` mode (the default) a segment is a run of *coupling
     updates* ``u' = u + H(V)`` / ``u - H(V)`` -- ``H`` reads only the other streams ``V`` and
     parameters, every intermediate of ``H`` is used only inside ``H`` -- joined by glue that only
     moves elements (split/chunk into a partition, cat of all streams, reshape/view/permute/
@@ -22,6 +22,12 @@ class ReversibleConfig:
     G(y1)``) is two couplings; RevViT/Reformer-style blocks are the same. Plain residual blocks
     ``x + F(x)`` are not invertible and are left alone. A segment keeps its outputs only, so its
     activation memory does not grow with depth; backward costs one extra forward of each ``H``.
+
+    ``aggressive`` mode also takes elementwise bijections on a stream into segments: LeakyReLU
+    with slope >= 0.1, scaling / shifting by a constant (|scale| >= 1e-3), and train-mode
+    BatchNorm with every |gamma| >= 1e-3 (inverted from the batch mean and std it keeps: O(channels)
+    per step), as in reversible CNN designs that reach a few hundred bytes per input pixel. Chains of
+    such layer-wise inverses lose accuracy fast with depth; the check below cuts them into pieces.
 
     The gradient changes only by the floating-point error of the reconstruction ``u = u' - H(V)``
     (about one rounding of ``u'`` per step, growing with depth and with ``H``'s Lipschitz
@@ -32,7 +38,7 @@ class ReversibleConfig:
     own outputs: an anchor); a step that fails on its own stays exact. The report gives the errors.
 
     Attributes:
-        mode: "safe" (default).
+        mode: "safe" (default) or "aggressive".
         segments: None (default): every segment found; a tuple: only segments (named by their first
             coupling node, e.g. ``reversible_add``) listed here.
         tolerance: largest relative error of rebuilt inputs and of gradients accepted (default 1e-3).

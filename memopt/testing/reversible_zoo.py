@@ -31,10 +31,11 @@ class RevBlock(nn.Module):
 
 class RevNetCNN(nn.Module):
     """Stem (conv-BN-ReLU, not reversible), stages of coupling blocks joined by pixel unshuffle
-    (invertible downsampling: channels x4, spatial /2), average pooling and a linear head."""
+    (invertible downsampling: channels x4, spatial /2), average pooling and a linear head.
+    ``spine_norm``: BatchNorm + LeakyReLU(0.2) on the spine after every block (Hascoet et al.)."""
 
     def __init__(self, blocks_per_stage: Tuple[int, ...] = (2, 2), width: int = 16, in_channels: int = 3,
-                 classes: int = 10) -> None:
+                 classes: int = 10, spine_norm: bool = False) -> None:
         super().__init__()
         self.stem = nn.Sequential(nn.Conv2d(in_channels, width, 3, padding=1, bias=False), nn.BatchNorm2d(width),
                                   nn.ReLU())
@@ -43,7 +44,10 @@ class RevNetCNN(nn.Module):
             if i:
                 stages.append(nn.PixelUnshuffle(2))
                 channels *= 4
-            stages.extend(RevBlock(channels) for _ in range(count))
+            for _ in range(count):
+                stages.append(RevBlock(channels))
+                if spine_norm:  # layer-wise invertible ops on the spine (aggressive mode inverts them)
+                    stages.extend([nn.BatchNorm2d(channels), nn.LeakyReLU(0.2)])
         self.body = nn.Sequential(*stages)
         self.head = nn.Linear(channels, classes)
 
@@ -180,9 +184,9 @@ MUST_REJECT = {"update_reads_its_stream": UpdateReadsItsStream, "interior_used_o
 
 
 def revnet(blocks_per_stage: Tuple[int, ...] = (2, 2), width: int = 16, batch: int = 4, size: int = 16,
-           seed: int = 0):
+           seed: int = 0, spine_norm: bool = False):
     torch.manual_seed(seed)
-    return RevNetCNN(blocks_per_stage, width).train(), torch.randn(batch, 3, size, size)
+    return RevNetCNN(blocks_per_stage, width, spine_norm=spine_norm).train(), torch.randn(batch, 3, size, size)
 
 
 def rev_transformer(depth: int = 2, dim: int = 32, batch: int = 4, dropout: float = 0.0, seed: int = 0):
