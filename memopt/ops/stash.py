@@ -7,7 +7,10 @@ updated once), and backward keeps, through ``ctx.save_for_backward``, only:
   a constant channel) on a fixed per-channel grid: 2^K bins over
   [-h, h] with h = WINDOWS[K] (3 at K = 4 as in the paper; x̂ has zero mean and unit variance per
   channel by construction, so no min/max reduction is needed), reconstructed at bin midpoints;
-  values beyond ±h clip;
+  values beyond ±h clip. Without a residual the exact 1-bit mask below is stored anyway and tells on
+  which side of the activation's kink (x̂ = -β/γσ) an element lies, so the code is split there:
+  2^K bins on each side, as fine as a (K+1)-bit grid for the same bytes, with h = WINDOWS[K+1]
+  (ResNet-50 stem BN weight gradient at 4 bits: cosine 0.97 -> 0.99, tools/bench_stash_gradients.py);
 - the activation's exact mask (1 bit) when there is no residual, or, after a residual add, a
   K-bit code of the activation input z on a per-channel grid of 2h standard deviations whose zero
   lies exactly on a bin edge, so the ReLU mask read from it is exact (ReLU6 keeps its 1-bit mask
@@ -56,6 +59,61 @@ def _xhat_std(invstd: torch.Tensor, eps: float) -> torch.Tensor:
     return var.masked_fill(var <= 8 * torch.finfo(torch.float32).eps, 0.0).sqrt()  # NaN stays NaN
 
 
+def split_by_mask(act: str, has_residual: bool) -> bool:
+    """Whether a chain's x̂ code is split by its stored exact mask: without a residual, the 1-bit mask tells
+    on which side of the kink (x̂ = -β/γσ) each element lies, so each side gets its own 2^K bins and the
+    code is as fine as a (K+1)-bit grid for the same bytes (a residual chain reads its mask from the z code)."""
+    return act != "identity" and not has_residual
+
+
+def x_grid_half(bits: int, split: bool) -> float:
+    """Half-width of the x̂ window: WINDOWS for the grid's effective bits (K + 1 when split by the mask)."""
+    return WINDOWS[min(bits + 1, 8)] if split else WINDOWS[bits]
+
+
+def _grid(weight, bias, xstd: torch.Tensor, bits: int, act: str, split: bool) -> torch.Tensor:
+    """Per-channel bins of the x̂ code, in units of x̂'s std: rows (lo, width), 2^K bins from lo; when
+    ``split``, rows (lo, width) for the elements whose mask is false, then for those where it is true.
+    The two sides meet at τ = -β/(γσ), the kink, clamped to the window [-h, h]; ReLU6's true side ends
+    where z = 6, its false side (below 0 or above 6) keeps the whole window. A channel with γσ = 0
+    (or NaN statistics) keeps the whole window on both sides."""
+    bins, half = 1 << bits, x_grid_half(bits, split)
+    lo, hi = torch.full_like(xstd, -half), torch.full_like(xstd, half)
+    if not split:
+        return torch.stack([lo, (hi - lo) / bins])
+    gamma = weight.float() if weight is not None else torch.ones_like(xstd)
+    beta = bias.float() if bias is not None else torch.zeros_like(xstd)
+    scale = gamma * xstd
+    ok = scale.abs() > torch.finfo(torch.float32).tiny  # False for NaN too
+    safe = torch.where(ok, scale, torch.ones_like(scale))
+    tau = torch.where(ok, -beta / safe, lo).clamp(-half, half)
+    if act == "relu6":
+        tau6 = torch.where(ok, (6 - beta) / safe, hi).clamp(-half, half)
+        lo1, hi1, lo0, hi0 = torch.minimum(tau, tau6), torch.maximum(tau, tau6), lo, hi
+    else:
+        pos = scale > 0
+        lo1, hi1 = torch.where(pos, tau, lo), torch.where(pos, hi, tau)
+        lo0, hi0 = torch.where(pos, lo, tau), torch.where(pos, tau, hi)
+    lo1, hi1, lo0, hi0 = (torch.where(ok, v, d) for v, d in ((lo1, lo), (hi1, hi), (lo0, lo), (hi0, hi)))
+    return torch.stack([lo0, (hi0 - lo0) / bins, lo1, (hi1 - lo1) / bins])
+
+
+def _from_codes(codes: torch.Tensor, mask: Optional[torch.Tensor], grid: torch.Tensor) -> torch.Tensor:
+    """Bin midpoints lo + (k + ½)·width, per channel (rows of ``grid`` as in ``_grid``), in one float
+    buffer; with four rows each element takes its side's grid by ``mask``, a slice of the batch at a
+    time (so the per-element grids never cost a full-size temporary)."""
+    nd = codes.dim()
+    out = codes.to(torch.float32).add_(0.5)
+    if grid.shape[0] == 2:
+        return out.mul_(_per_channel(grid[1], nd)).add_(_per_channel(grid[0], nd))
+    lo0, w0, lo1, w1 = (_per_channel(g, nd) for g in grid)
+    step = max(1, (1 << 20) // max(1, out[0].numel()))
+    for i in range(0, out.shape[0], step):
+        m = mask[i:i + step]
+        out[i:i + step].mul_(torch.where(m, w1, w0)).add_(torch.where(m, lo1, lo0))
+    return out
+
+
 def _code_(v: torch.Tensor, origin, width, bins: int) -> torch.Tensor:
     """Bin k covers (origin + k*width, origin + (k+1)*width]; values beyond the window clip.
     Works in place on ``v`` (a float32 temporary of the caller's): forward peaks matter too."""
@@ -102,6 +160,22 @@ def _decode_mask(mask_packed: torch.Tensor, codes: Optional[torch.Tensor], zero_
     return codes >= _per_channel(zero_code, len(shape))
 
 
+def _x_codes(x, mean, invstd, xstd, grid, mask, bins: int) -> torch.Tensor:
+    """Codes of x̂ / its std (float32, as the statistics are) on ``grid``; a constant channel codes noise
+    that rebuilds times 0. A split grid codes each side and keeps the side the mask says."""
+    nd = x.dim()
+    scale = _per_channel(invstd / xstd.clamp_min(1e-12), nd)
+    tiny = torch.finfo(torch.float32).tiny
+
+    def code(lo, width):
+        return _code_((x - _per_channel(mean, nd)).mul_(scale), _per_channel(lo, nd),
+                      _per_channel(width.clamp_min(tiny), nd), bins)
+
+    if grid.shape[0] == 2:
+        return code(grid[0], grid[1])
+    return torch.where(mask, code(grid[2], grid[3]), code(grid[0], grid[1]))
+
+
 class _Stash:
     """What a chain hands to its consumers: enough to rebuild the activation for a weight gradient."""
 
@@ -109,12 +183,11 @@ class _Stash:
     def rebuild(packed: torch.Tensor, mask_packed: torch.Tensor, affine: torch.Tensor, zero_code: torch.Tensor,
                 bits: int, shape: torch.Size, act: str, params: Tuple[float, ...]) -> torch.Tensor:
         """act(z) at the bin midpoints, built in place in one float buffer (backward peaks matter)."""
-        n, nd = shape.numel(), len(shape)
-        codes = unpack_bits(packed, bits, n).view(shape)
+        codes = unpack_bits(packed, bits, shape.numel()).view(shape)
         if act == "identity":
-            return codes.to(torch.float32).mul_(_per_channel(affine[1], nd)).add_(_per_channel(affine[0], nd))
+            return _from_codes(codes, None, affine)
         mask = _decode_mask(mask_packed, codes, zero_code, shape)
-        z = codes.to(torch.float32).mul_(_per_channel(affine[1], nd)).add_(_per_channel(affine[0], nd))
+        z = _from_codes(codes, mask, affine)
         del codes
         # the activation of the rebuilt z, with the (exact) mask deciding which side of the kink
         if act == "relu6":
@@ -138,22 +211,20 @@ class BNActStash(torch.autograd.Function):
         del out
         y = _activation(z, act, act_params)
         nd, bins, half = x.dim(), 1 << bits, WINDOWS[bits]
-        width = 2 * half / bins
         xstd = _xhat_std(invstd, eps)
-        # x̂ / its std (float32, as the stats are); a constant channel codes noise that rebuilds times 0
-        xhat = (x - _per_channel(mean, nd)).mul_(_per_channel(invstd / xstd.clamp_min(1e-12), nd))
-        x_codes = pack_bits(_code_(xhat, -half, width, bins), bits)
-        del xhat
+        mask = _mask(z, act, act_params)
+        grid = _grid(weight, bias, xstd, bits, act, split_by_mask(act, residual is not None))
+        x_codes = pack_bits(_x_codes(x, mean, invstd, xstd, grid, mask, bins), bits)
         gamma = weight if weight is not None else torch.ones_like(mean)
         beta = bias if bias is not None else torch.zeros_like(mean)
-        mask = _mask(z, act, act_params)
         empty_u8 = torch.zeros(0, dtype=torch.uint8, device=x.device)
         zero_code = torch.zeros(0, dtype=torch.int32, device=x.device)
         mask_packed = pack_bits(mask, 1) if mask is not None else empty_u8
         if residual is None:
-            # consumers rebuild z = γ x̂ + β from the x̂ code: z_k = β + γ σ(-h + (k + ½) w), σ = xstd
-            affine = torch.stack([beta.float() + gamma.float() * xstd * (-half + 0.5 * width),
-                                  gamma.float() * xstd * width])
+            # consumers rebuild z = γ σ x̂ + β from the x̂ code (σ = xstd): per side lo_z = β + γσ·lo, w_z = γσ·w
+            gs, b = gamma.float() * xstd, beta.float()
+            affine = torch.stack([b + gs * grid[0], gs * grid[1]] + ([b + gs * grid[2], gs * grid[3]] if len(grid) == 4
+                                                                     else []))
             y_codes = x_codes
         elif not need_y:  # nobody rebuilds y (e.g. it only feeds a pooling or an add): the mask is enough
             affine = torch.zeros(2, 0, device=x.device)
@@ -175,11 +246,11 @@ class BNActStash(torch.autograd.Function):
             # rounding must never flip a sign: positive z go to bins >= j, the rest below
             codes = torch.where(positive, torch.maximum(codes, zc), torch.minimum(codes, zc - 1))
             y_codes = pack_bits(codes, bits)
-            affine = torch.stack([origin + 0.5 * zwidth, zwidth])
+            affine = torch.stack([origin, zwidth])
             if act != "relu6":  # the code knows the sign of z exactly (not where ReLU6 clips at 6)
                 mask_packed = empty_u8
         del mask
-        ctx.save_for_backward(x_codes, y_codes, mask_packed, zero_code, weight, mean, invstd)
+        ctx.save_for_backward(x_codes, y_codes, mask_packed, zero_code, weight, bias, mean, invstd)
         ctx.shape, ctx.bits, ctx.act, ctx.act_params, ctx.node, ctx.eps = x.shape, bits, act, act_params, node, eps
         ctx.has_residual, ctx.has_weight, ctx.has_bias = residual is not None, weight is not None, bias is not None
         ctx.mark_non_differentiable(y_codes, mask_packed, affine, zero_code)
@@ -190,8 +261,8 @@ class BNActStash(torch.autograd.Function):
         if torch.is_grad_enabled():
             raise MemoptError(f"double backward (create_graph=True) through the stash node {ctx.node} is not "
                               f"supported; exclude it with memopt.StashConfig(deny=(...)) or set Config(stash=None)")
-        x_codes, y_codes, mask_packed, zero_code, weight, mean, invstd = ctx.saved_tensors
-        shape, nd, bins = ctx.shape, len(ctx.shape), 1 << ctx.bits
+        x_codes, y_codes, mask_packed, zero_code, weight, bias, mean, invstd = ctx.saved_tensors
+        shape, nd = ctx.shape, len(ctx.shape)
         n = shape.numel()
         if ctx.act == "identity":
             mask = None
@@ -199,12 +270,11 @@ class BNActStash(torch.autograd.Function):
             codes = None if mask_packed.numel() else unpack_bits(y_codes, ctx.bits, n).view(shape)
             mask = _decode_mask(mask_packed, codes, zero_code, shape)
         grad_z = _act_backward(grad_y, mask, ctx.act, ctx.act_params)
-        del mask
-        half = WINDOWS[ctx.bits]
-        width = 2 * half / bins
+        xstd = _xhat_std(invstd, ctx.eps)
+        grid = _grid(weight, bias, xstd, ctx.bits, ctx.act, split_by_mask(ctx.act, ctx.has_residual))
         # x̂ at the bin midpoints, then reused in place for grad_x: at most two full-size temporaries
-        xhat = unpack_bits(x_codes, ctx.bits, n).view(shape).to(torch.float32).add_(0.5).mul_(width).sub_(half) \
-            .mul_(_per_channel(_xhat_std(invstd, ctx.eps), nd))
+        xhat = _from_codes(unpack_bits(x_codes, ctx.bits, n).view(shape), mask, grid).mul_(_per_channel(xstd, nd))
+        del mask
         dims = [d for d in range(nd) if d != 1]
         g = grad_z.float()
         sum_g = g.sum(dims)
