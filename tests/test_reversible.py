@@ -193,3 +193,34 @@ def test_aggressive_mode_inverts_batchnorm_and_leaky_relu_on_the_spine():
     om = memopt.optimize(model, config=Config(reversible=ReversibleConfig(mode="aggressive"), **ONLY_REVERSIBLE),
                          example_inputs=x)
     assert any("LeakyReLU slope 0.01 < 0.1" in n.reason for n in om.plan.nodes)
+
+
+def test_convert_rewires_residual_runs_reports_the_change_and_then_is_reversible():
+    from memopt.errors import MemoptError
+    from memopt.testing.zoo import SmallCNN, TinyViT
+
+    torch.manual_seed(0)
+    model, x = TinyViT(depth=4).train(), torch.randn(4, 3, 16, 16)
+    converted = memopt.reversible.convert(model, x)
+    report = converted.conversion
+    assert [len(run) for run in report.runs] == [8]  # attention + MLP residual of 4 blocks
+    assert report.params_before == report.params_after == sum(p.numel() for p in model.parameters())
+    assert report.max_abs_change > 0 and "the function CHANGED" in str(report)
+    assert list(converted.state_dict()) == list(model.state_dict())
+    assert "pos" in torch.export.export(converted, (x,), strict=False).graph_signature.parameters
+
+    ref_model = copy.deepcopy(model)
+    ref = memopt.reversible.convert(ref_model, x)
+    om = memopt.optimize(converted, config=Config(**ONLY_REVERSIBLE))
+    assert torch.equal(_train_step(om, x), _train_step(ref, x))
+    assert _reversible_calls(om)
+    errors = {n: ((p.grad - q.grad).norm() / q.grad.norm()).item()
+              for (n, p), q in zip(model.named_parameters(), ref_model.parameters())}
+    assert max(errors.values()) < 1e-5, errors
+    assert om.plan.estimated_saved_bytes < 0.3 * om.plan.baseline_saved_bytes
+    converted.eval()
+    with torch.no_grad():
+        assert converted(x).shape == (4, 10)
+
+    with pytest.raises(MemoptError, match="SmallCNN has no run of >= 3 plain residual blocks"):
+        memopt.reversible.convert(SmallCNN(), torch.randn(2, 3, 32, 32))
