@@ -224,3 +224,23 @@ def test_convert_rewires_residual_runs_reports_the_change_and_then_is_reversible
 
     with pytest.raises(MemoptError, match="SmallCNN has no run of >= 3 plain residual blocks"):
         memopt.reversible.convert(SmallCNN(), torch.randn(2, 3, 32, 32))
+
+
+@pytest.mark.parametrize("technique", ["reversible", "recompute"])
+def test_backward_recomputes_under_the_forward_autocast_state(technique):
+    """Backward runs outside the autocast block: H (or the recomputed block) must still run in
+    bfloat16, else the rebuilt input / the gradient belong to another function (errors ~1e-1)."""
+    from memopt import RecomputeConfig
+
+    model, x = revnet((2, 2), batch=8, size=8)
+    ref = copy.deepcopy(model)
+    config = Config(**ONLY_REVERSIBLE) if technique == "reversible" else \
+        Config(reversible=None, recompute=RecomputeConfig(segments=None), **ONLY_REVERSIBLE)
+    om = memopt.optimize(model, config=config)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, expected = om(x), ref(x)
+    assert torch.equal(out, expected)
+    assert any(n.technique == technique for n in om.plan.nodes)
+    out.float().square().sum().backward()
+    expected.float().square().sum().backward()
+    assert max(_grad_errors(model, ref).values()) < 1e-3

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from memopt.ops import graph_leaf
+from memopt.ops.autocast import autocast_state, replayed_autocast
 
 _BatchNorm = nn.modules.batchnorm._BatchNorm
 
@@ -39,10 +40,11 @@ class _Recompute(torch.autograd.Function):
         ctx.block, ctx.n_inputs, ctx.random, ctx.where = block, n_inputs, random, where
         rng = _rng_states(inputs) if random else []
         with torch.no_grad():
-            out = block(*inputs)
+            out = block(*[t.detach() for t in inputs])  # module hooks must not see inputs needing grad
         if not isinstance(out, torch.Tensor):
             raise TypeError(f"memopt recompute: block {where} returned {type(out).__name__}, expected one tensor")
         ctx.n_rng = len(rng)
+        ctx.autocast = autocast_state()
         ctx.save_for_backward(*inputs, *rng)
         return out
 
@@ -62,7 +64,7 @@ class _Recompute(torch.autograd.Function):
                                    enabled=ctx.random):
             if ctx.random:
                 _set_rng_states(rng, inputs)
-            with torch.enable_grad():
+            with torch.enable_grad(), replayed_autocast(ctx.autocast):  # the forward's precision, not fp32
                 out = ctx.block(*detached)
         wanted = [t for t in detached if t.requires_grad] + params
         grads = iter(torch.autograd.grad(out, wanted, grad, allow_unused=True) if wanted else ())

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from memopt.ops import graph_leaf
+from memopt.ops.autocast import autocast_state, replayed_autocast
 
 log = logging.getLogger("memopt")
 _BatchNorm = nn.modules.batchnorm._BatchNorm
@@ -276,6 +277,7 @@ class _Reversible(torch.autograd.Function):
         with torch.no_grad():
             outputs, extras, shapes = run_forward(segment, detached)
         ctx.segment, ctx.n_inputs, ctx.shapes, ctx.sentinel = segment, n_inputs, shapes, sentinel
+        ctx.autocast = autocast_state()
         ctx.extra_sizes = [(k, len(v)) for k, v in sorted(extras.items())]
         ctx.save_for_backward(*outputs, *[t for _, v in sorted(extras.items()) for t in v],
                               *(inputs if sentinel else ()))
@@ -296,7 +298,8 @@ class _Reversible(torch.autograd.Function):
             extras[k] = list(rest[at:at + size])
             at += size
         stats = [(b, b.clone()) for b in segment.bn_buffers()]
-        inputs, input_grads, param_grads = undo_steps(segment, outputs, extras, ctx.shapes, list(grads))
+        with replayed_autocast(ctx.autocast):  # H must run as it ran in forward, or u = u' - H(V) is off
+            inputs, input_grads, param_grads = undo_steps(segment, outputs, extras, ctx.shapes, list(grads))
         with torch.no_grad():  # after every grad: BN backward reads the running stats' versions
             for buffer, before in stats:  # the forward already updated them once
                 buffer.copy_(before)

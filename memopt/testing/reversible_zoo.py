@@ -52,7 +52,8 @@ class RevNetCNN(nn.Module):
         self.head = nn.Linear(channels, classes)
 
     def forward(self, x):
-        x = self.body(self.stem(x))
+        # the spine stays float32 under autocast (F and G may run in bfloat16; u + h promotes)
+        x = self.body(self.stem(x).float())
         return self.head(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
 
 
