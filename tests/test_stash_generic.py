@@ -168,10 +168,14 @@ def test_planner_offers_generic_units_with_bytes_and_fidelity():
     assert two.fidelity > eight.fidelity > 0
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
-def test_dropout_keeps_one_bit_and_is_exact(dtype):
-    x = torch.randn(5, 37, dtype=dtype, requires_grad=True)
-    x2 = x.detach().requires_grad_()
+@pytest.mark.parametrize("dtype, shape", [(torch.float32, (5, 37)), (torch.bfloat16, (5, 37)),
+                                          (torch.float64, (5, 37)), (torch.float32, "channels_last")])
+def test_dropout_keeps_one_bit_and_is_exact(dtype, shape):
+    if shape == "channels_last":  # ATen's noise follows the input's layout, and so do the gradients
+        x = torch.randn(4, 3, 5, 5).contiguous(memory_format=torch.channels_last).requires_grad_()
+    else:
+        x = torch.randn(shape, dtype=dtype, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
     torch.manual_seed(3)
     with SavedTensorRecorder() as rec:
         out = dropout_1bit(x, 0.3)
@@ -182,7 +186,7 @@ def test_dropout_keeps_one_bit_and_is_exact(dtype):
     g = torch.randn_like(out)
     out.backward(g)
     ref.backward(g)
-    assert torch.equal(x.grad, x2.grad)
+    assert torch.equal(x.grad, x2.grad) and x.grad.stride() == x2.grad.stride()
 
 
 def test_dropout_rng_stream_and_where_condition():

@@ -169,13 +169,13 @@ class Dropout1Bit(torch.autograd.Function):
             out, mask = torch.ops.aten.native_dropout(x, p, True)
             scale = torch.zeros(0, device=x.device)  # the scale is 1/(1-p), a constant (ctx.p)
         else:  # ATen's _dropout_impl: a noise tensor of 0 and 1/(1-p), multiplied in
-            noise = torch.empty_like(x, memory_format=torch.contiguous_format).bernoulli_(1 - p).div_(1 - p)
+            noise = torch.empty_like(x).bernoulli_(1 - p).div_(1 - p)  # x's layout, as ATen's
             out = x * noise
             mask = noise != 0
             del noise
             scale = torch.ones((), dtype=x.dtype, device=x.device).div_(1 - p)
         ctx.save_for_backward(pack_bits(mask, 1), scale)
-        ctx.shape, ctx.cuda, ctx.p = mask.shape, x.is_cuda, p
+        ctx.shape, ctx.stride, ctx.cuda, ctx.p = mask.shape, mask.stride(), x.is_cuda, p
         return out
 
     @staticmethod
@@ -184,7 +184,9 @@ class Dropout1Bit(torch.autograd.Function):
         mask = unpack_bits(packed, 1, ctx.shape.numel()).view(ctx.shape)
         if ctx.cuda:
             return torch.ops.aten.native_dropout_backward(grad, mask.bool(), 1.0 / (1.0 - ctx.p)), None
-        return grad * mask.to(grad.dtype).mul_(scale), None  # the noise, rebuilt bit for bit
+        # the noise rebuilt bit for bit, in its own layout (the product's layout, and later sums, follow it)
+        noise = torch.empty_strided(ctx.shape, ctx.stride, dtype=grad.dtype, device=grad.device).copy_(mask)
+        return grad * noise.mul_(scale), None
 
 
 class Where1Bit(torch.autograd.Function):
