@@ -78,7 +78,8 @@ def build(model: nn.Module, args: tuple, kwargs: dict, config: Config, budget_by
         from memopt.fewbit.activations import TABLE_ACTIVATIONS
 
         record_input_histograms(gm, flat_inputs(gm, args, kwargs), TABLE_ACTIVATIONS, config.fewbit.domain)
-    with example_inputs(None if _has_meta(args, kwargs) else flat_inputs(gm, args, kwargs)):
+    with example_inputs(None if _has_meta(args, kwargs) else flat_inputs(gm, args, kwargs), args, kwargs,
+                        config.device):
         return _rewrite(model, captured, args, kwargs, config, budget_bytes, optimizer, plan, baseline)
 
 

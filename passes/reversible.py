@@ -14,10 +14,10 @@ from typing import Dict, List, Optional, Sequence
 
 from torch import fx
 
-from cost_model.analysis import META_KEY
+from cost_model.analysis import META_KEY, annotate
 from memopt.ops.reversible import ReversibleSegment, StepSpec, reversible_segment
 from memopt.plan import DECISION_KEY
-from memopt.reversible.check import check_segment, current_examples, sub_segment, true_values
+from memopt.reversible.check import check_segment, current_call, current_examples, sub_segment, true_values
 from memopt.reversible.config import ReversibleConfig
 from passes.base import PassResult, register_pass
 from passes.reversible_find import FoundStep, Segment, find_segments, is_random
@@ -186,6 +186,13 @@ def reversible_pass(gm: fx.GraphModule, cfg: ReversibleConfig) -> PassResult:
             if cfg.segments is not None and name not in cfg.segments:
                 continue
             modified |= _install(gm, segment, runtime, start, end, bounds, reason, grad_errors.get((start, end)))
+    call = current_call()
+    if modified and call is not None:
+        # later passes read which nodes keep which storage: a segment input is no longer kept by the
+        # ops now inside the segment (e.g. few-bit on the stem's ReLU frees its output now)
+        gm.graph.lint()
+        gm.recompile()
+        annotate(gm, call.args, call.kwargs, device=call.device, simulate=False)
     return PassResult(gm, modified)
 
 

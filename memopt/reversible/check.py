@@ -27,22 +27,40 @@ from memopt.state import preserved_state
 
 @dataclass
 class Examples:
-    inputs: List[Any]
+    inputs: List[Any]  # the graph's placeholder values
     cache: Dict[Any, Any] = field(default_factory=dict)
 
 
+@dataclass
+class Call:
+    """The model-level inputs and target device of the graph being rewritten (for re-annotation)."""
+
+    args: tuple
+    kwargs: dict
+    device: Optional[str]
+
+
 _EXAMPLES: contextvars.ContextVar[Optional[Examples]] = contextvars.ContextVar("memopt_examples", default=None)
+_CALL: contextvars.ContextVar[Optional[Call]] = contextvars.ContextVar("memopt_call", default=None)
 
 
 @contextlib.contextmanager
-def example_inputs(flat: Optional[List[Any]]) -> Iterator[None]:
-    """Make the real example inputs (the graph's placeholder values) visible to checks in passes."""
+def example_inputs(flat: Optional[List[Any]], args: tuple = (), kwargs: Optional[dict] = None,
+                   device: Optional[str] = None) -> Iterator[None]:
+    """Make the example inputs visible to passes: the real placeholder values ``flat`` for numeric
+    checks (None or fake/meta: no check), and the model-level inputs to re-annotate a graph."""
     real = flat is not None and not any(isinstance(t, torch.Tensor) and (t.is_meta or _is_fake(t)) for t in flat)
     token = _EXAMPLES.set(Examples(list(flat)) if real else None)
+    call = _CALL.set(Call(args, kwargs or {}, device))
     try:
         yield
     finally:
         _EXAMPLES.reset(token)
+        _CALL.reset(call)
+
+
+def current_call() -> Optional[Call]:
+    return _CALL.get()
 
 
 def _is_fake(t: torch.Tensor) -> bool:
