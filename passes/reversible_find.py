@@ -330,6 +330,14 @@ def _bijection_kind(node: fx.Node, stream: fx.Node, modules: Dict[str, nn.Module
         if not smallest >= MIN_SCALE:
             return f"{node.name}: BatchNorm gamma has |value| {smallest:.2e} < {MIN_SCALE}: not invertible"
         return "batch_norm", (node.target,)
+    if kind == "layer_norm" and node.op == "call_module":
+        ln = modules[node.target]
+        if not ln.elementwise_affine or ln.weight is None:
+            return f"{node.name}: only LayerNorm with an affine weight is inverted"
+        smallest = ln.weight.detach().abs().min().item()
+        if not smallest >= MIN_SCALE:
+            return f"{node.name}: LayerNorm gamma has |value| {smallest:.2e} < {MIN_SCALE}: not invertible"
+        return "layer_norm", (node.target,)
     op = _lookup(MULS, node) or ("add" if _lookup(ADDS, node) else "sub" if _lookup(SUBS, node) else None)
     if op is None or len(node.args) != 2 or node.kwargs:
         return None

@@ -244,3 +244,39 @@ def test_backward_recomputes_under_the_forward_autocast_state(technique):
     out.float().square().sum().backward()
     expected.float().square().sum().backward()
     assert max(_grad_errors(model, ref).values()) < 1e-3
+
+
+class _SpineLayerNorm(torch.nn.Module):
+    """Reversible transformer blocks joined by LayerNorm and a constant scale on the spine."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from memopt.testing.reversible_zoo import RevTransformerBlock
+
+        self.embed = torch.nn.Linear(8, 64)
+        self.blocks = torch.nn.ModuleList(RevTransformerBlock(32, 4, 0.0) for _ in range(3))
+        self.norms = torch.nn.ModuleList(torch.nn.LayerNorm(64) for _ in range(3))
+        self.head = torch.nn.Linear(64, 10)
+
+    def forward(self, x):
+        x = self.embed(x)
+        for block, norm in zip(self.blocks, self.norms):
+            a, b = x.chunk(2, dim=-1)
+            a, b = block(a, b)
+            x = norm(torch.cat([a, b], dim=-1)) * 0.5
+        return self.head(x.mean(1))
+
+
+def test_aggressive_mode_inverts_layer_norm_and_constant_scale():
+    torch.manual_seed(0)
+    model, x = _SpineLayerNorm().train(), torch.randn(4, 10, 8)
+    counts = {}
+    for mode in ("safe", "aggressive"):
+        ref = copy.deepcopy(model)
+        om = memopt.optimize(model, config=Config(reversible=ReversibleConfig(mode=mode), **ONLY_REVERSIBLE))
+        model.zero_grad()
+        assert torch.equal(_train_step(om, x), _train_step(ref, x))
+        assert max(_grad_errors(model, ref).values()) < 1e-5
+        counts[mode] = (len(_reversible_calls(om)), om.plan.estimated_saved_bytes)
+    assert counts["safe"][0] == 3 and counts["aggressive"][0] == 1  # one segment across the norms
+    assert counts["aggressive"][1] < counts["safe"][1]

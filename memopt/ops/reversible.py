@@ -50,8 +50,8 @@ class StepSpec:
     u_first: bool = True
     sign: int = 1
     random: bool = False
-    inverse: str = ""  # bijection: "leaky_relu", "affine" or "batch_norm"
-    params: Tuple[Any, ...] = ()  # bijection: (slope,), (op, constant) or (BatchNorm path,)
+    inverse: str = ""  # bijection: "leaky_relu", "affine", "batch_norm" or "layer_norm"
+    params: Tuple[Any, ...] = ()  # bijection: (slope,), (op, constant) or (norm module path,)
 
 
 class ReversibleSegment(nn.Module):
@@ -135,28 +135,40 @@ def _batch_norm(module: nn.Module, step: StepSpec) -> nn.Module:
     return module.get_submodule(step.params[0])
 
 
+def _norm_dims(step: StepSpec, norm: nn.Module, x: torch.Tensor) -> List[int]:
+    """The dimensions a norm reduces over: all but channels (BatchNorm), the last ones (LayerNorm)."""
+    if step.inverse == "batch_norm":
+        return [d for d in range(x.dim()) if d != 1]
+    return list(range(x.dim() - len(norm.normalized_shape), x.dim()))
+
+
 def _side_info(step: StepSpec, module: nn.Module, x: torch.Tensor) -> List[torch.Tensor]:
-    """What inverting the bijection needs besides its output: BatchNorm's batch mean and std."""
-    if step.inverse != "batch_norm":
+    """What inverting the bijection needs besides its output: a norm's mean and std (per channel
+    for BatchNorm, per row for LayerNorm), kept with their reduced dimensions."""
+    if step.inverse not in ("batch_norm", "layer_norm"):
         return []
-    bn = _batch_norm(module, step)
-    dims = [d for d in range(x.dim()) if d != 1]
-    var, mean = torch.var_mean(x.float(), dim=dims, unbiased=False)
-    return [mean, torch.sqrt(var + bn.eps)]
+    norm = _batch_norm(module, step)
+    var, mean = torch.var_mean(x.float(), dim=_norm_dims(step, norm, x), unbiased=False, keepdim=True)
+    return [mean, torch.sqrt(var + norm.eps)]
 
 
 def _invert(step: StepSpec, module: nn.Module, y: torch.Tensor, side: List[torch.Tensor]) -> torch.Tensor:
     """The input of a bijection from its output: LeakyReLU y<0 -> y/slope; affine with a constant;
-    train-mode BatchNorm x = (y - beta) / gamma * std + mean with the batch statistics kept."""
+    BatchNorm (train mode) / LayerNorm x = (y - beta) / gamma * std + mean with the statistics kept."""
     if step.inverse == "leaky_relu":
         return torch.where(y >= 0, y, y / step.params[0])
     if step.inverse == "affine":
         op, c = step.params
         return {"mul": y / c, "div": y * c, "add": y - c, "sub": y + c}[op]
-    bn = _batch_norm(module, step)
-    shape = [1, -1] + [1] * (y.dim() - 2)
-    mean, std = (t.view(shape) for t in side)
-    return ((y.float() - bn.bias.view(shape)) / bn.weight.view(shape) * std + mean).to(y.dtype)
+    norm = _batch_norm(module, step)
+    mean, std = side
+    if step.inverse == "batch_norm":
+        shape = [1, -1] + [1] * (y.dim() - 2)
+        weight, bias = norm.weight.view(shape), norm.bias.view(shape)
+    else:
+        weight = norm.weight
+        bias = norm.bias if norm.bias is not None else torch.zeros_like(weight)
+    return ((y.float() - bias) / weight * std + mean).to(y.dtype)
 
 
 def undo_steps(segment: ReversibleSegment, outputs: Sequence[torch.Tensor], extras: Dict[int, List[torch.Tensor]],

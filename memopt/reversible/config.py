@@ -25,8 +25,8 @@ class ReversibleConfig:
 
     ``aggressive`` mode also takes elementwise bijections on a stream into segments: LeakyReLU
     with slope >= 0.1, scaling / shifting by a constant (|scale| >= 1e-3), and train-mode
-    BatchNorm with every |gamma| >= 1e-3 (inverted from the batch mean and std it keeps: O(channels)
-    per step), as in reversible CNN designs that reach a few hundred bytes per input pixel. Chains of
+    BatchNorm and LayerNorm with every |gamma| >= 1e-3 (inverted from the mean and std they keep:
+    per channel for BatchNorm, per row for LayerNorm), as in reversible CNN designs that reach a few hundred bytes per input pixel. Chains of
     such layer-wise inverses lose accuracy fast with depth; the check below cuts them into pieces.
 
     The gradient changes only by the floating-point error of the reconstruction ``u = u' - H(V)``
