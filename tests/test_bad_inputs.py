@@ -83,7 +83,8 @@ def test_a_model_that_cannot_be_captured_names_the_construct_and_stays_untouched
     (lambda: memopt.FewBitConfig(bits=2.0), "FewBitConfig.bits must be an int in 1..8, got 2.0"),
     (lambda: memopt.FewBitConfig(weight="laplace"), "FewBitConfig.weight='laplace' is not known; use one of"),
     (lambda: memopt.FewBitConfig(domain=(1.0, -1.0)), "FewBitConfig.domain must be finite (low, high)"),
-    (lambda: memopt.Config.from_dict({"reversible": {}}), "unknown Config fields ['reversible']; known fields are"),
+    (lambda: memopt.Config.from_dict({"revnet": {}}), "unknown Config fields ['revnet']; known fields are"),
+    (lambda: memopt.Config(reversible=memopt.StashConfig()), "Config.reversible must be a memopt.ReversibleConfig or None"),
     (lambda: memopt.Config(stash=memopt.FewBitConfig()), "Config.stash must be a memopt.StashConfig or None"),
 ])
 def test_invalid_config_values_are_refused_with_the_field_and_value(make, message):
@@ -93,8 +94,8 @@ def test_invalid_config_values_are_refused_with_the_field_and_value(make, messag
 
 
 def test_unknown_technique_keyword_is_refused():
-    with pytest.raises(TypeError, match="unexpected keyword argument 'reversible'"):
-        memopt.Config(reversible=memopt.StashConfig())
+    with pytest.raises(TypeError, match="unexpected keyword argument 'revnet'"):
+        memopt.Config(revnet=memopt.ReversibleConfig())
 
 
 class _Mixed(nn.Module):
