@@ -24,7 +24,8 @@ def _models() -> Dict[str, Tuple[str, Callable[[], torch.nn.Module], Callable[[]
     import torchvision
     import transformers as T
 
-    from memopt.testing.zoo import PreActResNet, TinyViT
+    from memopt.testing.reversible_zoo import RevNetCNN, RevTransformer
+    from memopt.testing.zoo import ZOO, PreActResNet, TinyViT
 
     small = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, intermediate_size=256)
     image = lambda size=32: (lambda: torch.randn(4, 3, size, size))  # noqa: E731
@@ -34,6 +35,10 @@ def _models() -> Dict[str, Tuple[str, Callable[[], torch.nn.Module], Callable[[]
     return {
         "PreAct ResNet-20 (memopt zoo)": ("CNN", lambda: PreActResNet(20), image()),
         "ViT (memopt zoo)": ("transformer", lambda: TinyViT(), image(16)),
+        "RevNet CNN (memopt zoo)": ("reversible", lambda: RevNetCNN((4, 4)), image(16)),
+        "reversible transformer (memopt zoo)": ("reversible", lambda: RevTransformer(4), image(16)),
+        "early-exit ResNet (Python loop on a tensor value)": (
+            "not capturable whole", lambda: ZOO["early_exit"].build()[0], lambda: ZOO["early_exit"].build()[1]),
         "ResNet-50": ("torchvision", tv("resnet50"), image(64)),
         "MobileNetV2": ("torchvision", tv("mobilenet_v2"), image(64)),
         "VGG-11-BN": ("torchvision", tv("vgg11_bn"), image(32)),
