@@ -81,7 +81,8 @@ def test_saved_bytes_are_the_codes_plus_per_channel_statistics(bits, residual):
     keys = {s.key: s.nbytes for s in rec.saved}
     n, c = x.numel(), x.shape[1]
     codes = math.ceil(n * bits / 8)
-    extra = 2 * c * 4 + (c * 4 if residual else 0)  # mean and invstd (+ the zero bin per channel)
+    # mean and invstd (+ the zero bin and the data-dependent x̂ grid, 4 rows, per channel)
+    extra = 2 * c * 4 + (c * 4 + 4 * c * 4 if residual else 0)
     expected = codes + (codes if residual else math.ceil(n / 8)) + extra
     params = (bn.weight.numel() + bn.bias.numel()) * 4  # γ and β: parameters, not saved activation bytes
     assert sum(keys.values()) - params == expected, (sum(keys.values()), expected)
@@ -155,10 +156,12 @@ def test_max_pool_keeps_window_offsets_only(kernel, stride, padding, dilation, c
 
 @pytest.mark.parametrize("name", zoo_params(["cnn", "tiny_resnet", "resnet18", "resnet50"]))
 def test_gradient_error_at_8_and_4_bits(name):
-    # Documented bound (docs/results/stash_gradients.md): per parameter cosine >= 0.99 at 8 bits; at 4 bits
-    # >= 0.985 on ResNet-50 (its worst: residual-chain BN weights and the convs they feed; the stem BN went
-    # 0.97 -> 0.99 with the mask-split grid), the whole gradient >= 0.98.
-    for bits, per_param, whole in ((8, 0.99, 0.999), (4, 0.98, 0.98)):
+    # Documented bound (docs/results/stash_gradients.md): per parameter cosine >= 0.99 at 8 bits; at 4 bits the
+    # worst parameter measured 0.9955 / 0.9883 / 0.9930 / 0.9898 (cnn / tiny_resnet / resnet18 / resnet50: residual
+    # BN weights and downsample BNs); before residual chains split their x̂ and coded z > 0 only, 0.9881 / 0.9889 /
+    # 0.9875 on the last three (the resnet18 / resnet50 bounds fail there); the whole gradient >= 0.98.
+    per_param_4 = {"cnn": 0.99, "tiny_resnet": 0.988, "resnet18": 0.99, "resnet50": 0.989}[name]
+    for bits, per_param, whole in ((8, 0.99, 0.999), (4, per_param_4, 0.98)):
         model, x = build(name)
         reference = copy.deepcopy(model)
         om = memopt.optimize(model, example_inputs=x, config=stash_config(bits))
@@ -273,3 +276,49 @@ def test_mask_split_grid_is_a_k_plus_1_bit_grid_on_each_side_of_the_kink(act):
     # kink is at the centre; the dead channel (γ = 0) keeps the whole window on both sides
     assert (grid[[1, 3]][:, [0, 1, 3, 4]] <= 2 * half / (1 << bits) + 1e-6).all()
     assert torch.equal(grid[1, 2], grid[3, 2]) and grid[1, 2] == 2 * half / (1 << bits)
+
+
+def test_residual_chain_splits_xhat_by_its_mask_and_codes_z_only_where_positive():
+    """BN -> + r -> ReLU with r >= 0 (a ReLU output, as in a ResNet): every z <= 0 has x̂ <= -β/γσ, so the mask-0
+    side of x̂ ends at the kink; the mask-1 side starts at its least value; relu(z) is coded on (0, top] only."""
+    from memopt.ops.stash import _from_codes, _Stash
+    from memopt.ops.bitpack import unpack_bits
+
+    torch.manual_seed(0)
+    c, bits, shape = 4, 4, (32, 4, 6, 6)
+    x = (torch.randn(shape) * 2 + 1).requires_grad_()
+    r = torch.relu(torch.randn(shape) * 0.5)
+    bn = nn.BatchNorm2d(c).train()
+    with torch.no_grad():
+        bn.weight.copy_(torch.tensor([1.5, 0.7, 2.0, 1.0]))
+        bn.bias.copy_(torch.tensor([0.3, -0.2, 0.5, -1.0]))
+    reference = torch.relu(F.batch_norm(x, bn.running_mean.clone(), bn.running_var.clone(), bn.weight, bn.bias,
+                                        True, 0.1, 1e-5) + r)
+    y, packed, mask_packed, affine, zero = bn_act_stash(x, bn.weight, bn.bias, bn.running_mean, bn.running_var,
+                                                        bn.num_batches_tracked, r, 0.1, 1e-5, "relu", (), bits)
+    assert torch.equal(y, reference)
+    x_packed, _, _, _, _, _, _, _, grid = y.grad_fn.saved_tensors  # grid: per channel (lo0, w0, lo1, w1)
+    assert grid.shape == (4, c)
+    x, reference = x.detach(), reference.detach()
+    mean, var = x.mean((0, 2, 3)), x.var((0, 2, 3), unbiased=False)
+    u = (x - mean.view(1, -1, 1, 1)) / var.sqrt().view(1, -1, 1, 1)
+    mask = reference > 0
+    tau = -bn.bias.detach() / (bn.weight.detach() * var.sqrt() * (var + 1e-5).rsqrt())
+    # the sides' inner ends are the data's: mask-0 ends at its largest x̂ (<= the kink), mask-1 starts at its least
+    for ch in range(c):
+        u0, u1 = u[:, ch][~mask[:, ch]], u[:, ch][mask[:, ch]]
+        assert torch.allclose(grid[0, ch] + 16 * grid[1, ch], u0.max().clamp(max=3.25), atol=1e-5)
+        assert u0.max() <= tau[ch] + 1e-4
+        assert torch.allclose(grid[2, ch], u1.min().clamp(min=-3.25), atol=1e-5)
+    codes = unpack_bits(x_packed, bits, x.numel()).view(shape)
+    rebuilt = _from_codes(codes, mask, grid)
+    width = torch.where(mask, grid[3].view(1, -1, 1, 1), grid[1].view(1, -1, 1, 1))
+    inside = u.abs() < 3.25
+    assert ((rebuilt - u).abs() <= width / 2 + 1e-4)[inside].all()
+    assert (grid[1] < 2 * 3.25 / 16).all()  # the mask-0 side is finer than one window over 2^K bins
+    # relu(z): exactly 0 where z <= 0, within half a bin of (0, top] split into 2^K - 1 bins elsewhere
+    rebuilt_y = _Stash.rebuild(packed, mask_packed, affine, zero, bits, x.shape, "relu", ())
+    assert torch.equal(rebuilt_y == 0, ~mask) and torch.equal(zero, torch.ones(c, dtype=torch.int32))
+    zwidth = affine[1].view(1, -1, 1, 1)
+    top = (zwidth * 15).expand(shape)
+    assert ((rebuilt_y - reference).abs() <= zwidth / 2 + 1e-5)[mask & (reference <= top)].all()

@@ -60,10 +60,20 @@ def _xhat_std(invstd: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def split_by_mask(act: str, has_residual: bool) -> bool:
-    """Whether a chain's x̂ code is split by its stored exact mask: without a residual, the 1-bit mask tells
+    """Whether a chain's x̂ code is split by its exact activation mask. Without a residual the 1-bit mask tells
     on which side of the kink (x̂ = -β/γσ) each element lies, so each side gets its own 2^K bins and the
-    code is as fine as a (K+1)-bit grid for the same bytes (a residual chain reads its mask from the z code)."""
-    return act != "identity" and not has_residual
+    code is as fine as a (K+1)-bit grid for the same bytes. With a residual (mask read from the z code) the
+    sides overlap where the residual moved z across 0; each side's window ends where its values end
+    (``_overlap``): after a ReLU residual (r >= 0) every z <= 0 has x̂ <= -β/γσ, so the mask-0 side is as
+    fine as without a residual, and the mask-1 side, the only one the BN weight gradient reads, narrows too."""
+    return act != "identity"
+
+
+def positive_z_grid(act: str) -> bool:
+    """Whether a residual chain codes z only on its positive side: after ReLU / ReLU6 every z <= 0 rebuilds
+    as exactly 0, so one code says "z <= 0" and the other 2^K - 1 bins cover (0, top] (LeakyReLU and
+    identity keep both sides: their negative z reach the consumers)."""
+    return act in ("relu", "relu6")
 
 
 def x_grid_half(bits: int, split: bool) -> float:
@@ -71,16 +81,31 @@ def x_grid_half(bits: int, split: bool) -> float:
     return WINDOWS[min(bits + 1, 8)] if split else WINDOWS[bits]
 
 
-def _grid(weight, bias, xstd: torch.Tensor, bits: int, act: str, split: bool) -> torch.Tensor:
+def _overlap(x, mean, invstd, xstd, mask, half: float) -> torch.Tensor:
+    """Per channel (the least x̂/std where the mask is true, the largest where it is false), in [-h, h]: the
+    inner ends of a residual chain's two x̂ windows (a reduction: with a residual the sides overlap by data)."""
+    nd = x.dim()
+    dims = [d for d in range(nd) if d != 1]
+    u = (x - _per_channel(mean, nd)).float().mul_(_per_channel(invstd / xstd.clamp_min(1e-12), nd))
+    lo1 = u.masked_fill(~mask, math.inf).amin(dims)
+    hi0 = u.masked_fill_(mask, -math.inf).amax(dims)
+    return torch.stack([lo1, hi0]).clamp_(-half, half)
+
+
+def _grid(weight, bias, xstd: torch.Tensor, bits: int, act: str, split: bool,
+          sides: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Per-channel bins of the x̂ code, in units of x̂'s std: rows (lo, width), 2^K bins from lo; when
     ``split``, rows (lo, width) for the elements whose mask is false, then for those where it is true.
     The two sides meet at τ = -β/(γσ), the kink, clamped to the window [-h, h]; ReLU6's true side ends
     where z = 6, its false side (below 0 or above 6) keeps the whole window. A channel with γσ = 0
-    (or NaN statistics) keeps the whole window on both sides."""
+    (or NaN statistics) keeps the whole window on both sides. ``sides`` (a residual chain, from
+    ``_overlap``): the false side is [-h, its largest value], the true side [its least value, h]."""
     bins, half = 1 << bits, x_grid_half(bits, split)
     lo, hi = torch.full_like(xstd, -half), torch.full_like(xstd, half)
     if not split:
         return torch.stack([lo, (hi - lo) / bins])
+    if sides is not None:
+        return torch.stack([lo, (sides[1] - lo) / bins, sides[0], (hi - sides[0]) / bins])
     gamma = weight.float() if weight is not None else torch.ones_like(xstd)
     beta = bias.float() if bias is not None else torch.zeros_like(xstd)
     scale = gamma * xstd
@@ -213,7 +238,11 @@ class BNActStash(torch.autograd.Function):
         nd, bins, half = x.dim(), 1 << bits, WINDOWS[bits]
         xstd = _xhat_std(invstd, eps)
         mask = _mask(z, act, act_params)
-        grid = _grid(weight, bias, xstd, bits, act, split_by_mask(act, residual is not None))
+        split = split_by_mask(act, residual is not None)
+        sides = _overlap(x, mean, invstd, xstd, mask, x_grid_half(bits, True)) if split and residual is not None \
+            else None
+        grid = _grid(weight, bias, xstd, bits, act, split, sides)
+        xgrid = grid if sides is not None else torch.zeros(0, device=x.device)  # data-dependent: kept
         x_codes = pack_bits(_x_codes(x, mean, invstd, xstd, grid, mask, bins), bits)
         gamma = weight if weight is not None else torch.ones_like(mean)
         beta = bias if bias is not None else torch.zeros_like(mean)
@@ -232,9 +261,17 @@ class BNActStash(torch.autograd.Function):
         else:
             dims = [d for d in range(nd) if d != 1]
             std, mu = torch.std_mean(z, dim=dims, correction=0)
-            zwidth = (2 * half / bins) * std.float().clamp_min(torch.finfo(torch.float32).tiny)
-            # the zero of z on an edge strictly inside the window: origin = -j*w with 1 <= j <= bins-1
-            j = torch.clamp(torch.round(-mu.float() / zwidth) + bins // 2, 1, bins - 1)
+            std, mu = std.float().clamp_min(torch.finfo(torch.float32).tiny), mu.float()
+            if positive_z_grid(act):
+                # code 0 is "z <= 0" (rebuilt as exactly 0); bins 1..2^K-1 cover (0, top], the positive part of a
+                # (K+1)-bit grid over mu ± h' std (h' = WINDOWS[K+1]); ReLU6 stops at 6
+                top = (mu + WINDOWS[min(bits + 1, 8)] * std).clamp_min(half * std / bins)
+                zwidth = (top.clamp_max(6.0) if act == "relu6" else top) / (bins - 1)
+                j = torch.ones_like(mu)
+            else:
+                zwidth = (2 * half / bins) * std
+                # the zero of z on an edge strictly inside the window: origin = -j*w with 1 <= j <= bins-1
+                j = torch.clamp(torch.round(-mu / zwidth) + bins // 2, 1, bins - 1)
             origin = -j * zwidth
             positive = z > 0
             # z is our own temporary, coded in place, unless it is the output itself (no activation)
@@ -250,7 +287,7 @@ class BNActStash(torch.autograd.Function):
             if act != "relu6":  # the code knows the sign of z exactly (not where ReLU6 clips at 6)
                 mask_packed = empty_u8
         del mask
-        ctx.save_for_backward(x_codes, y_codes, mask_packed, zero_code, weight, bias, mean, invstd)
+        ctx.save_for_backward(x_codes, y_codes, mask_packed, zero_code, weight, bias, mean, invstd, xgrid)
         ctx.shape, ctx.bits, ctx.act, ctx.act_params, ctx.node, ctx.eps = x.shape, bits, act, act_params, node, eps
         ctx.has_residual, ctx.has_weight, ctx.has_bias = residual is not None, weight is not None, bias is not None
         ctx.mark_non_differentiable(y_codes, mask_packed, affine, zero_code)
@@ -261,7 +298,7 @@ class BNActStash(torch.autograd.Function):
         if torch.is_grad_enabled():
             raise MemoptError(f"double backward (create_graph=True) through the stash node {ctx.node} is not "
                               f"supported; exclude it with memopt.StashConfig(deny=(...)) or set Config(stash=None)")
-        x_codes, y_codes, mask_packed, zero_code, weight, bias, mean, invstd = ctx.saved_tensors
+        x_codes, y_codes, mask_packed, zero_code, weight, bias, mean, invstd, xgrid = ctx.saved_tensors
         shape, nd = ctx.shape, len(ctx.shape)
         n = shape.numel()
         if ctx.act == "identity":
@@ -271,7 +308,8 @@ class BNActStash(torch.autograd.Function):
             mask = _decode_mask(mask_packed, codes, zero_code, shape)
         grad_z = _act_backward(grad_y, mask, ctx.act, ctx.act_params)
         xstd = _xhat_std(invstd, ctx.eps)
-        grid = _grid(weight, bias, xstd, ctx.bits, ctx.act, split_by_mask(ctx.act, ctx.has_residual))
+        grid = xgrid if xgrid.numel() else _grid(weight, bias, xstd, ctx.bits, ctx.act,
+                                                 split_by_mask(ctx.act, ctx.has_residual))
         # x̂ at the bin midpoints, then reused in place for grad_x: at most two full-size temporaries
         xhat = _from_codes(unpack_bits(x_codes, ctx.bits, n).view(shape), mask, grid).mul_(_per_channel(xstd, nd))
         del mask
