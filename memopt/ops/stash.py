@@ -12,9 +12,12 @@ updated once), and backward keeps, through ``ctx.save_for_backward``, only:
   2^K bins on each side, as fine as a (K+1)-bit grid for the same bytes, with h = WINDOWS[K+1]
   (ResNet-50 stem BN weight gradient at 4 bits: cosine 0.97 -> 0.99, tools/bench_stash_gradients.py);
 - the activation's exact mask (1 bit) when there is no residual, or, after a residual add, a
-  K-bit code of the activation input z on a per-channel grid of 2h standard deviations whose zero
-  lies exactly on a bin edge, so the ReLU mask read from it is exact (ReLU6 keeps its 1-bit mask
-  too: the code does not know where it clips at 6);
+  K-bit code of the activation input z whose zero lies exactly on a bin edge, so the ReLU mask read
+  from it is exact (ReLU6 keeps its 1-bit mask too: the code does not know where it clips at 6).
+  After ReLU / ReLU6 code 0 means z <= 0 (rebuilt as exactly 0) and the other 2^K - 1 bins cover
+  (0, mean + WINDOWS[K+1] std]; LeakyReLU and identity keep a grid of 2h std around the mean. The
+  x̂ code of a residual chain is split by that mask too, each side's window ending where its values
+  end (a per-channel reduction, kept as 4 floats per channel: ``_overlap``);
 - per-channel statistics (mean, inverse std, and the z grid) in float32.
 BN backward uses x̂ only in its variance term: the mean term and σ are exact. The gradient flowing
 to the previous layer is therefore exact up to that term, and errors do not compound over depth.
