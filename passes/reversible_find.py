@@ -130,8 +130,12 @@ def is_inplace(node: fx.Node, modules: Dict[str, nn.Module]) -> bool:
 
 
 def is_random(node: fx.Node, modules: Dict[str, nn.Module]) -> bool:
+    """Whether the node draws random numbers (a dropout with p = 0 draws none: no RNG state kept)."""
     if op_kind(node, modules) == "dropout":
-        return True
+        if node.op == "call_module":
+            return getattr(modules.get(node.target), "p", 1.0) != 0
+        p = node.kwargs.get("p", node.args[1] if len(node.args) > 1 else 0.5)
+        return not (isinstance(p, (int, float)) and p == 0)
     name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
     return any(word in name for word in ("rand", "bernoulli", "dropout", "multinomial", "normal"))
 
