@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from typing import Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from torch import fx
+import torch
+import torch.nn.functional as F
+
+from torch import fx, nn
 
 from cost_model.analysis import META_KEY, annotate
 from memopt.ops.reversible import ReversibleSegment, StepSpec, reversible_segment
@@ -20,7 +23,9 @@ from memopt.plan import DECISION_KEY
 from memopt.reversible.check import check_segment, current_call, current_examples, sub_segment, true_values
 from memopt.reversible.config import ReversibleConfig
 from passes.base import PassResult, register_pass
-from passes.reversible_find import FoundStep, Segment, find_segments, is_random
+from passes.reversible_find import SPLITS, FoundStep, Segment, find_segments, is_random
+
+aten = torch.ops.aten
 
 
 def boundaries(segment: Segment) -> List[List[fx.Node]]:
@@ -62,6 +67,59 @@ def _step_module(gm: fx.GraphModule, step: FoundStep, k: int) -> fx.GraphModule:
     return fx.GraphModule(gm, graph, class_name=f"ReversibleStep{k}")
 
 
+_RESHAPES = {"view", "reshape", "flatten", "unflatten", "squeeze", "unsqueeze", torch.flatten, torch.reshape,
+             torch.squeeze, torch.unsqueeze, aten.view, aten.reshape, aten._unsafe_view, aten.flatten, aten.unflatten,
+             aten.squeeze, aten.unsqueeze}
+
+
+def glue_inverse(node: fx.Node, modules: Dict[str, nn.Module]) -> Tuple[str, tuple]:
+    """(inverse kind, constant params) of a glue node for ``memopt.ops.reversible``; ("vjp", ())
+    when its arguments are not constants or the op has no explicit inverse here."""
+    if node.op == "call_module":
+        module = modules.get(node.target)
+        if isinstance(module, (nn.Flatten, nn.Unflatten)):
+            return "reshape", ()
+        if isinstance(module, nn.PixelUnshuffle):
+            return "pixel_shuffle", (module.downscale_factor,)
+        if isinstance(module, nn.PixelShuffle):
+            return "pixel_unshuffle", (module.upscale_factor,)
+        return "vjp", ()
+    key = node.target if node.op == "call_method" else getattr(node.target, "overloadpacket", node.target)
+    args, kwargs = node.args, node.kwargs
+
+    def arg(i: int, name: str, default: Any) -> Any:
+        return kwargs.get(name, args[i] if len(args) > i else default)
+
+    try:
+        if key in (torch.cat, aten.cat):
+            found = "split", (arg(1, "dim", 0),)
+        elif key in SPLITS:
+            found = "cat", (arg(2, "dim", 0),)
+        elif key in _RESHAPES:
+            found = "reshape", ()
+        elif key in ("contiguous", aten.clone, aten.alias):
+            found = "identity", ()
+        elif key in ("permute", torch.permute, aten.permute):
+            dims = args[1:] if node.op == "call_method" and len(args) > 2 else arg(1, "dims", None)
+            found = "permute", (tuple(dims),)
+        elif key in ("transpose", torch.transpose, aten.transpose):
+            found = "transpose", (arg(1, "dim0", None), arg(2, "dim1", None))
+        elif key in ("t", aten.t):
+            found = "transpose", (0, 1)
+        elif key in ("flip", torch.flip, aten.flip):
+            found = "flip", (tuple(arg(1, "dims", None)),)
+        elif key in (F.pixel_unshuffle, torch.pixel_unshuffle, aten.pixel_unshuffle):
+            found = "pixel_shuffle", (arg(1, "downscale_factor", None),)
+        elif key in (F.pixel_shuffle, torch.pixel_shuffle, aten.pixel_shuffle):
+            found = "pixel_unshuffle", (arg(1, "upscale_factor", None),)
+        else:
+            return "vjp", ()
+    except TypeError:  # unhashable target, or dims not a sequence
+        return "vjp", ()
+    flat = [v for p in found[1] for v in (p if isinstance(p, tuple) else (p,))]
+    return found if all(isinstance(v, int) and not isinstance(v, bool) for v in flat) else ("vjp", ())
+
+
 def build_segment(gm: fx.GraphModule, segment: Segment, cfg: ReversibleConfig) -> ReversibleSegment:
     modules = dict(gm.named_modules())
     specs, children = [], {}
@@ -69,9 +127,9 @@ def build_segment(gm: fx.GraphModule, segment: Segment, cfg: ReversibleConfig) -
         key = f"step_{k}"
         children[key] = _step_module(gm, step, k)
         random = step.kind == "coupling" and any(is_random(n, modules) for n in step.cone)
+        inverse, params = glue_inverse(step.node, modules) if step.kind == "glue" else (step.inverse, step.params)
         specs.append(StepSpec(step.kind, tuple(n.name for n in step.reads), tuple(n.name for n in step.writes), key,
-                              step.node.format_node(), step.target, step.u_first, step.sign, random, step.inverse,
-                              step.params))
+                              step.node.format_node(), step.target, step.u_first, step.sign, random, inverse, params))
     return ReversibleSegment(segment.name, [n.name for n in segment.inputs], [n.name for n in segment.outputs],
                              specs, children, cfg.check_every, cfg.tolerance)
 

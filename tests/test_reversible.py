@@ -116,13 +116,17 @@ def test_double_backward_raises_naming_the_segment():
         torch.autograd.grad(loss, list(model.parameters()), create_graph=True)
 
 
-def test_glue_round_trip_is_bitwise_exact():
+@pytest.mark.parametrize("explicit", [False, True], ids=["through-vjp", "explicit-inverse"])
+def test_glue_round_trip_is_bitwise_exact(explicit):
     def glue(fn):
         return fx.symbolic_trace(fn)
 
-    steps = [StepSpec("glue", ("x",), ("a",), "s0", "unshuffle"), StepSpec("glue", ("a",), ("b",), "s1", "permute"),
-             StepSpec("glue", ("b",), ("c", "d"), "s2", "chunk"), StepSpec("glue", ("d", "c"), ("e",), "s3", "cat"),
-             StepSpec("glue", ("e",), ("f",), "s4", "flip")]
+    def spec(reads, writes, key, inverse, params):
+        return StepSpec("glue", reads, writes, key, key, inverse=inverse if explicit else "", params=params)
+
+    steps = [spec(("x",), ("a",), "s0", "pixel_shuffle", (2,)), spec(("a",), ("b",), "s1", "permute", ((0, 2, 3, 1),)),
+             spec(("b",), ("c", "d"), "s2", "cat", (-1,)), spec(("d", "c"), ("e",), "s3", "split", (-1,)),
+             spec(("e",), ("f",), "s4", "flip", ((1,),))]
     modules = {"s0": glue(lambda x: F.pixel_unshuffle(x, 2)), "s1": glue(lambda a: a.permute(0, 2, 3, 1)),
                "s2": glue(lambda b: torch.chunk(b, 2, dim=-1)), "s3": glue(lambda d, c: torch.cat([d, c], -1)),
                "s4": glue(lambda e: torch.flip(e, [1]))}

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from memopt.ops import graph_leaf
@@ -50,7 +51,10 @@ class StepSpec:
     u_first: bool = True
     sign: int = 1
     random: bool = False
-    inverse: str = ""  # bijection: "leaky_relu", "affine", "batch_norm" or "layer_norm"
+    # glue: "split", "cat", "reshape", "identity", "permute", "transpose", "flip", "pixel_shuffle",
+    # "pixel_unshuffle" (explicit inverse) or "" (inverted through autograd on a dummy input);
+    # bijection: "leaky_relu", "affine", "batch_norm" or "layer_norm"
+    inverse: str = ""
     params: Tuple[Any, ...] = ()  # bijection: (slope,), (op, constant) or (norm module path,)
 
 
@@ -244,6 +248,7 @@ def _undo_coupling(segment: ReversibleSegment, step: StepSpec, module: nn.Module
     out = state.pop(out_name)
     with torch.no_grad():
         state[u_name] = (out - h if step.sign > 0 else out + h).to(out.dtype)
+    del out  # u' is dead once u is rebuilt: not alive during H's backward
     if grads is None:
         return
     g = grads.pop(out_name, None)
@@ -258,9 +263,47 @@ def _undo_coupling(segment: ReversibleSegment, step: StepSpec, module: nn.Module
     _accumulate(param_grads, params, found[len(inputs):])
 
 
+def _permutation_inverse(step: StepSpec, ys: Sequence[torch.Tensor], shapes: Tuple) -> List[torch.Tensor]:
+    """The inverse of a glue op named by ``step.inverse`` (see passes/reversible.py ``glue_inverse``).
+    It is also the op's VJP (a permutation's transpose is its inverse), so it maps gradients too.
+    Views where the layout allows (split, reshape, permute): no copy."""
+    kind, params = step.inverse, step.params
+    if kind == "split":
+        dim = params[0]
+        return list(torch.split(ys[0], [shape[dim] for shape, _ in shapes], dim))
+    if kind == "cat":
+        return [torch.cat(list(ys), params[0])]
+    if kind == "reshape":
+        return [ys[0].reshape(shapes[0][0])]
+    if kind == "identity":
+        return [ys[0]]
+    if kind == "permute":
+        dims = [d % ys[0].dim() for d in params[0]]
+        return [ys[0].permute([dims.index(i) for i in range(len(dims))])]
+    if kind == "transpose":
+        return [ys[0].transpose(*params)]
+    if kind == "flip":
+        return [ys[0].flip(params[0])]
+    if kind == "pixel_shuffle":
+        return [F.pixel_shuffle(ys[0], params[0])]
+    if kind == "pixel_unshuffle":
+        return [F.pixel_unshuffle(ys[0], params[0])]
+    raise ValueError(f"memopt: no inverse {kind!r} for glue step {step.where}")
+
+
 def _undo_glue(step: StepSpec, module: nn.Module, state: Dict[str, torch.Tensor],
                grads: Optional[Dict[str, Optional[torch.Tensor]]], shapes: Tuple) -> None:
     outs = [state.pop(name) for name in step.writes]
+    if step.inverse and step.inverse != "vjp":
+        state.update(zip(step.reads, _permutation_inverse(step, outs, shapes)))
+        if grads is not None:
+            out_grads = [grads.pop(name, None) for name in step.writes]
+            if all(g is None for g in out_grads):
+                grads.update({name: None for name in step.reads})
+            else:
+                filled = [g if g is not None else torch.zeros_like(o) for g, o in zip(out_grads, outs)]
+                grads.update(zip(step.reads, _permutation_inverse(step, filled, shapes)))
+        return
     dummies = [torch.empty(shape, dtype=dtype, device=outs[0].device, requires_grad=True) for shape, dtype in shapes]
     with torch.enable_grad():
         ys = _as_tuple(module(*dummies))

@@ -163,13 +163,24 @@ def check_segment(segment: ReversibleSegment, true_input: Sequence[torch.Tensor]
             pieces.append(Piece(0, end, worst))
             end = 0
     pieces.reverse()
-    for piece in pieces:
-        if any(segment.steps[i].kind == "coupling" for i in range(piece.start, piece.end)):
-            piece.grad_error = _grad_error(segment, piece, states, boundaries, state_of)
-            if not piece.grad_error <= tolerance:
-                piece.rejected = (f"its gradients differ from plain autograd by {piece.grad_error:.2e} relative "
-                                  f"(> tolerance {tolerance:g}); it stays exact")
-    return CheckResult(pieces, dropped)
+    checked: List[Piece] = []
+    while pieces:  # gradients: a piece that fails is halved at a coupling until its parts pass
+        piece = pieces.pop(0)
+        couplings = [i for i in range(piece.start, piece.end) if segment.steps[i].kind == "coupling"]
+        if not couplings:
+            checked.append(piece)
+            continue
+        piece.grad_error = _grad_error(segment, piece, states, boundaries, state_of)
+        if piece.grad_error <= tolerance:
+            checked.append(piece)
+        elif len(couplings) > 1:
+            cut = couplings[len(couplings) // 2]
+            pieces[:0] = [Piece(piece.start, cut, piece.rebuild_error), Piece(cut, piece.end, piece.rebuild_error)]
+        else:
+            piece.rejected = (f"its gradients differ from plain autograd by {piece.grad_error:.2e} relative "
+                              f"(> tolerance {tolerance:g}) even for one coupling; it stays exact")
+            checked.append(piece)
+    return CheckResult(checked, dropped)
 
 
 def sub_segment(segment: ReversibleSegment, start: int, end: int, boundaries: Sequence[Sequence[str]],
@@ -186,7 +197,10 @@ def sub_segment(segment: ReversibleSegment, start: int, end: int, boundaries: Se
 
 def _grad_error(segment: ReversibleSegment, piece: Piece, states: List[Dict[str, torch.Tensor]],
                 boundaries: Sequence[Sequence[str]], state_of: Any) -> float:
-    """Max relative error of input and parameter gradients: the piece's Function vs plain autograd."""
+    """Relative error of all input and parameter gradients together (one L2 norm over every element):
+    the piece's Function vs plain autograd. Per tensor it would be dominated by parameters whose true
+    gradient is (numerically) zero -- conv biases ahead of a train-mode BatchNorm -- where both sides
+    are rounding noise."""
     sub = sub_segment(segment, piece.start, piece.end, boundaries)
     params = sub.params()
     grads: List[Tuple[torch.Tensor, ...]] = []
@@ -208,4 +222,7 @@ def _grad_error(segment: ReversibleSegment, piece: Piece, states: List[Dict[str,
                 grads.append(torch.autograd.grad(loss, inputs + params, allow_unused=True))
     plain, rebuilt = grads
     pairs = [(b, a) for a, b in zip(plain, rebuilt) if a is not None and b is not None]
-    return relative_error([b for b, _ in pairs], [a for _, a in pairs]) if pairs else 0.0
+    if not pairs:
+        return 0.0
+    return relative_error([torch.cat([b.double().flatten() for b, _ in pairs])],
+                          [torch.cat([a.double().flatten() for _, a in pairs])])
