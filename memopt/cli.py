@@ -1,7 +1,8 @@
 """The command line: ``python -m memopt {demo,report,export,bench,estimate}``.
 
 Models are named as a test-zoo name (``tiny_resnet``), a torchvision model (``resnet50`` or
-``torchvision:resnet50``), or ``package.module:callable`` (called without arguments). Bad
+``torchvision:resnet50``), a timm model (``resnet26d`` or ``timm:resnet26d``, random weights), or
+``package.module:callable`` (called without arguments). Bad
 arguments exit with code 2 and a one-line message.
 """
 from __future__ import annotations
@@ -19,6 +20,22 @@ class CliError(Exception):
     """A bad argument: printed as one line, exit code 2."""
 
 
+def _is_timm_only(name: str) -> bool:
+    """A bare name torchvision does not have but timm does (torchvision wins when both have it)."""
+    try:
+        import torchvision
+
+        if callable(getattr(torchvision.models, name, None)):
+            return False
+    except ImportError:
+        pass
+    try:
+        import timm
+    except ImportError:
+        return False
+    return timm.is_model(name)
+
+
 def resolve_model(spec: str, batch: Optional[int], input_shape: Optional[Tuple[int, ...]]) -> Tuple[nn.Module, Any]:
     """(model in train mode, example inputs) for a model spec; see the module docstring."""
     from memopt.testing.zoo import ZOO, build
@@ -32,17 +49,27 @@ def resolve_model(spec: str, batch: Optional[int], input_shape: Optional[Tuple[i
             shape = input_shape or tuple(inputs.shape[1:])
             inputs = torch.randn(batch or inputs.shape[0], *shape)
         return model.train(), inputs
-    if spec.startswith("torchvision:") or (":" not in spec and "." not in spec):
+    if spec.startswith("timm:") or (":" not in spec and "." not in spec and _is_timm_only(spec)):
+        name = spec.split(":", 1)[-1]
+        try:
+            import timm
+        except ImportError:
+            raise CliError(f"model {spec!r}: timm is not installed (pip install timm)") from None
+        if not timm.is_model(name):
+            raise CliError(f"unknown timm model {name!r}; timm.list_models('{name[:4]}*') lists similar names")
+        factory: Callable[[], nn.Module] = lambda: timm.create_model(name, pretrained=False)  # noqa: E731
+        default_shape: Tuple[int, ...] = tuple(timm.get_pretrained_cfg_value(name, "input_size") or (3, 224, 224))
+    elif spec.startswith("torchvision:") or (":" not in spec and "." not in spec):
         name = spec.split(":", 1)[-1]
         try:
             import torchvision
         except ImportError:
             raise CliError(f"model {spec!r}: torchvision is not installed (pip install torchvision)") from None
         if not hasattr(torchvision.models, name) or not callable(getattr(torchvision.models, name)):
-            raise CliError(f"unknown model {spec!r}: not a zoo model ({', '.join(sorted(ZOO))}) nor a "
-                           f"torchvision model; use package.module:callable for your own")
-        factory: Callable[[], nn.Module] = lambda: getattr(torchvision.models, name)(weights=None)  # noqa: E731
-        default_shape: Tuple[int, ...] = (3, 224, 224)
+            raise CliError(f"unknown model {spec!r}: not a zoo model ({', '.join(sorted(ZOO))}), a torchvision "
+                           f"model nor a timm model; use package.module:callable for your own")
+        factory = lambda: getattr(torchvision.models, name)(weights=None)  # noqa: E731
+        default_shape = (3, 224, 224)
     else:
         module_name, _, attr = spec.partition(":")
         if not attr:
@@ -141,7 +168,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _model_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", help="a zoo model (tiny_resnet, resnet50, ...), a torchvision model name, or "
+    parser.add_argument("model", help="a zoo model (tiny_resnet, resnet50, ...), a torchvision or timm model name, or "
                                       "package.module:callable returning an nn.Module")
     parser.add_argument("--input-shape", type=_shape, default=None,
                         help="one sample's shape, comma-separated (default: the zoo model's, 3,224,224 for "

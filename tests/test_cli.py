@@ -19,6 +19,14 @@ def test_a_callable_model_with_an_input_shape(capsys):
     assert "memopt report: MLP" in capsys.readouterr().out
 
 
+def test_timm_models_by_name(capsys):
+    pytest.importorskip("timm")
+    assert main(["report", "timm:resnet10t", "--batch", "2", "--input-shape", "3,32,32", "--top", "2"]) == 0
+    assert "ResNet (captured by symbolic_trace" in capsys.readouterr().out
+    assert main(["estimate", "convnext_atto", "--batch", "1", "--input-shape", "3,32,32", "--top", "1"]) == 0
+    assert "ConvNeXt" in capsys.readouterr().out
+
+
 def test_demo_writes_its_picture_and_says_where(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     path = tmp_path / "demo.png"
@@ -34,6 +42,7 @@ def test_demo_writes_its_picture_and_says_where(tmp_path, capsys):
     (["report", "mlp", "--budget-mb", "-1"], "--budget-mb must be a positive number of MiB, got -1.0"),
     (["bench", "mlp", "--steps", "0"], "expected a positive int, got '0'"),
     (["frobnicate"], "invalid choice: 'frobnicate'"),
+    (["report", "timm:nope"], "unknown timm model 'nope'"),
 ])
 def test_bad_arguments_exit_2_with_one_line(argv, message, capsys):
     with pytest.raises(SystemExit) as info:
