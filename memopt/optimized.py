@@ -29,6 +29,7 @@ from memopt.config import Config
 from memopt.errors import MemoptError, TraceError
 from memopt.pipeline import Built, build, input_signature
 from memopt.plan import Plan
+from memopt.state import share_module_state
 
 log = logging.getLogger("memopt")
 
@@ -42,8 +43,7 @@ class OptimizedModule(nn.Module):
                  plan: Optional[Plan] = None) -> None:
         super().__init__()
         # the model's own dicts, not copies: a module or parameter the user adds or replaces later is ours too
-        for name in ("_parameters", "_buffers", "_non_persistent_buffers_set", "_modules"):
-            object.__setattr__(self, name, getattr(model, name))
+        share_module_state(self, model)
         self.training = model.training
         # Plain attributes (object.__setattr__), not registered: they hold the same objects again.
         object.__setattr__(self, "_memopt_model", model)

@@ -29,3 +29,11 @@ class preserved_state:
         if self.cuda_rng is not None:
             torch.cuda.set_rng_state_all(self.cuda_rng)
         self.model.train(self.training)
+
+
+def share_module_state(target: nn.Module, model: nn.Module) -> None:
+    """Make ``target`` hold ``model``'s own parameter, buffer and child dicts (the same objects, not
+    copies): what is added to or replaced on one is on the other, ``state_dict`` keys are the
+    model's, and whoever swaps the model's tensors (torch.export, torch.func) swaps them for both."""
+    for name in ("_parameters", "_buffers", "_non_persistent_buffers_set", "_modules"):
+        object.__setattr__(target, name, getattr(model, name))

@@ -28,7 +28,7 @@ from torch import fx, nn
 
 from memopt.capture import normalize_inputs
 from memopt.errors import MemoptError
-from memopt.state import preserved_state
+from memopt.state import preserved_state, share_module_state
 
 _ADDS = (operator.add, torch.add)
 _MAX_CONE = 5000
@@ -141,8 +141,7 @@ class ConvertedModule(nn.Module):
 
     def __init__(self, model: nn.Module, graphs: Dict[bool, fx.GraphModule], conversion: Conversion) -> None:
         super().__init__()
-        for name in ("_parameters", "_buffers", "_non_persistent_buffers_set", "_modules"):
-            object.__setattr__(self, name, getattr(model, name))
+        share_module_state(self, model)
         self.training = model.training
         object.__setattr__(self, "_memopt_graphs", graphs)
         object.__setattr__(self, "conversion", conversion)
@@ -197,8 +196,7 @@ def convert(model: nn.Module, example_inputs: Any, *, min_blocks: int = 3) -> Co
                                   f"mode but {runs} in eval mode; convert needs the same block structure in both")
             # the graph reads parameters, buffers and submodules through the model's own dicts, so
             # whoever swaps them on the model (torch.export, torch.func) swaps them for the graph too
-            for name in ("_parameters", "_buffers", "_non_persistent_buffers_set", "_modules"):
-                object.__setattr__(gm, name, getattr(model, name))
+            share_module_state(gm, model)
             graphs[training] = gm
     except fx.proxy.TraceError as e:
         raise MemoptError(f"convert: torch.fx.symbolic_trace cannot trace {type(model).__name__} ({e}); convert "
