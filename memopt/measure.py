@@ -40,6 +40,16 @@ class Measurement:
     method: str
 
 
+def _plan_first(model: nn.Module, args: tuple, kwargs: dict) -> None:
+    """An OptimizedModule captures and plans at its first training forward for new inputs: do that
+    before the saved-tensor hooks below, or the cost model's own runs inside it would be recorded
+    as what the training step saves."""
+    from memopt.optimized import OptimizedModule
+
+    if isinstance(model, OptimizedModule) and torch.is_grad_enabled():
+        model._build_for(args, kwargs)
+
+
 def measure(model: nn.Module, example_inputs: Any, loss_fn: Optional[LossFn] = None, *,
             optimizer: Any = None) -> Measurement:
     """Run real training steps of ``model`` on ``example_inputs`` and return measured bytes.
@@ -60,6 +70,7 @@ def measure(model: nn.Module, example_inputs: Any, loss_fn: Optional[LossFn] = N
         model.train(True)
         for p in params:
             p.grad = None
+        _plan_first(model, args, kwargs)
         # 1. saved activations
         with SavedTensorRecorder() as recorder:
             output = model(*args, **kwargs)

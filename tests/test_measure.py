@@ -50,3 +50,10 @@ def test_cuda_measure_uses_the_caching_allocator():
     assert m.method == "torch.cuda.max_memory_allocated"
     est = memopt.estimate(model, inputs)
     assert abs(est.saved_bytes - m.saved_bytes) <= 0.01 * m.saved_bytes
+
+
+def test_measure_as_the_first_call_of_an_optimized_module_plans_outside_its_hooks():
+    model, inputs = build("tiny_resnet")
+    om = memopt.optimize(model)  # nothing captured yet: measure's forward is the first
+    m = memopt.measure(om, inputs)
+    assert m.saved_bytes == om.plan.estimated_saved_bytes < om.plan.baseline_saved_bytes
