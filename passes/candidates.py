@@ -93,19 +93,21 @@ class Technique:
 
 def _stash_fidelity(new: fx.Node, baseline: Estimate, unit: str) -> float:
     """Mean squared error of the stashed x̂ ~ N(0, 1) on its K-bit grid (bin width 2h/2^K, clipping at
-    ±h; 2h/2^(K+1) when the mask splits it), times the elements of the BN output: (width²/12)·P(|z|<h) + E[(|z|−h)²; |z|>h]."""
+    ±h; 2h/2^(K+1) when the mask splits it), times the elements of the BN output: (width²/12)·P(|z|<h) + E[(|z|−h)²; |z|>h];
+    twice that when a second BatchNorm (a downsample, split by the same mask) joined the chain."""
     if new.target is generic_encode:
         return _generic_fidelity(new)
     if new.target is not bn_act_stash:
         return 0.0  # its consumers reuse the same codes
     bits = new.meta[DECISION_KEY]["bits"]
     split = split_by_mask(new.args[9], new.args[6] is not None)  # then a (K+1)-bit grid
+    joined = len(new.args) > 14 and new.args[14] is not None  # x2: the second BatchNorm's input
     half = x_grid_half(bits, split)
     width = 2 * half / (1 << (bits + split))
     tail = math.erfc(half / math.sqrt(2))  # P(|z| > h)
     pdf = math.exp(-half * half / 2) / math.sqrt(2 * math.pi)
     clip = (1 + half * half) * tail - 2 * half * pdf
-    return (width * width / 12 * (1 - tail) + clip) * _numel(baseline, unit)
+    return (width * width / 12 * (1 - tail) + clip) * _numel(baseline, unit) * (2 if joined else 1)
 
 
 def _generic_fidelity(new: fx.Node) -> float:

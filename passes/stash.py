@@ -3,8 +3,11 @@
 Pattern (module-level graphs): a training-mode BatchNorm1d/2d module, optionally followed by a
 residual add (its only user), optionally followed by the activation (ReLU, ReLU6, LeakyReLU in any
 spelling); without an activation the chain is "identity" (a ResNet downsample BN, a MobileNet
-projection BN). Every user of the chain's output must be able to drop its copy of it: Conv1d/Conv2d
-and Linear modules (rewritten to rebuild their input from the stash), MaxPool2d (rewritten to keep
+projection BN). When the residual add's other operand is a second training-mode BatchNorm used only
+there (a ResNet downsample) and the chain has an activation, that BN joins the chain (one Function,
+one unit named by the first BN in graph order; ``deny`` keeps it out): its gradient is zero wherever
+the activation's mask is, so its x̂ code is split by that mask. Every user of the chain's output must
+be able to drop its copy of it: Conv1d/Conv2d and Linear modules (rewritten to rebuild their input from the stash), MaxPool2d (rewritten to keep
 only its indices), and users that keep nothing (average pooling, add, the model output, another
 chain's residual input). Anything else keeps the output, so the chain stays exact and the report
 says which consumer blocked it.
@@ -79,11 +82,9 @@ def _consumer_reason(user: fx.Node, act: fx.Node, modules) -> Optional[str]:
 def _match(bn: fx.Node, modules) -> Union[str, Tuple[Optional[fx.Node], fx.Node, str]]:
     """(add node or None, the chain's last node, act kind) for a chain starting at ``bn``, or the reason
     not. Without an activation the chain ends at the BatchNorm (or its residual add): kind "identity"."""
-    module = modules[bn.target]
-    if has_hooks(module):
-        return "the BatchNorm has hooks, which a rewrite would skip"
-    if not module.track_running_stats or module.momentum is None:
-        return "BatchNorm without running statistics or with cumulative momentum (momentum=None)"
+    reason = _bn_reason(modules[bn.target])
+    if reason is not None:
+        return reason
     end, add = bn, None
     nxt = _single_user(bn)
     if nxt is not None and op_kind(nxt, modules) == "add" and nxt.op != "call_module" and nxt.target is not bn_act_stash:
@@ -99,20 +100,92 @@ def _match(bn: fx.Node, modules) -> Union[str, Tuple[Optional[fx.Node], fx.Node,
     return add, end, "identity"
 
 
+def _bn_reason(module: nn.Module) -> Optional[str]:
+    if has_hooks(module):
+        return "the BatchNorm has hooks, which a rewrite would skip"
+    if not module.track_running_stats or module.momentum is None:
+        return "BatchNorm without running statistics or with cumulative momentum (momentum=None)"
+    return None
+
+
+def _per_channel_count(node: fx.Node) -> Optional[int]:
+    cost = node.meta.get(META_KEY)
+    return math.prod(cost.shapes[0]) // cost.shapes[0][1] if cost is not None and cost.shapes else None
+
+
+def _second_bn(bn: fx.Node, add: Optional[fx.Node], kind: str, modules, cfg: StashConfig, order) -> Optional[fx.Node]:
+    """The residual add's other operand when it is a training-mode BatchNorm (later in graph order, so not
+    visited yet, used only by the add, not denied, of the same shape) that can join the chain: the downsample."""
+    if add is None or kind == "identity":
+        return None
+    other = next(a for a in add.args if isinstance(a, fx.Node) and a is not bn)
+    module = modules.get(other.target) if other.op == "call_module" else None
+    if not isinstance(module, (nn.BatchNorm1d, nn.BatchNorm2d)) or order[other] < order[bn] or \
+            set(other.users) != {add} or other.name in cfg.deny or _bn_reason(module) is not None or \
+            len(other.args) != 1 or other.kwargs:
+        return None
+    shape, other_shape = (n.meta.get(META_KEY) for n in (bn, other))
+    if shape is None or other_shape is None or shape.shapes[:1] != other_shape.shapes[:1] or \
+            (_per_channel_count(other) or 0) < cfg.min_per_channel:
+        return None
+    return other
+
+
+def _fusable_pool(bn: fx.Node, add, act: fx.Node, kind: str, modules, cfg: StashConfig) -> Optional[fx.Node]:
+    """BN -> ReLU -> MaxPool2d (the ResNet stem) whose pooled output a consumer keeps anyway (a conv / linear
+    module with a trainable weight; not with the generic stash, which would drop its copy): one Function
+    computes the BN weight gradient exactly from the pooled values, which it keeps for free."""
+    pool = _single_user(act)
+    if add is not None or kind != "relu" or pool is None or cfg.generic or pool.op != "call_module" or \
+            not isinstance(modules[bn.target], nn.BatchNorm2d):
+        return None
+    module = modules[pool.target]
+    if not isinstance(module, nn.MaxPool2d) or module.return_indices or has_hooks(module) or \
+            pool.args != (act,) or pool.kwargs or not pool.users:
+        return None
+    keepers = [modules.get(u.target) if u.op == "call_module" else None for u in pool.users]
+    if not any(isinstance(m, (nn.Conv1d, nn.Conv2d, nn.Linear)) and m.weight.requires_grad and not has_hooks(m)
+               for m in keepers):
+        return None
+    return pool
+
+
+def _rewrite_pool(gm: fx.GraphModule, modules, bn: fx.Node, act: fx.Node, pool: fx.Node, bits: int) -> None:
+    graph, module, pm = gm.graph, modules[bn.target], modules[pool.target]
+    with graph.inserting_before(pool):
+        attrs = [_attr(graph, bn.target, module, n) for n in
+                 ("weight", "bias", "running_mean", "running_var", "num_batches_tracked")]
+        stash = graph.create_node("call_function", bn_act_stash,
+                                  (bn.args[0], *attrs, None, module.momentum, module.eps, "relu", (), bits, False,
+                                   bn.format_node()),
+                                  {"pool": (pm.kernel_size, pm.stride, pm.padding, pm.dilation, pm.ceil_mode)},
+                                  name=f"{bn.name}_stash")
+        new = graph.call_function(operator.getitem, (stash, 0))
+    stash.meta[DECISION_KEY] = {"technique": "stash", "bits": bits, "replaces": [bn.name, act.name, pool.name],
+                                "unit": bn.name, "reason": f"BN + relu + max-pool: exact forward, {bits}-bit codes "
+                                                           f"for backward, exact BN weight gradient from the pooled "
+                                                           f"output"}
+    pool.replace_all_uses_with(new)
+    for node in (pool, act, bn):
+        graph.erase_node(node)
+
+
 @register_pass(StashConfig, "stash")
 def stash_pass(gm: fx.GraphModule, cfg: StashConfig) -> PassResult:
     modules = dict(gm.named_modules())
     graph = gm.graph
     modified = False
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    joined = set()
     for bn in list(graph.nodes):
-        if bn.op != "call_module" or not isinstance(modules.get(bn.target), (nn.BatchNorm1d, nn.BatchNorm2d)):
+        if bn in joined or bn.op != "call_module" or \
+                not isinstance(modules.get(bn.target), (nn.BatchNorm1d, nn.BatchNorm2d)):
             continue
         if (cfg.allow is not None and bn.name not in cfg.allow) or bn.name in cfg.deny:
             bn.meta[DECISION_KEY] = {"technique": "exact", "reason": "stash: excluded by StashConfig allow/deny"}
             continue
         found = _match(bn, modules)
-        cost = bn.meta.get(META_KEY)
-        per_channel = math.prod(cost.shapes[0]) // cost.shapes[0][1] if cost is not None and cost.shapes else 0
+        per_channel = _per_channel_count(bn) or 0
         if not isinstance(found, str) and per_channel < cfg.min_per_channel:
             found = (f"it normalises {per_channel} elements per channel, fewer than "
                      f"StashConfig.min_per_channel={cfg.min_per_channel}")
@@ -122,7 +195,15 @@ def stash_pass(gm: fx.GraphModule, cfg: StashConfig) -> PassResult:
             bn.meta[DECISION_KEY] = {"technique": "exact", "reason": f"stash: {reason}"}
             continue
         add, end, kind = found
-        _rewrite(gm, modules, bn, add, end, kind, cfg.bits_for(bn.name))
+        pool = _fusable_pool(bn, add, end, kind, modules, cfg)
+        if pool is not None:
+            _rewrite_pool(gm, modules, bn, end, pool, cfg.bits_for(bn.name))
+            modified = True
+            continue
+        second = _second_bn(bn, add, kind, modules, cfg, order)
+        if second is not None:
+            joined.add(second)
+        _rewrite(gm, modules, bn, add, end, kind, cfg.bits_for(bn.name), second)
         modified = True
     if cfg.generic:  # after the chains: what they cover is no longer a plain conv / linear input
         modified |= generic_stash(gm, cfg)
@@ -136,27 +217,37 @@ def _attr(graph: fx.Graph, path: str, module: nn.Module, name: str) -> Optional[
 
 
 def _rewrite(gm: fx.GraphModule, modules, bn: fx.Node, add: Optional[fx.Node], act: fx.Node, kind: str,
-             bits: int) -> None:
-    """``act`` is the chain's last node: the activation, or the BatchNorm / add for "identity"."""
+             bits: int, second: Optional[fx.Node] = None) -> None:
+    """``act`` is the chain's last node: the activation, or the BatchNorm / add for "identity"; ``second``:
+    the residual's BatchNorm when it joins the chain."""
     graph, module = gm.graph, modules[bn.target]
     residual = None if add is None else next(a for a in add.args if isinstance(a, fx.Node) and a is not bn)
     params = _act_params(act, kind, modules)
-    replaced: List[str] = list(dict.fromkeys([bn.name] + ([add.name] if add is not None else []) + [act.name]))
+    replaced: List[str] = list(dict.fromkeys([bn.name] + ([second.name] if second is not None else []) +
+                                             ([add.name] if add is not None else []) + [act.name]))
     need_y = any(_needs_rebuild(u, modules) for u in act.users)
+    names = ("weight", "bias", "running_mean", "running_var", "num_batches_tracked")
     with graph.inserting_before(act):
-        attrs = [_attr(graph, bn.target, module, n) for n in
-                 ("weight", "bias", "running_mean", "running_var", "num_batches_tracked")]
+        attrs = [_attr(graph, bn.target, module, n) for n in names]
+        extra = ()
+        if second is not None:
+            module2 = modules[second.target]
+            extra = (second.args[0], *[_attr(graph, second.target, module2, n) for n in names], module2.momentum,
+                     module2.eps)
+            residual = None
         stash = graph.create_node("call_function", bn_act_stash,
                                   (bn.args[0], *attrs, residual, module.momentum, module.eps, kind, params, bits,
-                                   need_y, bn.format_node()), name=f"{bn.name}_stash")
+                                   need_y, bn.format_node(), *extra), name=f"{bn.name}_stash")
         y, codes, mask, affine, zero = (graph.call_function(operator.getitem, (stash, i)) for i in range(5))
     stash.meta[DECISION_KEY] = {"technique": "stash", "bits": bits, "replaces": replaced, "unit": bn.name,
-                                "reason": f"BN{' + residual' if add is not None else ''} + {kind}: exact forward, "
+                                "reason": f"BN{' + BN ' + second.name if second is not None else ''}"
+                                          f"{' + residual' if add is not None and second is None else ''} + {kind}: "
+                                          f"exact forward, "
                                           f"{bits}-bit codes for backward"}
     act.replace_all_uses_with(y)
     for user in list(y.users):
         _rewrite_consumer(gm, modules, user, y, (codes, mask, affine, zero), bits, kind, params, bn.name)
-    for node in dict.fromkeys(n for n in (act, add, bn) if n is not None):
+    for node in dict.fromkeys(n for n in (act, add, bn, second) if n is not None):
         graph.erase_node(node)
 
 

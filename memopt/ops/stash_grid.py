@@ -1,0 +1,175 @@
+"""The stash's per-channel grids and codecs (``memopt/ops/stash.py``): where each x̂ / z code's bins lie,
+coding in place, rebuilding at bin midpoints, and the activations' exact masks."""
+from __future__ import annotations
+
+import math
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from memopt.ops.bitpack import unpack_bits
+
+# Half-width of the grid in standard deviations, per K. The paper uses 3 for K = 4 and 8; we
+# measured the weight-gradient error of a pre-activation ResNet-20 (tools/bench_stash_depth.py
+# setup) for half-widths 2..6: best 2.0 at K=2, 3.0 at K=4, 3.5 at K=6, 4.0 at K=8 (3x less error
+# than 3.0 there, where clipping dominates). K = 1, 3, 5, 7 are interpolated.
+# False: every split window keeps its outer ends at ±WINDOWS[K+1] (tools/bench_stash_gradients.py reproduces the
+# "merged" grid with it)
+DATA_ENDS = True
+
+WINDOWS = {1: 1.5, 2: 2.0, 3: 2.5, 4: 3.0, 5: 3.25, 6: 3.5, 7: 3.75, 8: 4.0}
+
+
+def _per_channel(t: torch.Tensor, ndim: int) -> torch.Tensor:
+    return t.view(1, -1, *([1] * (ndim - 2)))
+
+
+def _xhat_std(invstd: torch.Tensor, eps: float) -> torch.Tensor:
+    """Per-channel standard deviation of x̂ = (x - mean) * invstd: sqrt(var / (var + eps)). It is 1 up to
+    eps, except in a (nearly) constant channel (a dead ReLU before the BN), where it is about 0. The
+    code is of x̂ / std, so such a channel rebuilds as 0 instead of a bin midpoint, which gave the
+    BN weight a false gradient (and, with invstd near 1/sqrt(eps), the input a large one). A variance
+    below a few float32 ulps of 1 is the rounding of invstd, not a signal: it counts as 0. A channel
+    with a NaN or inf has NaN statistics: its std is NaN, so its rebuilt x̂ (and its gradients) are NaN
+    as in stock PyTorch, never the finite bin midpoints its NaN codes would decode to."""
+    var = 1 - eps * invstd.float().square()
+    return var.masked_fill(var <= 8 * torch.finfo(torch.float32).eps, 0.0).sqrt()  # NaN stays NaN
+
+
+def x_grid_half(bits: int, split: bool) -> float:
+    """Half-width of the x̂ window: WINDOWS for the grid's effective bits (K + 1 when split by the mask)."""
+    return WINDOWS[min(bits + 1, 8)] if split else WINDOWS[bits]
+
+
+def _ends(x, mean, invstd, xstd, mask) -> torch.Tensor:
+    """Per channel, where each side's values of x̂/std end: rows (lo0, hi0, lo1, hi1), side 0 where the mask
+    is false (+inf / -inf for an empty side). A reduction, two full-size float temporaries."""
+    nd = x.dim()
+    dims = [d for d in range(nd) if d != 1]
+    u = (x - _per_channel(mean, nd)).float().mul_(_per_channel(invstd / xstd.clamp_min(1e-12), nd))
+    v = u.masked_fill(~mask, math.inf)
+    lo1 = v.amin(dims)
+    hi1 = v.masked_fill_(~mask, -math.inf).amax(dims)
+    del v
+    lo0 = u.masked_fill_(mask, math.inf).amin(dims)
+    hi0 = u.masked_fill_(mask, -math.inf).amax(dims)
+    return torch.stack([lo0, hi0, lo1, hi1])
+
+
+def _grid(weight, bias, xstd: torch.Tensor, bits: int, act: str, split: bool,
+          ends: Optional[torch.Tensor] = None, residual: bool = False) -> torch.Tensor:
+    """Per-channel bins of the x̂ code, in units of x̂'s std: rows (lo, width), 2^K bins from lo; when
+    ``split``, rows (lo, width) for the elements whose mask is false, then for those where it is true.
+    Without a residual the two sides meet at τ = -β/(γσ), the kink, clamped to the window [-h, h];
+    ReLU6's true side ends where z = 6, its false side (below 0 or above 6) keeps the whole window. A
+    channel with γσ = 0 (or NaN statistics) keeps the whole window on both sides. With a residual the
+    sides overlap by data: the false side ends at its largest value, the true side starts at its least
+    (from ``ends``, clamped to the window). ``ends`` (``_ends``): every end that would be the window's
+    (-h or h) is instead where that side's values end when that lies inside the window, so a side whose
+    values stop short of ±h gets finer bins; values beyond ±h still clip (a window widened to the data's
+    extremes had coarser bins at 128x128x4 than the clipping cost: ResNet-50 bn3 weights 0.9904 -> 0.9889,
+    docs/results/stash_gradients.md)."""
+    bins, half = 1 << bits, x_grid_half(bits, split)
+    lo, hi = torch.full_like(xstd, -half), torch.full_like(xstd, half)
+    if not split:
+        return torch.stack([lo, (hi - lo) / bins])
+    if residual:
+        lo0, hi0, lo1, hi1 = lo, ends[1].clamp(-half, half), ends[2].clamp(-half, half), hi
+    else:
+        gamma = weight.float() if weight is not None else torch.ones_like(xstd)
+        beta = bias.float() if bias is not None else torch.zeros_like(xstd)
+        scale = gamma * xstd
+        ok = scale.abs() > torch.finfo(torch.float32).tiny  # False for NaN too
+        safe = torch.where(ok, scale, torch.ones_like(scale))
+        tau = torch.where(ok, -beta / safe, lo).clamp(-half, half)
+        if act == "relu6":
+            tau6 = torch.where(ok, (6 - beta) / safe, hi).clamp(-half, half)
+            lo1, hi1, lo0, hi0 = torch.minimum(tau, tau6), torch.maximum(tau, tau6), lo, hi
+        else:
+            pos = scale > 0
+            lo1, hi1 = torch.where(pos, tau, lo), torch.where(pos, hi, tau)
+            lo0, hi0 = torch.where(pos, lo, tau), torch.where(pos, tau, hi)
+        lo1, hi1, lo0, hi0 = (torch.where(ok, v, d) for v, d in ((lo1, lo), (hi1, hi), (lo0, lo), (hi0, hi)))
+    if ends is not None and DATA_ENDS:
+        ends = ends.clamp(-half, half)  # NaN stays NaN: not finite, the window's end is kept
+        fin = torch.isfinite(ends)
+        lo0 = torch.where((lo0 <= -half) & fin[0], ends[0], lo0)
+        hi0 = torch.where((hi0 >= half) & fin[1], ends[1], hi0)
+        lo1 = torch.where((lo1 <= -half) & fin[2], ends[2], lo1)
+        hi1 = torch.where((hi1 >= half) & fin[3], ends[3], hi1)
+    return torch.stack([lo0, (hi0 - lo0) / bins, lo1, (hi1 - lo1) / bins])
+
+
+def _from_codes(codes: torch.Tensor, mask: Optional[torch.Tensor], grid: torch.Tensor) -> torch.Tensor:
+    """Bin midpoints lo + (k + ½)·width, per channel (rows of ``grid`` as in ``_grid``), in one float
+    buffer; with four rows each element takes its side's grid by ``mask``, a slice of the batch at a
+    time (so the per-element grids never cost a full-size temporary)."""
+    nd = codes.dim()
+    out = codes.to(torch.float32).add_(0.5)
+    if grid.shape[0] == 2:
+        return out.mul_(_per_channel(grid[1], nd)).add_(_per_channel(grid[0], nd))
+    lo0, w0, lo1, w1 = (_per_channel(g, nd) for g in grid)
+    step = max(1, (1 << 20) // max(1, out[0].numel()))
+    for i in range(0, out.shape[0], step):
+        m = mask[i:i + step]
+        out[i:i + step].mul_(torch.where(m, w1, w0)).add_(torch.where(m, lo1, lo0))
+    return out
+
+
+def _code_(v: torch.Tensor, origin, width, bins: int) -> torch.Tensor:
+    """Bin k covers (origin + k*width, origin + (k+1)*width]; values beyond the window clip.
+    Works in place on ``v`` (a float32 temporary of the caller's): forward peaks matter too."""
+    return v.sub_(origin).div_(width).ceil_().sub_(1).clamp_(0, bins - 1).to(torch.uint8)
+
+
+def _mask(z: torch.Tensor, act: str, params: Tuple[float, ...]) -> Optional[torch.Tensor]:
+    """Where the activation passes the gradient (with slope 1), with ATen's own comparisons."""
+    if act == "identity":
+        return None
+    if act == "relu6":
+        return ~((z <= 0) | (z >= 6))
+    if act == "leaky_relu":
+        return z > 0
+    return ~(z <= 0)
+
+
+def _activation(z: torch.Tensor, act: str, params: Tuple[float, ...]) -> torch.Tensor:
+    if act == "identity":
+        return z
+    if act == "relu6":
+        return F.relu6(z)
+    if act == "leaky_relu":
+        return F.leaky_relu(z, params[0])
+    return torch.relu(z)
+
+
+def _act_backward(grad: torch.Tensor, mask: Optional[torch.Tensor], act: str, params: Tuple[float, ...]) -> torch.Tensor:
+    if act == "identity":
+        return grad
+    low = grad * params[0] if act == "leaky_relu" else 0.0
+    return torch.where(mask, grad, low)
+
+
+def _decode_mask(mask_packed: torch.Tensor, codes: Optional[torch.Tensor], zero_code: torch.Tensor,
+                 shape: torch.Size) -> torch.Tensor:
+    """The exact activation mask: stored as 1 bit, or read from a z code whose zero is a bin edge."""
+    if mask_packed.numel():
+        return unpack_bits(mask_packed, 1, shape.numel()).view(shape).bool()
+    return codes >= _per_channel(zero_code, len(shape))
+
+
+def _x_codes(x, mean, invstd, xstd, grid, mask, bins: int) -> torch.Tensor:
+    """Codes of x̂ / its std (float32, as the statistics are) on ``grid``; a constant channel codes noise
+    that rebuilds times 0. A split grid codes each side and keeps the side the mask says."""
+    nd = x.dim()
+    scale = _per_channel(invstd / xstd.clamp_min(1e-12), nd)
+    tiny = torch.finfo(torch.float32).tiny
+
+    def code(lo, width):
+        return _code_((x - _per_channel(mean, nd)).mul_(scale), _per_channel(lo, nd),
+                      _per_channel(width.clamp_min(tiny), nd), bins)
+
+    if grid.shape[0] == 2:
+        return code(grid[0], grid[1])
+    return torch.where(mask, code(grid[2], grid[3]), code(grid[0], grid[1]))
