@@ -110,7 +110,7 @@ def _split_x_codes(x, weight, bias, mean, invstd, eps, mask, bits: int, act: str
     """A residual chain's x̂ code split by the exact mask, each side's window ending where its values end:
     (packed codes, the data-dependent grid: 4 rows per channel, saved)."""
     xstd = _xhat_std(invstd, eps)
-    grid = _grid(weight, bias, xstd, bits, act, True, _ends(x, mean, invstd, xstd, mask), residual=True)
+    grid = _grid(weight, bias, xstd, bits, act, True, _ends(x, mean, invstd, xstd, mask, True), residual=True)
     return pack_bits(_x_codes(x, mean, invstd, xstd, grid, mask, 1 << bits), bits), grid
 
 
@@ -156,7 +156,7 @@ class BNActStash(torch.autograd.Function):
             x_codes, grid = _split_x_codes(x, weight, bias, mean, invstd, eps, mask, bits, act)
             xgrid = grid  # data-dependent: kept
         else:
-            ends = _ends(x, mean, invstd, xstd, mask) if split and stash_grid.DATA_ENDS else None
+            ends = _ends(x, mean, invstd, xstd, mask, False) if split and stash_grid.DATA_ENDS else None
             grid = _grid(weight, bias, xstd, bits, act, split, ends)
             xgrid = grid if ends is not None else torch.zeros(0, device=x.device)  # data-dependent: kept
             x_codes = pack_bits(_x_codes(x, mean, invstd, xstd, grid, mask, bins), bits)

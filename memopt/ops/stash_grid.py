@@ -42,19 +42,22 @@ def x_grid_half(bits: int, split: bool) -> float:
     return WINDOWS[min(bits + 1, 8)] if split else WINDOWS[bits]
 
 
-def _ends(x, mean, invstd, xstd, mask) -> torch.Tensor:
-    """Per channel, where each side's values of x̂/std end: rows (lo0, hi0, lo1, hi1), side 0 where the mask
-    is false (+inf / -inf for an empty side). A reduction, two full-size float temporaries."""
+def _ends(x, mean, invstd, xstd, mask, inner: bool) -> torch.Tensor:
+    """Per channel, where the sides' values of x̂/std end: rows (lo0, hi0, lo1, hi1), side 0 where the mask is
+    false. Without ``inner`` every end is the channel's extreme (one cheap reduction over ``x``: each side's
+    values lie inside them; ``_grid`` uses them only where the window would end at ±h); with it (a residual
+    chain) the inner ends hi0, lo1 are each side's own, two masked reductions over a float temporary
+    (+inf / -inf for an empty side). NaN where the channel has a NaN."""
     nd = x.dim()
     dims = [d for d in range(nd) if d != 1]
-    u = (x - _per_channel(mean, nd)).float().mul_(_per_channel(invstd / xstd.clamp_min(1e-12), nd))
-    v = u.masked_fill(~mask, math.inf)
-    lo1 = v.amin(dims)
-    hi1 = v.masked_fill_(~mask, -math.inf).amax(dims)
-    del v
-    lo0 = u.masked_fill_(mask, math.inf).amin(dims)
+    scale = invstd / xstd.clamp_min(1e-12)
+    lo, hi = ((v.float() - mean) * scale for v in (x.amin(dims), x.amax(dims)))
+    if not inner:
+        return torch.stack([lo, hi, lo, hi])
+    u = (x - _per_channel(mean, nd)).float().mul_(_per_channel(scale, nd))
+    lo1 = u.masked_fill(~mask, math.inf).amin(dims)
     hi0 = u.masked_fill_(mask, -math.inf).amax(dims)
-    return torch.stack([lo0, hi0, lo1, hi1])
+    return torch.stack([lo, hi0, lo1, hi])
 
 
 def _grid(weight, bias, xstd: torch.Tensor, bits: int, act: str, split: bool,

@@ -34,7 +34,7 @@ class BNReLUMaxPoolStash(torch.autograd.Function):
         offsets, ctx.pool = pool_offsets(x.shape, pooled, indices, kernel_size, stride, padding, dilation)
         del indices
         xstd = _xhat_std(invstd, eps)
-        ends = _ends(x, mean, invstd, xstd, mask) if stash_grid.DATA_ENDS else None
+        ends = _ends(x, mean, invstd, xstd, mask, False) if stash_grid.DATA_ENDS else None
         grid = _grid(weight, bias, xstd, bits, "relu", True, ends)
         x_codes = pack_bits(_x_codes(x, mean, invstd, xstd, grid, mask, 1 << bits), bits)
         mask_packed = pack_bits(mask, 1)
