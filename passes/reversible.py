@@ -23,7 +23,7 @@ from memopt.plan import DECISION_KEY
 from memopt.reversible.check import check_segment, current_call, current_examples, sub_segment, true_values
 from memopt.reversible.config import ReversibleConfig
 from passes.base import PassResult, register_pass
-from passes.reversible_find import SPLITS, FoundStep, Segment, find_segments, is_random
+from passes.reversible_find import CATS, SPLITS, FoundStep, Segment, find_segments, is_random, op_key
 
 aten = torch.ops.aten
 
@@ -84,14 +84,14 @@ def glue_inverse(node: fx.Node, modules: Dict[str, nn.Module]) -> Tuple[str, tup
         if isinstance(module, nn.PixelShuffle):
             return "pixel_unshuffle", (module.upscale_factor,)
         return "vjp", ()
-    key = node.target if node.op == "call_method" else getattr(node.target, "overloadpacket", node.target)
+    key = op_key(node)
     args, kwargs = node.args, node.kwargs
 
     def arg(i: int, name: str, default: Any) -> Any:
         return kwargs.get(name, args[i] if len(args) > i else default)
 
     try:
-        if key in (torch.cat, aten.cat):
+        if key in CATS:
             found = "split", (arg(1, "dim", 0),)
         elif key in SPLITS:
             found = "cat", (arg(2, "dim", 0),)
@@ -264,8 +264,3 @@ def _anchored(segment: Segment, every: int) -> List[tuple]:
             count += 1
     pieces.append((start, len(segment.steps), "not checked: no real example inputs; anchored"))
     return pieces
-
-
-def segment_names(gm: fx.GraphModule) -> Optional[List[str]]:
-    """The reversible pieces installed in ``gm`` (for reports and tests)."""
-    return [n.name for n in gm.graph.nodes if n.target is reversible_segment]

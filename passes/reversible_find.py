@@ -42,6 +42,7 @@ GLUE_ATEN = {aten.view, aten.reshape, aten._unsafe_view, aten.flatten, aten.unfl
              aten.t, aten.flip, aten.unsqueeze, aten.squeeze, aten.split, aten.split_with_sizes, aten.chunk,
              aten.pixel_shuffle, aten.pixel_unshuffle, aten.channel_shuffle, aten.clone, aten.alias}
 SPLITS = {"chunk", "split", torch.chunk, torch.split, aten.split, aten.split_with_sizes, aten.chunk}
+CATS = {torch.cat, aten.cat}
 # coupling ops: spelling -> (sign, the callable that runs it)
 ADDS = {operator.add: operator.add, torch.add: torch.add, "add": operator.add, "__add__": operator.add,
         aten.add: aten.add.Tensor}
@@ -88,7 +89,8 @@ class Segment:
         return sum(step.kind == "coupling" for step in self.steps)
 
 
-def _key(node: fx.Node):
+def op_key(node: fx.Node):
+    """What a call node calls, one spelling per op: the method name, the callable, or the ATen packet."""
     if node.op == "call_method":
         return node.target
     target = node.target
@@ -96,9 +98,13 @@ def _key(node: fx.Node):
 
 
 def _lookup(table, node: fx.Node):
+    """``table[op_key(node)]`` for call nodes (tables and sets of spellings), else None."""
     try:
-        return table.get(_key(node)) if node.op in ("call_function", "call_method") else None
-    except TypeError:
+        if node.op not in ("call_function", "call_method"):
+            return None
+        key = op_key(node)
+        return table.get(key) if isinstance(table, dict) else (True if key in table else None)
+    except TypeError:  # an unhashable target
         return None
 
 
@@ -109,7 +115,7 @@ def is_glue(node: fx.Node, modules: Dict[str, nn.Module]) -> bool:
         return node.target in GLUE_METHODS
     if node.op != "call_function":
         return False
-    key = _key(node)
+    key = op_key(node)
     try:
         return key in GLUE_FUNCTIONS or key in GLUE_ATEN
     except TypeError:
@@ -156,7 +162,7 @@ def _shapes(node: fx.Node) -> Optional[list]:
 
 def _split_outputs(node: fx.Node) -> Optional[List[fx.Node]]:
     """The getitem users of a split/chunk, in order, when they cover every part; else None."""
-    if _lookup({k: True for k in SPLITS}, node) is None or not node.users:
+    if _lookup(SPLITS, node) is None or not node.users:
         return None
     parts = _shapes(node)
     items: Dict[int, fx.Node] = {}
@@ -276,7 +282,7 @@ class _Scan:
         return order, sources
 
     def _glue(self, node: fx.Node) -> Optional[FoundStep]:
-        if node.op == "call_function" and _lookup({torch.cat: 1, aten.cat: 1}, node) is not None:
+        if node.op == "call_function" and _lookup(CATS, node) is not None:
             parts = node.args[0] if node.args else node.kwargs.get("tensors")
             if isinstance(parts, (list, tuple)) and len(parts) == len(self.streams) and \
                     set(parts) == set(self.streams) and len(set(parts)) == len(parts) and not self.pending:
