@@ -49,75 +49,23 @@ from tabulate import tabulate
 from torch import nn
 
 import memopt
-from memopt import Config, ReversibleConfig
+from memopt import Config
 from memopt.ops.reversible import relative_error, reversible_segment, run_forward, undo_steps
 from memopt.reversible.check import Examples, true_values
 from memopt.state import preserved_state
 from memopt.timing import step_time_ratio
-from memopt.testing.reversible_zoo import RevBlock, RevNetCNN, RevTransformer
+from memopt.testing.reversible_zoo import RevBlock, RevNetCNN
 
 sys.path.insert(0, str(Path(__file__).parent))
 from results_file import write_results_file  # noqa: E402
-
-MiB = 2 ** 20
-ONLY_REVERSIBLE = dict(stash=None, fewbit=None)
-RESULTS = Path(__file__).parents[1] / "docs" / "results"
-
-
-def command() -> str:
-    return " ".join(["python", "tools/bench_reversible.py", *sys.argv[1:]])
-
-
-def library_state() -> str:
-    root = Path(__file__).parents[1]
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--", "memopt", "passes", "cost_model"], cwd=root,
-                           capture_output=True, text=True).stdout.strip()
-    return f"memopt at {head}" + (" with uncommitted library changes" if dirty else "")
-
-
-def header(title: str, extra: str = "") -> str:
-    return (f"# {title}\n\nCommand: `{command()}` (torch {torch.__version__}, CPU, "
-            f"{torch.get_num_threads()} threads, {library_state()}). {extra}\n\n")
-
-
-def build(kind: str, blocks: int, seed: int = 0) -> nn.Module:
-    torch.manual_seed(seed)
-    if kind == "cnn":
-        return RevNetCNN((blocks // 2, blocks - blocks // 2), width=16).train()
-    return RevTransformer(blocks, dim=32).train()
-
-
-def image(kind: str) -> int:
-    return 32 if kind == "cnn" else 16
-
-
-def calls_of(om) -> list:
-    return [n for n in om._memopt_last.graph_module.graph.nodes if n.target is reversible_segment]
-
-
-def couplings_rewritten(om) -> int:
-    gm = om._memopt_last.graph_module
-    return sum(sum(s.kind == "coupling" for s in getattr(gm, f"memopt_{n.name}").steps) for n in calls_of(om))
-
-
-def random_steps(om) -> int:
-    """Coupling steps flagged random (dropout in H, even p=0): each keeps a CPU RNG state (5056 bytes)."""
-    gm = om._memopt_last.graph_module
-    return sum(sum(s.random for s in getattr(gm, f"memopt_{n.name}").steps) for n in calls_of(om))
-
-
-def not_rewritten_reasons(om) -> list:
-    return sorted({n.reason for n in om.plan.nodes if n.reason.startswith("reversible") and n.technique != "reversible"})
-
+from reversible_bench_common import (MiB, ONLY_REVERSIBLE, RESULTS, calls_of, couplings_rewritten,  # noqa: E402
+                                     depth_sweep, header, installed_segment, not_rewritten_reasons, plot,
+                                     random_steps)
 
 # ---------------------------------------------------------------- memory vs depth
 def memory(args) -> dict:
     rows, series = [], {}
-    for kind, label in (("cnn", "RevNet CNN"), ("transformer", "reversible transformer")):
-        for blocks in args.depths:
-            model = build(kind, blocks)
-            size = image(kind)
+    for kind, label, blocks, model, size in depth_sweep(args.depths):
             t0 = time.time()
             meta = torch.empty(args.meta_batch, 3, size, size, device="meta")
             om = memopt.optimize(model, config=Config(**ONLY_REVERSIBLE), example_inputs=meta)
@@ -252,8 +200,8 @@ def pixel(args) -> None:
                "float32, or w/8 B/px as the 1-bit few-bit mask with `Config()`) and the segment's output (pixel "
                "unshuffle keeps the element count, so the stream is 4w B/px at every stage), plus about 1 B/px for "
                "the head -- the reversible body itself keeps nothing else. The "
-               "transient is the backward working set at the moment of the peak: 7 float32 maps the size of the "
-               "full-resolution stream (7 x 4w B/px), consistent with the peak falling while the segment's backward walks the "
+               "transient is the backward working set at the moment of the peak: 6 float32 maps the size of the "
+               "full-resolution stream (6 x 4w B/px: 384 B/px at width 16), consistent with the peak falling while the segment's backward walks the "
                "32x32 stage (rebuilt streams, their gradients, F/G recomputed with grad and their gradients). "
                "Neither stash nor few-bit shrinks that working set; at a small real batch the parameters, "
                "gradients and momentum dominate instead.\n")
@@ -261,15 +209,6 @@ def pixel(args) -> None:
 
 
 # ---------------------------------------------------------------- error vs depth
-def installed_segment(model: nn.Module, x_meta: torch.Tensor):
-    om = memopt.optimize(model, config=Config(reversible=ReversibleConfig(tolerance=1.0, margin=1.0),
-                                              **ONLY_REVERSIBLE), example_inputs=x_meta)
-    calls = calls_of(om)
-    assert len(calls) == 1, [n.name for n in calls]
-    gm = om._memopt_last.graph_module
-    return gm, calls[0], getattr(gm, f"memopt_{calls[0].name}")
-
-
 def segment_errors(model, gm, call, segment, x, mode: str) -> dict:
     """mode: fp32, bf16 (autocast around forward and backward), bf16-out (backward outside autocast)."""
     with preserved_state(model):
@@ -328,10 +267,7 @@ def segment_errors(model, gm, call, segment, x, mode: str) -> dict:
 
 def error(args) -> dict:
     rows, series = [], {}
-    for kind, label in (("cnn", "RevNet CNN"), ("transformer", "reversible transformer")):
-        for blocks in args.error_depths:
-            model = build(kind, blocks)
-            size = image(kind)
+    for kind, label, blocks, model, size in depth_sweep(args.error_depths):
             gm, call, segment = installed_segment(model, torch.empty(args.error_batch, 3, size, size, device="meta"))
             torch.manual_seed(1)
             x = torch.randn(args.error_batch, 3, size, size)
@@ -432,58 +368,6 @@ def parity(args) -> None:
                   f"batch 64, {args.epochs} epochs, {args.seeds} seeds; stock and memopt (reversible only) share "
                   f"initial weights and data order within a seed. Goal: within 0.3 points.")
     write_results_file(Path(args.out_dir) / "reversible_training.md", text + table + "\n")
-
-
-# ---------------------------------------------------------------- plot
-def plot(mem: dict, err: dict, path: Path, real_batch: int) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import matplotlib.ticker  # noqa: F401
-
-    fig, axes = plt.subplots(1, 3, figsize=(18, 4.4))
-    for ax, (kind, label) in zip(axes[:2], (("cnn", "RevNet CNN"), ("transformer", "reversible transformer"))):
-        entries = mem.get(kind, [])
-        if not entries:
-            continue
-        blocks = [e["blocks"] for e in entries]
-        ax.plot(blocks, [e["stock_est"] / MiB for e in entries], "o-", color="C3", label="stock (estimated, meta batch)")
-        ax.plot(blocks, [e["ours_est"] / MiB for e in entries], "o-", color="C0", label="memopt (estimated, meta batch: not checked)")
-        measured = [e for e in entries if "ours_meas" in e]
-        if measured:
-            mb = [e["blocks"] for e in measured]
-            ax.plot(mb, [e["stock_meas"] / MiB for e in measured], "x--", color="C3", ms=8,
-                    label=f"stock measured (real batch {measured[0].get('real_batch', real_batch)})")
-            ax.plot(mb, [e["ours_meas"] / MiB for e in measured], "x--", color="C0", ms=8, label="memopt measured (checked; exact where the check rejects)")
-        ax.set(xscale="log", yscale="log", xlabel="RevBlocks (2 couplings each)", ylabel="saved activations (MiB)",
-               title=f"{label}: activation memory of one step")
-        ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
-        ax.set_xticks(blocks, [str(b) for b in blocks])
-        ax.legend(fontsize=6.5, loc="lower right" if kind == "cnn" else "upper left", framealpha=0.6)
-    ax = axes[2]
-    for kind, color in (("cnn", "C0"), ("transformer", "C1")):
-        for mode, style in (("fp32", "-"), ("bf16", "--")):
-            entries = err.get((kind, mode), [])
-            if entries:
-                ax.plot([b for b, _ in entries], [r["rebuild_worst"] for _, r in entries], "o" + style, color=color,
-                        label=f"{kind} {mode}: worst rebuilt stream state")
-        entries = err.get((kind, "fp32"), [])
-        if entries:
-            ax.plot([b for b, _ in entries], [r["ours_vs_f64_worst"] for _, r in entries], "x-", color=color, alpha=0.5,
-                    ms=8, label=f"{kind} fp32: memopt worst gradient vs float64")
-            ax.plot([b for b, _ in entries], [r["stock_vs_f64_worst"] for _, r in entries], "s:", color=color,
-                    mfc="none", label=f"{kind} fp32: stock worst gradient vs float64")
-    ax.axhline(1e-5, color="grey", lw=0.8, ls="-.", label="check threshold on rebuilt states (1e-5)")
-    ax.set(xscale="log", yscale="log", xlabel="RevBlocks", ylabel="relative L2 error",
-           title="reconstruction and gradient error vs depth")
-    ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
-    if err:
-        ticks = sorted({b for entries in err.values() for b, _ in entries})
-        ax.set_xticks(ticks, [str(b) for b in ticks])
-    ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
 
 
 def ints(text: str) -> list:
