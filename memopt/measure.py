@@ -6,7 +6,9 @@ storages counted once, parameters and buffers left out, the model's inputs and e
 Peak memory of one steady-state training step (forward, backward and, when an optimizer is given,
 its step, after one warm-up step that creates the optimizer state):
 - on CUDA: ``torch.cuda.max_memory_allocated`` over the step (everything the caching allocator
-  handed out, fragmentation-free; other tensors the process holds on the device count too);
+  handed out, in its 512-byte blocks, cuDNN/cuBLAS workspaces included, fragmentation-free), less what
+  other tensors of the process held on the device before the step (a reference copy of the model,
+  say), plus the parameters, buffers, inputs and optimizer state: the same quantity as on CPU;
 - on CPU: the bytes of every tensor storage alive, tracked op by op with a ``TorchDispatchMode``
   and weak storage references (``cost_model.storage.LiveStorageTracker``), plus the parameters,
   buffers, inputs and optimizer state that exist before the step. This is what a
@@ -85,10 +87,11 @@ def measure(model: nn.Module, example_inputs: Any, loss_fn: Optional[LossFn] = N
             opt.step()
         for p in params:
             p.grad = None
+        preexisting = _preexisting(model, opt, params, inputs)
         if device.type == "cuda":
-            peak, method = _cuda_peak(model, args, kwargs, loss_fn, opt, device)
+            peak, method = _cuda_peak(model, args, kwargs, loss_fn, opt, preexisting, device)
         else:
-            peak, method = _tracked_peak(model, args, kwargs, loss_fn, opt, params, inputs)
+            peak, method = _tracked_peak(model, args, kwargs, loss_fn, opt, preexisting)
         for p in params:
             p.grad = None
     return Measurement(int(saved), int(peak), str(device), method)
@@ -106,9 +109,13 @@ def _step(model, args, kwargs, loss_fn, opt) -> None:
         opt.step()
 
 
-def _tracked_peak(model, args, kwargs, loss_fn, opt, params, inputs):
+def _preexisting(model, opt, params, inputs):
+    """What exists before a step and counts toward its peak: parameters, buffers, inputs, optimizer state."""
     state = [t for st in (opt.state.values() if opt else []) for t in st.values() if isinstance(t, torch.Tensor)]
-    preexisting = params + list(model.buffers()) + inputs + state
+    return params + list(model.buffers()) + inputs + state
+
+
+def _tracked_peak(model, args, kwargs, loss_fn, opt, preexisting):
     before = distinct_bytes(preexisting)
     tracker = LiveStorageTracker(preexisting)
     with tracker:
@@ -116,9 +123,11 @@ def _tracked_peak(model, args, kwargs, loss_fn, opt, params, inputs):
     return before + tracker.peak, "cpu tensor-storage tracking (TorchDispatchMode + weak storage refs)"
 
 
-def _cuda_peak(model, args, kwargs, loss_fn, opt, device):
+def _cuda_peak(model, args, kwargs, loss_fn, opt, preexisting, device):
     torch.cuda.synchronize(device)
+    # what the process holds on the device besides the step's own tensors is not the step's memory
+    others = torch.cuda.memory_allocated(device) - distinct_bytes([t for t in preexisting if t.device == device])
     torch.cuda.reset_peak_memory_stats(device)
     _step(model, args, kwargs, loss_fn, opt)
     torch.cuda.synchronize(device)
-    return torch.cuda.max_memory_allocated(device), "torch.cuda.max_memory_allocated"
+    return torch.cuda.max_memory_allocated(device) - others, "torch.cuda.max_memory_allocated"

@@ -6,16 +6,27 @@ import statistics
 import time
 from typing import Any, List, Optional, Tuple
 
+import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
 from cost_model.step import LossFn, compute_loss
 from memopt.capture import normalize_inputs
 
 
+def _synchronize(args: tuple, kwargs: dict) -> None:
+    # CUDA kernels run asynchronously: a step has ended only when the device has finished it
+    for t in tree_flatten((args, kwargs))[0]:
+        if isinstance(t, torch.Tensor) and t.is_cuda:
+            torch.cuda.synchronize(t.device)
+
+
 def _step_seconds(module: nn.Module, args: tuple, kwargs: dict, loss_fn: Optional[LossFn]) -> float:
     module.zero_grad(set_to_none=True)
+    _synchronize(args, kwargs)
     start = time.perf_counter()
     compute_loss(module(*args, **kwargs), loss_fn).backward()
+    _synchronize(args, kwargs)
     return time.perf_counter() - start
 
 

@@ -48,9 +48,11 @@ def _encode(x: torch.Tensor, borders: Tuple[float, ...]) -> torch.Tensor:
     """The piece index of every element: the number of borders strictly below it (a value equal
     to a border goes to the lower piece). Borders are rounded to ``x``'s dtype first, so the
     pieces are those of the dtype the activation lives in."""
-    if len(borders) > 15:  # 5 bits and more: binary search beats one comparison per border
-        return torch.bucketize(x, torch.tensor(borders, dtype=x.dtype, device=x.device), out_int32=True)
+    # rounded here, not by torch.tensor(..., dtype): torch 2.11 rounds float64 -> float16 through float32
+    # (twice), 2.14 directly, so the pieces would depend on the torch version
     rounded = [_round_to(x.dtype, b) for b in borders]
+    if len(borders) > 15:  # 5 bits and more: binary search beats one comparison per border
+        return torch.bucketize(x, torch.tensor(rounded, dtype=x.dtype, device=x.device), out_int32=True)
     codes = (x > rounded[0]).to(torch.uint8)
     for border in rounded[1:]:
         codes += x > border

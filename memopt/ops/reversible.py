@@ -86,11 +86,20 @@ class ReversibleSegment(nn.Module):
                 for b in (m.running_mean, m.running_var, m.num_batches_tracked) if b is not None]
 
 
-def _rng_state(tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+def rng_state(tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+    """The CPU generator's state, then that of each CUDA device ``tensors`` live on (dropout on a GPU
+    draws from the device's generator)."""
     states = [torch.get_rng_state()]
     for device in _cuda_devices(tensors):
         states.append(torch.cuda.get_rng_state(device))
     return states
+
+
+def set_rng_state(states: List[torch.Tensor], tensors: Sequence[torch.Tensor]) -> None:
+    """Inverse of ``rng_state`` for the same ``tensors``."""
+    torch.set_rng_state(states[0])
+    for device, s in zip(_cuda_devices(tensors), states[1:]):
+        torch.cuda.set_rng_state(s, device)
 
 
 def _cuda_devices(tensors: Sequence[torch.Tensor]) -> List[int]:
@@ -118,7 +127,7 @@ def run_forward(segment: ReversibleSegment, inputs: Sequence[torch.Tensor],
         if step.kind == "coupling":
             sources = [state[name] for name in step.reads[1:]]
             if step.random:
-                extras[k] = _rng_state(sources)
+                extras[k] = rng_state(sources)
             h = module(*sources)
             u = state.pop(step.reads[0])
             state[step.writes[0]] = step.target(u, h) if step.u_first else step.target(h, u)
@@ -240,9 +249,7 @@ def _undo_coupling(segment: ReversibleSegment, step: StepSpec, module: nn.Module
     params = segment.step_params(step) if want else []
     with torch.random.fork_rng(devices=_cuda_devices(values), enabled=rng is not None):
         if rng is not None:
-            torch.set_rng_state(rng[0])
-            for device, s in zip(_cuda_devices(values), rng[1:]):
-                torch.cuda.set_rng_state(s, device)
+            set_rng_state(rng, values)
         with torch.set_grad_enabled(want):
             h = module(*inputs)
     out = state.pop(out_name)

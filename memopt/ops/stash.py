@@ -286,8 +286,10 @@ class LinearFromStash(torch.autograd.Function):
 
 def conv_grads(grad, x_hat, weight, stride, padding, dilation, groups, has_bias):
     """(input, weight, bias) gradients of a conv whose input is rebuilt as ``x_hat``: the input gradient
-    needs the weight only (exact), the weight gradient uses ``x_hat`` (approximate)."""
+    needs the weight only (exact), the weight gradient uses ``x_hat`` (approximate). Under autocast the
+    forward's conv ran in the gradient's dtype (bf16 input and weight copies); so does this."""
     dims = x_hat.dim() - 2
+    x_hat, weight = x_hat.to(grad.dtype), weight.to(grad.dtype)
     return torch.ops.aten.convolution_backward(
         grad, x_hat, weight, [weight.shape[0]] if has_bias else None, _tuple(stride, dims),
         _tuple(padding, dims), _tuple(dilation, dims), False, [0] * dims, groups, [True, True, has_bias])
@@ -295,6 +297,7 @@ def conv_grads(grad, x_hat, weight, stride, padding, dilation, groups, has_bias)
 
 def linear_grads(grad, x_hat, weight, has_bias):
     """(input, weight, bias) gradients of ``F.linear`` with its input rebuilt as ``x_hat`` (see conv_grads)."""
+    x_hat, weight = x_hat.to(grad.dtype), weight.to(grad.dtype)
     grad_in = grad.matmul(weight)
     grad_w = grad.reshape(-1, grad.shape[-1]).t().matmul(x_hat.reshape(-1, x_hat.shape[-1]))
     grad_b = grad.reshape(-1, grad.shape[-1]).sum(0) if has_bias else None

@@ -154,7 +154,7 @@ class MatmulFromCodes(torch.autograd.Function):
     def backward(ctx, grad):
         _check_backward(ctx.node)
         packed, params, weight = ctx.saved_tensors
-        x_hat = _rebuild(ctx, packed, params)
+        x_hat, weight = _rebuild(ctx, packed, params).to(grad.dtype), weight.to(grad.dtype)  # autocast: see conv_grads
         grad_w = x_hat.reshape(-1, weight.shape[0]).t().matmul(grad.reshape(-1, weight.shape[1]))
         return grad.matmul(weight.t()), grad_w, None, None, None, None, None
 

@@ -1,0 +1,140 @@
+"""Benchmark on a CUDA GPU: saved bytes, peak and step time of memopt vs stock vs torch.utils.checkpoint.
+
+For torchvision ResNet-50 (224x224, batches 32 and 128) and a pre-activation ResNet-164 (32x32, batch 128),
+with SGD-momentum: saved activations (``memopt.measure``, asserted equal to the estimate), the step's peak
+from the caching allocator (``torch.cuda.max_memory_allocated`` less other tensors' memory) beside the
+cost model's estimate, and the step time relative to stock (forward + backward, interleaved step by step
+in one process, each step synchronised, median of 10 after 3 warm-ups; cuDNN autotuning on, as users run).
+Then ``memopt.optimize(model, budget_mb=...)`` at half and a quarter of stock's peak: measured peak vs budget.
+
+Writes docs/results/cuda.md. Run on a machine with a GPU: python tools/bench_cuda.py  (about 3 minutes on an H200)
+"""
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import torch
+from tabulate import tabulate
+
+import memopt
+from bench_planner import CheckpointBlocks
+from memopt.testing.zoo import PreActResNet
+from memopt.timing import step_time_ratio
+from results_file import write_results_file
+
+MiB = 2 ** 20
+
+
+def _models(smoke: bool):
+    import torchvision
+
+    def resnet50(batch, size=224):
+        m = torchvision.models.resnet50()
+        return (f"ResNet-50, {size}x{size}, batch {batch}", m, torch.randn(batch, 3, size, size),
+                [b for layer in (m.layer1, m.layer2, m.layer3, m.layer4) for b in layer])
+
+    def preact(depth, batch):
+        m = PreActResNet(depth)
+        return f"PreAct ResNet-{depth}, 32x32, batch {batch}", m, torch.randn(batch, 3, 32, 32), list(m.blocks)
+
+    if smoke:  # the script's own check on any device: small and quick
+        return {"resnet50": lambda: resnet50(2, 64), "preact": lambda: preact(20, 8)}
+    return {"resnet50_b32": lambda: resnet50(32), "resnet50_b128": lambda: resnet50(128),
+            "preact164": lambda: preact(164, 128)}
+
+
+CONFIGS = [("memopt Config() (default)", memopt.Config()),
+           ("stash 8-bit + few-bit", memopt.Config(stash=memopt.StashConfig(bits=8))),
+           ("stash 2-bit + few-bit", memopt.Config(stash=memopt.StashConfig(bits=2)))]
+
+
+def _row(name, label, m, stock, est_peak, ratio, plan_s=None):
+    return [name, label, f"{m.saved_bytes / MiB:.1f}", f"{stock.saved_bytes / m.saved_bytes:.2f}x",
+            f"{m.peak_bytes / MiB:.1f}", "" if est_peak is None else f"{est_peak / MiB:.1f}",
+            f"{stock.peak_bytes / m.peak_bytes:.2f}x", f"{ratio:.2f}x", "" if plan_s is None else f"{plan_s:.1f}"]
+
+
+def bench_model(build, rows, budget_rows, device):
+    name, model, x, blocks = build()
+    model, x = model.to(device).train(), x.to(device)
+    stock = memopt.measure(model, x, optimizer="sgd")
+    est = memopt.estimate(model, x, optimizer="sgd")
+    assert stock.saved_bytes == est.saved_bytes, (stock.saved_bytes, est.saved_bytes)
+    _, stock_s = step_time_ratio(model, model, x, repeats=3, warmup=2)
+    rows.append(_row(name, f"stock ({stock_s * 1000:.0f} ms/step)", stock, stock, est.peak_bytes, 1.0))
+    print(rows[-1], flush=True)
+    for label, cfg in CONFIGS:
+        start = time.perf_counter()
+        om = memopt.optimize(model, example_inputs=x, config=cfg, optimizer="sgd")
+        plan_s = time.perf_counter() - start
+        m = memopt.measure(om, x, optimizer="sgd")
+        assert m.saved_bytes == om.plan.estimated_saved_bytes, (label, m.saved_bytes, om.plan.estimated_saved_bytes)
+        ratio, _ = step_time_ratio(om, model, x, repeats=10, warmup=3)
+        rows.append(_row(name, label, m, stock, om.plan.estimated_peak_bytes, ratio, plan_s))
+        print(rows[-1], flush=True)
+        del om
+    ckpt = CheckpointBlocks(model, blocks)
+    m = memopt.measure(ckpt, x, optimizer="sgd")
+    ratio, _ = step_time_ratio(ckpt, model, x, repeats=10, warmup=3)
+    rows.append(_row(name, "torch.utils.checkpoint, every block", m, stock, None, ratio))
+    print(rows[-1], flush=True)
+    ckpt.restore()
+    for frac in (0.5, 0.25):
+        budget = frac * stock.peak_bytes / MiB
+        try:
+            om = memopt.optimize(model, budget_mb=budget, example_inputs=x, optimizer="sgd")
+            m = memopt.measure(om, x, optimizer="sgd")
+        except memopt.MemoptError as e:  # refused loudly: say so in the table
+            budget_rows.append([name, f"{budget:.0f} ({frac:.2f} x stock)", "", "", f"refused: {str(e)[:120]}", ""])
+            continue
+        ratio, _ = step_time_ratio(om, model, x, repeats=10, warmup=3)
+        budget_rows.append([name, f"{budget:.0f} ({frac:.2f} x stock)", f"{om.plan.estimated_peak_bytes / MiB:.1f}",
+                            f"{m.peak_bytes / MiB:.1f}", "yes" if m.peak_bytes <= budget * MiB else "NO",
+                            f"{ratio:.2f}x"])
+        print(budget_rows[-1], flush=True)
+        del om
+    del model, x
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", default=str(Path(__file__).parents[1] / "docs" / "results" / "cuda.md"))
+    parser.add_argument("--device", default="cuda", help="cuda (default); cpu only with --smoke")
+    parser.add_argument("--smoke", action="store_true", help="small models: checks the script itself")
+    parser.add_argument("--models", default="", help="comma-separated keys: resnet50_b32,resnet50_b128,preact164")
+    args = parser.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("bench_cuda.py needs a CUDA GPU (torch.cuda.is_available() is False)")
+    torch.backends.cudnn.benchmark = True
+    torch.manual_seed(0)
+    rows, budget_rows = [], []
+    models = _models(args.smoke)
+    for key in (args.models.split(",") if args.models else models):
+        bench_model(models[key], rows, budget_rows, args.device)
+        _write(args, rows, budget_rows)  # after each model: a run cut short keeps what it measured
+
+
+def _write(args, rows, budget_rows) -> None:
+    table = tabulate(rows, headers=["model", "config", "saved MiB (measured = estimated)", "fewer than stock",
+                                    "peak MiB (measured)", "peak MiB (estimated)", "peak smaller", "step time / stock",
+                                    "optimize() s"], tablefmt="github")
+    budgets = tabulate(budget_rows, headers=["model", "budget MiB", "planned peak MiB", "measured peak MiB",
+                                             "fits", "step time / stock"], tablefmt="github")
+    where = torch.cuda.get_device_name() if args.device == "cuda" else "CPU smoke run"
+    command = "python tools/bench_cuda.py" + (f" --models {args.models}" if args.models else "")
+    text = (f"# memopt on a CUDA GPU\n\nCommand: `{command}` ({where}, torch {torch.__version__}, cuDNN "
+            f"{torch.backends.cudnn.version()}). One SGD-momentum training step; saved bytes from `memopt.measure` "
+            f"(asserted equal to the cost model's estimate); measured peak from the caching allocator "
+            f"(`torch.cuda.max_memory_allocated` during the step, less other tensors' memory, cuDNN workspaces "
+            f"included); step time forward + backward, interleaved with stock step by step, median of 10, cuDNN "
+            f"autotuning on.\n\n{table}\n\n## Budgets\n\n`memopt.optimize(model, budget_mb=B)` with B half and a "
+            f"quarter of stock's measured peak.\n\n{budgets}\n")
+    write_results_file(args.out, text)
+
+
+if __name__ == "__main__":
+    main()
