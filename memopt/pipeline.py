@@ -88,15 +88,16 @@ def _rewrite(model: nn.Module, captured: Any, args: tuple, kwargs: dict, config:
     """Apply ``plan``, every technique, or the planner's choice (real example inputs visible to checks)."""
     gm = captured.graph_module
     planned: Optional[BudgetPlan] = None
+    target = None if budget_bytes is None else budget_bytes - config.workspace_bytes(baseline.device)
     if plan is not None:
         gm, records = apply_config(gm, config_for_units(config, plan.chosen_units()))
         _check_applied(gm, plan)
     elif budget_bytes is None:
         gm, records = run_passes(gm, passes_for(config))
-    elif baseline.peak_bytes <= budget_bytes:
+    elif baseline.peak_bytes <= target:
         records = []
     else:
-        planned, best = plan_for_budget(gm, args, kwargs, config, baseline, budget_bytes, optimizer)
+        planned, best = plan_for_budget(gm, args, kwargs, config, baseline, target, optimizer)
         if planned is None:
             least = _make_plan(model, captured.method, args, kwargs, config, budget_bytes, baseline, best.estimate,
                                best.records, best.graph_module, best)
@@ -108,7 +109,7 @@ def _rewrite(model: nn.Module, captured: Any, args: tuple, kwargs: dict, config:
         annotate(gm, args, kwargs, device=config.device, optimizer=optimizer) if modified else baseline)
     result = _make_plan(model, captured.method, args, kwargs, config, budget_bytes, baseline, estimate, records, gm,
                         planned)
-    if budget_bytes is not None and plan is None and result.estimated_peak_bytes > budget_bytes:
+    if budget_bytes is not None and plan is None and result.estimated_peak_bytes > target:
         raise BudgetError(_budget_message(result, config), budget_bytes, result.estimated_peak_bytes)
     return Built(gm, result, baseline, estimate)
 
@@ -191,6 +192,11 @@ def _budget_message(plan: Plan, config: Config) -> str:
              "Largest remaining consumers of saved activation memory, and what would free them:"]
     for n in top:
         lines.append(f"  {n.name} ({n.op}, {n.shape}): {fmt_bytes(n.saved_bytes_after)} - {_what_frees(n, config)}")
+    reserve = config.workspace_bytes(plan.device)
+    if reserve:
+        lines.append(f"Of the budget, {fmt_bytes(reserve)} is kept free for cuDNN/cuBLAS workspaces, which the estimate "
+                     f"does not count (Config.workspace_mb={config.workspace_mb!r}; None means "
+                     f"{reserve // 2**20} MiB on {plan.device}).")
     if plan.estimated_peak_bytes > plan.baseline_peak_bytes:
         lines.append(f"On this model the rewrites' backward temporaries outweigh what they free: the least peak is "
                      f"the baseline's own, {fmt_bytes(plan.baseline_peak_bytes)}.")

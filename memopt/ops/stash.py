@@ -50,7 +50,8 @@ from memopt.ops import graph_leaf
 from memopt.ops.bitpack import pack_bits, unpack_bits
 from memopt.ops import stash_grid
 from memopt.ops.stash_grid import (WINDOWS, _act_backward, _activation, _code_, _decode_mask, _from_codes, _grid,
-                                   _ends, _mask, _per_channel, _x_codes, _xhat_std, x_grid_half)
+                                   _ends, _mask, _per_channel, _x_codes, _xhat_std, keep_where, select_u8,
+                                   x_grid_half)
 
 __all__ = ["WINDOWS", "BNActStash", "bn_act_stash", "conv_from_stash", "conv_grads", "linear_from_stash",
            "linear_grads", "max_pool2d_indices_only", "positive_z_grid", "split_by_mask", "x_grid_half"]
@@ -87,12 +88,13 @@ class _Stash:
         z = _from_codes(codes, mask, affine)
         del codes
         # the activation of the rebuilt z, with the (exact) mask deciding which side of the kink
-        if act == "relu6":
+        if act == "relu6":  # outside the mask: 6 above the kinks' midpoint, else 0
             high = z > 3
-            return z.clamp_(0, 6).masked_fill_(~mask & high, 6.0).masked_fill_(~mask & ~high, 0.0)
+            z = keep_where(z.clamp_(0, 6), mask, out=z)
+            return z.add_(high.logical_and_(~mask), alpha=6.0)
         if act == "leaky_relu":
             return torch.where(mask, z.clamp_min(0), z.clamp_max_(0).mul_(params[0]))
-        return z.clamp_min_(0).masked_fill_(~mask, 0.0)
+        return keep_where(z.clamp_min_(0), mask, out=z)
 
 
 def _batch_norm(x, weight, bias, running_mean, running_var, num_batches_tracked, momentum, eps):
@@ -178,9 +180,10 @@ class BNActStash(torch.autograd.Function):
             affine = torch.zeros(2, 0, device=x.device)
             y_codes = empty_u8
         else:
-            dims = [d for d in range(nd) if d != 1]
-            std, mu = torch.std_mean(z, dim=dims, correction=0)
-            std, mu = std.float().clamp_min(torch.finfo(torch.float32).tiny), mu.float()
+            # the batch-norm kernel's statistics (float32 for any z dtype): ~6x faster than std_mean over
+            # (N, H, W) on CPU (ResNet-50 at batch 4: 3.4 ms per call, session 4's profile)
+            _, mu, inv = torch.ops.aten.native_batch_norm(z, None, None, None, None, True, 0.0, 0.0)
+            std = inv.reciprocal().clamp_min(torch.finfo(torch.float32).tiny)
             if positive_z_grid(act):
                 # code 0 is "z <= 0" (rebuilt as exactly 0); bins 1..2^K-1 cover (0, top], the positive part of a
                 # (K+1)-bit grid over mu ± h' std (h' = WINDOWS[K+1]); ReLU6 stops at 6
@@ -201,7 +204,7 @@ class BNActStash(torch.autograd.Function):
             zero_code = j.to(torch.int32)
             zc = _per_channel(zero_code, nd).to(torch.uint8)
             # rounding must never flip a sign: positive z go to bins >= j, the rest below
-            codes = torch.where(positive, torch.maximum(codes, zc), torch.minimum(codes, zc - 1))
+            codes = select_u8(positive, torch.maximum(codes, zc), torch.minimum(codes, zc - 1))
             y_codes = pack_bits(codes, bits)
             affine = torch.stack([origin, zwidth])
             if act != "relu6":  # the code knows the sign of z exactly (not where ReLU6 clips at 6)

@@ -201,7 +201,7 @@ class Where1Bit(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         (packed,) = ctx.saved_tensors
-        cond = unpack_bits(packed, 1, ctx.shape.numel()).view(ctx.shape).bool()
+        cond = unpack_bits(packed, 1, ctx.shape.numel()).view(ctx.shape).view(torch.bool)  # 0/1 bytes: a view, no copy
         # as ATen's where backward; the engine sums a broadcast gradient back to its operand's shape
         grad_a = torch.where(cond, grad, 0) if ctx.needs_input_grad[1] else None
         grad_b = torch.where(cond, 0, grad) if ctx.needs_input_grad[2] else None

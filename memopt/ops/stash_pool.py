@@ -18,7 +18,7 @@ from memopt.errors import MemoptError
 from memopt.ops import stash_grid
 from memopt.ops.bitpack import pack_bits, unpack_bits
 from memopt.ops.stash import _batch_norm, _bn_backward, pool_backward, pool_offsets
-from memopt.ops.stash_grid import _ends, _grid, _per_channel, _x_codes, _xhat_std
+from memopt.ops.stash_grid import _ends, _grid, _per_channel, _x_codes, _xhat_std, keep_where
 
 
 class BNReLUMaxPoolStash(torch.autograd.Function):
@@ -52,8 +52,8 @@ class BNReLUMaxPoolStash(torch.autograd.Function):
         x_codes, mask_packed, offsets, pooled, weight, bias, invstd, grid = ctx.saved_tensors
         shape, nd = ctx.shape, len(ctx.shape)
         dims = [d for d in range(nd) if d != 1]
-        mask = unpack_bits(mask_packed, 1, shape.numel()).view(shape).bool()
-        g = pool_backward(grad_pool, offsets, ctx.pool).float().masked_fill_(~mask, 0.0)
+        mask = unpack_bits(mask_packed, 1, shape.numel()).view(shape).view(torch.bool)  # 0/1 bytes: a view, no copy
+        g = keep_where(pool_backward(grad_pool, offsets, ctx.pool).float(), mask)
         sum_g = g.sum(dims)
         # exact weight gradient: the winners' x̂ from the pooled output (γ = 0: from the code, below)
         gamma = weight.float() if weight is not None else torch.ones_like(invstd)
