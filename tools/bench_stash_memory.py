@@ -19,6 +19,7 @@ import memopt
 from memopt.report import fmt_bytes
 from memopt.timing import step_time_ratio
 from memopt.testing.zoo import PreActResNet
+from bench_planner import CheckpointBlocks
 from results_file import write_results_file
 
 CONFIGS = [("stock", None)] + [(f"stash {b}-bit + few-bit", b) for b in (8, 4, 2)]
@@ -63,6 +64,16 @@ def step_ratio(model, x, repeats=5):
     return step_time_ratio(om, model, x, repeats=repeats, warmup=0)
 
 
+def checkpoint_ratio(model, x, repeats=5):
+    """torch.utils.checkpoint around every bottleneck block, against stock, in the same way."""
+    ckpt = CheckpointBlocks(model, [b for layer in (model.layer1, model.layer2, model.layer3, model.layer4)
+                                    for b in layer])
+    try:
+        return step_time_ratio(ckpt, model, x, repeats=repeats, warmup=0)
+    finally:
+        ckpt.restore()
+
+
 def main() -> None:
     import torchvision
 
@@ -77,6 +88,7 @@ def main() -> None:
                            torch.empty(32, 3, 224, 224, device="meta"))
     rows += measured_rows("ResNet-50, 224x224, batch 4 (measured)", resnet50, torch.randn(4, 3, 224, 224))
     ratio, stock_s = step_ratio(resnet50, torch.randn(4, 3, 224, 224))
+    ckpt_ratio, _ = checkpoint_ratio(resnet50, torch.randn(4, 3, 224, 224))
     table = tabulate(rows, headers=["model", "config", "saved activations", "fewer than stock", "peak (SGD step)",
                                     "peak smaller"], tablefmt="github")
     text = (f"# Exact-forward stash: memory and time\n\nCommand: `python tools/bench_stash_memory.py` (torch "
@@ -84,7 +96,8 @@ def main() -> None:
             f"with SGD-momentum (parameters, gradients and optimizer state included in the peak). Measured rows come "
             f"from `memopt.measure` and equal the cost model's estimate (asserted).\n\n{table}\n\n"
             f"Step time (forward + backward) of ResNet-50 at batch 4, 224x224, stash 4-bit + few-bit vs stock, "
-            f"interleaved in one process, median of 5: **{ratio:.2f}x** (stock {stock_s:.2f} s per step).\n")
+            f"interleaved in one process, median of 5: **{ratio:.2f}x** (stock {stock_s:.2f} s per step); "
+            f"torch.utils.checkpoint around every bottleneck block, measured the same way: {ckpt_ratio:.2f}x.\n")
     write_results_file(args.out, text)
 
 
