@@ -50,7 +50,8 @@ from memopt.ops import graph_leaf
 from memopt.ops.bitpack import pack_bits, unpack_bits
 from memopt.ops import stash_grid
 from memopt.ops.stash_grid import (WINDOWS, _act_backward, _activation, _code_, _decode_mask, _from_codes, _grid,
-                                   _ends, _mask, _per_channel, _x_codes, _xhat_std, keep_where, select_u8,
+                                   _ends, _mask, _per_channel, _x_codes, _xhat_std, batch_slices, channel_std_mean, keep_where,
+                                   select_u8,
                                    x_grid_half)
 
 __all__ = ["WINDOWS", "BNActStash", "bn_act_stash", "conv_from_stash", "conv_grads", "linear_from_stash",
@@ -127,7 +128,9 @@ def _bn_backward(g, sum_g, x_codes, mask, grid, weight, invstd, eps, bits: int, 
     xhat = _from_codes(unpack_bits(x_codes, bits, n).view(shape), mask, grid).mul_(_per_channel(xstd, nd))
     dims = [d for d in range(nd) if d != 1]
     xhat.sub_(_per_channel(xhat.mean(dims), nd))
-    sum_gx = (g * xhat).sum(dims)
+    # a batch slice at a time: the product g * x̂ at full size was a third full-size temporary at the backward
+    # peak (ResNet-50 at batch 32: backward temporaries are most of the step's peak, docs/results/stash_memory.md)
+    sum_gx = sum((g[s] * xhat[s]).sum(dims) for s in batch_slices(g))
     if exact is not None:
         sum_gx = torch.where(exact[1], exact[0], sum_gx)
     count = n // shape[1]
@@ -147,12 +150,20 @@ class BNActStash(torch.autograd.Function):
             residual, mean2, invstd2 = _batch_norm(x2, weight2, bias2, running_mean2, running_var2,
                                                    num_batches_tracked2, momentum2, eps2)
         residual_input, has_residual = residual is not None and x2 is None, residual is not None
-        z = out if residual is None else out + residual
+        # out is our own temporary: the residual add and (where z is not coded afterwards) the activation
+        # overwrite it, one full-size tensor fewer at the forward peak, same kernels and values
+        if residual is None:
+            z = out
+        elif residual.shape == out.shape and torch.result_type(out, residual) == out.dtype:
+            z = out.add_(residual)
+        else:
+            z = out + residual
         del out, residual
-        y = _activation(z, act, act_params)
+        mask = _mask(z, act, act_params)
+        # a residual chain whose z is coded applies its activation (in place) once the code is taken
+        y = None if has_residual and need_y else _activation(z, act, act_params, inplace=True)
         nd, bins, half = x.dim(), 1 << bits, WINDOWS[bits]
         xstd = _xhat_std(invstd, eps)
-        mask = _mask(z, act, act_params)
         split = split_by_mask(act, has_residual)
         if split and has_residual:
             x_codes, grid = _split_x_codes(x, weight, bias, mean, invstd, eps, mask, bits, act)
@@ -180,10 +191,8 @@ class BNActStash(torch.autograd.Function):
             affine = torch.zeros(2, 0, device=x.device)
             y_codes = empty_u8
         else:
-            # the batch-norm kernel's statistics (float32 for any z dtype): ~6x faster than std_mean over
-            # (N, H, W) on CPU (ResNet-50 at batch 4: 3.4 ms per call, session 4's profile)
-            _, mu, inv = torch.ops.aten.native_batch_norm(z, None, None, None, None, True, 0.0, 0.0)
-            std = inv.reciprocal().clamp_min(torch.finfo(torch.float32).tiny)
+            std, mu = channel_std_mean(z)
+            std = std.clamp_min(torch.finfo(torch.float32).tiny)
             if positive_z_grid(act):
                 # code 0 is "z <= 0" (rebuilt as exactly 0); bins 1..2^K-1 cover (0, top], the positive part of a
                 # (K+1)-bit grid over mu ± h' std (h' = WINDOWS[K+1]); ReLU6 stops at 6
@@ -197,10 +206,13 @@ class BNActStash(torch.autograd.Function):
             origin = -j * zwidth
             # the sign as the activation's backward reads it: after ReLU / ReLU6 a NaN z passes the gradient, as in stock
             positive = ~(z <= 0) if act in ("relu", "relu6") else z > 0
-            # z is our own temporary, coded in place, unless it is the output itself (no activation)
-            zf = z.float() if z.dtype != torch.float32 else (z.clone() if act == "identity" else z)
-            codes = _code_(zf, _per_channel(origin, nd), _per_channel(zwidth, nd), bins)
-            del z, zf
+            # coded a batch slice at a time from float32 copies: no full-size temporary, z kept for the activation
+            codes = torch.empty_like(z, dtype=torch.uint8)
+            for s in batch_slices(z):
+                codes[s] = _code_(z[s].to(torch.float32, copy=True), _per_channel(origin, nd),
+                                  _per_channel(zwidth, nd), bins)
+            y = _activation(z, act, act_params, inplace=True)
+            del z
             zero_code = j.to(torch.int32)
             zc = _per_channel(zero_code, nd).to(torch.uint8)
             # rounding must never flip a sign: positive z go to bins >= j, the rest below

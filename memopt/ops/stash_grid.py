@@ -49,9 +49,9 @@ def select_u8(mask: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Ten
 
 
 def batch_slices(t: torch.Tensor):
-    """Slices of the first dimension of about 2^20 elements each: a mask converted to float one slice at a
-    time never costs a full-size temporary."""
-    step = max(1, (1 << 20) // max(1, t[0].numel()))
+    """Slices of the first dimension of about 2^20 elements each (2^24 on a GPU, where each slice costs kernel
+    launches): a float temporary made one slice at a time never costs a full-size one."""
+    step = max(1, (1 << (20 if cpu_selects(t) else 24)) // max(1, t[0].numel()))
     return [slice(i, i + step) for i in range(0, t.shape[0], step)]
 
 
@@ -64,6 +64,21 @@ def keep_where(t: torch.Tensor, mask: torch.Tensor, out: Optional[torch.Tensor] 
     for s in batch_slices(t):
         torch.ops.aten.threshold_backward.grad_input(t[s], mask[s].to(t.dtype), 0.5, grad_input=out[s])
     return out
+
+
+def channel_std_mean(z: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Per-channel (dim 1) population std and mean in float32. On CPU the mean, then the squared deviations a
+    batch slice at a time: 0.43 ms against std_mean's 7.5 ms over 3.2M elements (2 threads), and no full-size
+    temporary (the batch-norm kernel's statistics took 2.4 ms and a full-size output, which raised ResNet-50's
+    estimated batch-32 peak by 15 MiB). Elsewhere std_mean, one kernel."""
+    dims = [d for d in range(z.dim()) if d != 1]
+    if not cpu_selects(z):
+        std, mu = torch.std_mean(z, dim=dims, correction=0)
+        return std.float(), mu.float()
+    mu = z.mean(dims, dtype=torch.float32)
+    m = _per_channel(mu, z.dim())
+    var = sum((z[s].float() - m).square_().sum(dims) for s in batch_slices(z)) / max(1, z.numel() // z.shape[1])
+    return var.sqrt(), mu
 
 
 def _xhat_std(invstd: torch.Tensor, eps: float) -> torch.Tensor:
@@ -193,14 +208,15 @@ def _mask(z: torch.Tensor, act: str, params: Tuple[float, ...]) -> Optional[torc
     return ~(z <= 0)
 
 
-def _activation(z: torch.Tensor, act: str, params: Tuple[float, ...]) -> torch.Tensor:
+def _activation(z: torch.Tensor, act: str, params: Tuple[float, ...], inplace: bool = False) -> torch.Tensor:
+    """The chain's activation; ``inplace`` overwrites ``z`` (the same kernel, the same values)."""
     if act == "identity":
         return z
     if act == "relu6":
-        return F.relu6(z)
+        return F.relu6(z, inplace=inplace)
     if act == "leaky_relu":
-        return F.leaky_relu(z, params[0])
-    return torch.relu(z)
+        return F.leaky_relu(z, params[0], inplace=inplace)
+    return torch.relu_(z) if inplace else torch.relu(z)
 
 
 def _act_backward(grad: torch.Tensor, mask: Optional[torch.Tensor], act: str, params: Tuple[float, ...]) -> torch.Tensor:
@@ -226,10 +242,16 @@ def _x_codes(x, mean, invstd, xstd, grid, mask, bins: int) -> torch.Tensor:
     scale = _per_channel(invstd / xstd.clamp_min(1e-12), nd)
     tiny = torch.finfo(torch.float32).tiny
 
-    def code(lo, width):
-        return _code_((x - _per_channel(mean, nd)).mul_(scale), _per_channel(lo, nd),
+    def code(s, lo, width):
+        return _code_((x[s] - _per_channel(mean, nd)).mul_(scale), _per_channel(lo, nd),
                       _per_channel(width.clamp_min(tiny), nd), bins)
 
-    if grid.shape[0] == 2:
-        return code(grid[0], grid[1])
-    return select_u8(mask, code(grid[2], grid[3]), code(grid[0], grid[1]))
+    # a batch slice at a time: the float temporaries stay slice-sized (at ResNet-50's forward peak, batch 32,
+    # a full-size one was one of five 98 MiB tensors alive)
+    codes = torch.empty_like(x, dtype=torch.uint8)
+    for s in batch_slices(x):
+        if grid.shape[0] == 2:
+            codes[s] = code(s, grid[0], grid[1])
+        else:
+            codes[s] = select_u8(mask[s], code(s, grid[2], grid[3]), code(s, grid[0], grid[1]))
+    return codes

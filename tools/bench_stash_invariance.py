@@ -1,0 +1,116 @@
+"""Benchmark: why MobileNetV2's stem and expand BN weights miss cosine 0.99 under the stash at any bits.
+
+Each of those BNs feeds ReLU6 and then a depthwise conv and a training-mode BN, channel by channel. Scaling
+a channel's (γ, β) by α scales its ReLU6 output by α while nothing reaches 6 (ReLU is positively
+homogeneous), and the next BN divides it out: γ dL/dγ + β dL/dβ = 0 up to eps and the clip at 6, so at
+initialisation (β = 0) the exact weight gradient sum(g x̂) is nearly zero, far below its natural scale
+||g|| ||x̂|| (the size the sum would have if g and x̂ were unrelated). The stash's weight gradient is
+sum(g x̂_q): its error sum(g (x̂_q - x̂)) is rounding noise of that natural scale times the code's step.
+
+For every such BN of torchvision MobileNetV2 (random init, seed 0), this captures the BN input and the
+gradient at its ReLU6 output from one stock step, runs the chain's stash Function alone on them at 2, 4 and
+8 bits, and reports the exact gradient against its natural scale, and our error against the exact gradient.
+Writes docs/results/stash_invariance.md. Run: python tools/bench_stash_invariance.py  (under a minute)
+"""
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tabulate import tabulate
+
+from memopt.ops.stash import BNActStash
+from results_file import write_results_file
+
+BITS = (2, 4, 8)
+
+
+def _targets(model):
+    """(name, Conv2dNormActivation) for the stem and every expand block: BN -> ReLU6 -> depthwise conv."""
+    out = [("features.0", model.features[0])]
+    for i in range(2, len(model.features) - 1):
+        out.append((f"features.{i}.conv.0", model.features[i].conv[0]))
+    return out
+
+
+def _capture(model, x):
+    store = {}
+    for name, block in _targets(model):
+        bn, act = block[1], block[2]
+        bn.register_forward_hook(lambda m, i, o, name=name: store.__setitem__((name, "x"), i[0].detach().clone()))
+        act.register_forward_hook(lambda m, i, o, name=name: (o.register_hook(
+            lambda g, name=name: store.__setitem__((name, "g"), g.detach().clone())), None)[1])
+    torch.manual_seed(1)
+    out = model(x)
+    out.backward(torch.randn_like(out))
+    return store
+
+
+def _stash_weight_grad(x, g, bn, bits):
+    x = x.clone().requires_grad_()
+    w, b = (p.detach().clone().requires_grad_() for p in (bn.weight, bn.bias))
+    y = BNActStash.apply(x, w, b, torch.zeros_like(bn.running_mean), torch.ones_like(bn.running_var), None, None,
+                         0.1, bn.eps, "relu6", (), bits, True, "probe")[0]
+    y.backward(g)
+    return w.grad
+
+
+def _exact(x, g, bn):
+    w = bn.weight.detach().clone().requires_grad_()
+    z = F.batch_norm(x, None, None, w, bn.bias.detach(), True, 0.1, bn.eps)
+    F.relu6(z).backward(g)
+    xhat = F.batch_norm(x, None, None, None, None, True, 0.1, bn.eps)
+    gz = g * ((z > 0) & (z < 6))
+    natural = (gz.square().sum((0, 2, 3)).sqrt() * xhat.square().sum((0, 2, 3)).sqrt()).norm()
+    return w.grad, natural, bool((z >= 6).any())
+
+
+def main() -> None:
+    import torchvision
+
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--size", type=int, default=224)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--out", default=str(Path(__file__).parents[1] / "docs" / "results" / "stash_invariance.md"))
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    model = torchvision.models.mobilenet_v2().train()
+    store = _capture(model, torch.randn(args.batch, 3, args.size, args.size))
+    rows, worst8 = [], 0.0
+    for name, block in _targets(model):
+        x, g, bn = store[(name, "x")], store[(name, "g")], block[1]
+        exact, natural, clipped = _exact(x, g, bn)
+        row = [f"{name}.1.weight", f"{exact.norm() / natural:.1e}", "yes" if clipped else "no"]
+        for bits in BITS:
+            ours = _stash_weight_grad(x, g, bn, bits)
+            err = ((ours - exact).norm() / exact.norm()).item()
+            worst8 = max(worst8, err) if bits == 8 else worst8
+            row += [f"{err:.2g}", f"{F.cosine_similarity(ours, exact, 0):.3f}"]
+        rows.append(row)
+        print(rows[-1], flush=True)
+    headers = ["parameter", "|exact| / natural scale", "any z >= 6"]
+    for bits in BITS:
+        headers += [f"{bits}-bit |error| / |exact|", f"{bits}-bit cosine"]
+    table = tabulate(rows, headers=headers, tablefmt="github")
+    text = (f"# Stash: MobileNetV2's scale-invariant BN weights\n\nCommand: `python tools/bench_stash_invariance.py "
+            f"--size {args.size} --batch {args.batch}` (torch {torch.__version__}, CPU). Random init (seed 0), input "
+            f"N(0, 1), output gradient N(0, 1); each BN's chain Function run alone on the BN input and the ReLU6 "
+            f"output gradient captured from one stock step. Natural scale: the norm over channels of "
+            f"||g_c|| ||x̂_c||, g the gradient at the BN output where ReLU6 passes it.\n\n{table}\n\n"
+            f"Read-out: every one of these weights has an exact gradient a small fraction of its natural scale "
+            f"(column 2): γ dL/dγ + β dL/dβ = 0 for a BN -> ReLU6 -> depthwise conv -> training-mode BN "
+            f"channel while no value reaches 6, and β = 0 at initialisation. The stash's error is rounding noise "
+            f"of the natural scale times the code's step, so it exceeds the exact gradient at every K the stash "
+            f"offers (8 included). A cosine of 0.99 needs the error below about 0.14 x the exact gradient; the "
+            f"worst 8-bit error here is {worst8:.3g} x, so, halving the step per extra bit, about "
+            f"{8 + math.log2(max(worst8, 0.14) / 0.14):.1f} bits would be needed: not a tuning matter for this "
+            f"method, whose weight gradient needs x̂. Such chains can be kept exact with `StashConfig(deny=(...))` "
+            f"or given 8 bits with `StashConfig(node_bits=...)`.\n")
+    write_results_file(args.out, text)
+
+
+if __name__ == "__main__":
+    main()
