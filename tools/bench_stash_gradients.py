@@ -45,8 +45,10 @@ MOBILENET_NOTE = (
     "Not excluded, and below 0.99 on MobileNetV2: the stem and expand BN weights (features.0.1.weight, "
     "features.N.conv.0.1.weight). Each of their channels feeds one depthwise channel and then a training-mode "
     "BN, so their true gradient is small by near scale invariance (ReLU6's clip at 6 and eps break it: the "
-    "'least kept exact norm / median' column, 0.003-0.005) while ours carries the downstream BNs' "
-    "quantisation errors: a real shortfall of the method at 4 bits, not fixed here.")
+    "'least kept exact norm / median' column, 0.003-0.005), while ours carries the rounding noise of the chain's "
+    "own x̂ code and of the next (depthwise) BN's variance term, comparable to or larger than that gradient even at 8 bits (0.27x-16x); "
+    "the BNs further down add almost nothing (docs/results/stash_invariance.md, `python "
+    "tools/bench_stash_invariance.py`). A limit of the method, whose weight gradient needs x̂, not of its tuning.")
 
 
 def gradients(name, bits, size, batch, seed):

@@ -10,7 +10,8 @@ sum(g x̂_q): its error sum(g (x̂_q - x̂)) is rounding noise of that natural s
 For every such BN of torchvision MobileNetV2 (random init, seed 0), this captures the BN input and the
 gradient at its ReLU6 output from one stock step, runs the chain's stash Function alone on them at 2, 4 and
 8 bits, and reports the exact gradient against its natural scale, and our error against the exact gradient.
-Writes docs/results/stash_invariance.md. Run: python tools/bench_stash_invariance.py  (under a minute)
+Then the stem weight's error with the stash on one stage at a time.
+Writes docs/results/stash_invariance.md. Run: python tools/bench_stash_invariance.py  (about 3 minutes)
 """
 from __future__ import annotations
 
@@ -68,18 +69,57 @@ def _exact(x, g, bn):
     return w.grad, natural, bool((z >= 6).any())
 
 
+def stage_rows(bits: int, size: int, batch: int):
+    """The stem BN weight's gradient error when the stash rewrites only one stage's chains (features.N),
+    ``memopt.optimize`` on the whole model (few-bit and reversible off): where the error comes from."""
+    import copy
+
+    import torchvision
+
+    import memopt
+
+    torch.manual_seed(0)
+    model = torchvision.models.mobilenet_v2().train()
+    x = torch.randn(batch, 3, size, size)
+    every = memopt.optimize(copy.deepcopy(model), example_inputs=x,
+                            config=memopt.Config(stash=memopt.StashConfig(bits=bits), fewbit=None, reversible=None))
+    chains = [n.name[:-len("_stash")] for n in every.plan.nodes if n.op == "bn_act_stash"]
+    stages = {}
+    for name in chains:
+        stages.setdefault(name.split("_")[1], []).append(name)
+    reference = copy.deepcopy(model)
+    torch.manual_seed(1)
+    out = reference(x)
+    g = torch.randn_like(out)
+    out.backward(g)
+    exact = reference.features[0][1].weight.grad
+    rows = []
+    for stage, names in stages.items():
+        m = copy.deepcopy(model)
+        om = memopt.optimize(m, example_inputs=x, config=memopt.Config(
+            stash=memopt.StashConfig(bits=bits, allow=tuple(names)), fewbit=None, reversible=None))
+        torch.manual_seed(1)
+        om(x).backward(g)
+        err = (m.features[0][1].weight.grad - exact).norm() / exact.norm()
+        rows.append([f"features.{stage}", len(names), f"{err:.2g}"])
+        print(rows[-1], flush=True)
+    return rows
+
+
 def main() -> None:
     import torchvision
 
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--size", type=int, default=224)
     parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--stage-size", type=int, default=64, help="input size of the per-stage runs")
+    parser.add_argument("--stage-batch", type=int, default=2)
     parser.add_argument("--out", default=str(Path(__file__).parents[1] / "docs" / "results" / "stash_invariance.md"))
     args = parser.parse_args()
     torch.manual_seed(0)
     model = torchvision.models.mobilenet_v2().train()
     store = _capture(model, torch.randn(args.batch, 3, args.size, args.size))
-    rows, worst8 = [], 0.0
+    rows, worst8, least8 = [], 0.0, math.inf
     for name, block in _targets(model):
         x, g, bn = store[(name, "x")], store[(name, "g")], block[1]
         exact, natural, clipped = _exact(x, g, bn)
@@ -87,7 +127,8 @@ def main() -> None:
         for bits in BITS:
             ours = _stash_weight_grad(x, g, bn, bits)
             err = ((ours - exact).norm() / exact.norm()).item()
-            worst8 = max(worst8, err) if bits == 8 else worst8
+            if bits == 8:
+                worst8, least8 = max(worst8, err), min(least8, err)
             row += [f"{err:.2g}", f"{F.cosine_similarity(ours, exact, 0):.3f}"]
         rows.append(row)
         print(rows[-1], flush=True)
@@ -95,6 +136,9 @@ def main() -> None:
     for bits in BITS:
         headers += [f"{bits}-bit |error| / |exact|", f"{bits}-bit cosine"]
     table = tabulate(rows, headers=headers, tablefmt="github")
+    stages = tabulate(stage_rows(8, args.stage_size, args.stage_batch),
+                      headers=["only this stage's chains stashed", "chains", "8-bit |error| / |exact|"],
+                      tablefmt="github")
     text = (f"# Stash: MobileNetV2's scale-invariant BN weights\n\nCommand: `python tools/bench_stash_invariance.py "
             f"--size {args.size} --batch {args.batch}` (torch {torch.__version__}, CPU). Random init (seed 0), input "
             f"N(0, 1), output gradient N(0, 1); each BN's chain Function run alone on the BN input and the ReLU6 "
@@ -102,13 +146,19 @@ def main() -> None:
             f"||g_c|| ||x̂_c||, g the gradient at the BN output where ReLU6 passes it.\n\n{table}\n\n"
             f"Read-out: every one of these weights has an exact gradient a small fraction of its natural scale "
             f"(column 2): γ dL/dγ + β dL/dβ = 0 for a BN -> ReLU6 -> depthwise conv -> training-mode BN "
-            f"channel while no value reaches 6, and β = 0 at initialisation. The stash's error is rounding noise "
-            f"of the natural scale times the code's step, so it exceeds the exact gradient at every K the stash "
-            f"offers (8 included). A cosine of 0.99 needs the error below about 0.14 x the exact gradient; the "
-            f"worst 8-bit error here is {worst8:.3g} x, so, halving the step per extra bit, about "
-            f"{8 + math.log2(max(worst8, 0.14) / 0.14):.1f} bits would be needed: not a tuning matter for this "
+            f"channel while no value reaches 6 (where some do, column 3, the gradient is larger but still tiny), "
+            f"and β = 0 at initialisation. The stash's error is rounding noise of the natural scale times the "
+            f"code's step: at 8 bits, the most the stash offers, it is {least8:.2g}x to {worst8:.3g}x the exact "
+            f"gradient. A cosine of 0.99 needs the error below about 0.14 x the exact gradient; halving the step "
+            f"per extra bit, the worst row would need about "
+            f"{8 + math.log2(max(worst8, 0.14) / 0.14):.1f} bits: not a tuning matter for this "
             f"method, whose weight gradient needs x̂. Such chains can be kept exact with `StashConfig(deny=(...))` "
-            f"or given 8 bits with `StashConfig(node_bits=...)`.\n")
+            f"or given 8 bits with `StashConfig(node_bits=...)`.\n\n## Where the stem weight's error comes from\n\n"
+            f"`memopt.optimize` on the whole model at 8 bits ({args.stage_size}x{args.stage_size}, batch "
+            f"{args.stage_batch}), the stash allowed on one stage's chains at a time (`StashConfig(allow=...)`); the "
+            f"error of features.0.1.weight's gradient relative to the exact one:\n\n{stages}\n\nThe error comes "
+            f"from the stem's own chain and the depthwise block right after it; the chains further down, whose "
+            f"errors reach the stem through exact conv transposes and the exact mean terms of the BNs, add little.\n")
     write_results_file(args.out, text)
 
 
