@@ -25,11 +25,11 @@ def _per_channel(t: torch.Tensor, ndim: int) -> torch.Tensor:
     return t.view(1, -1, *([1] * (ndim - 2)))
 
 
-# torch.where and masked_fill with a bool mask are not vectorised on CPU: over 3.2M elements (ResNet-50
-# layer1 at batch 4, 2 threads) where(mask, a, b) took 5.8-6.4 ms and masked_fill 6.3 ms, against 0.18 ms for
-# the uint8 arithmetic below, 0.5 ms for threshold_backward and 0.9 ms for a lerp by the mask as float32
-# (a micro-benchmark of each op alone, session 4). All replacements are exact selections; a lerp by 0 or 1
-# returns one end exactly (ATen computes b + 0·(a - b) and a - (a - b)·0) when both ends are finite.
+# torch.where and masked_fill with a bool mask are not vectorised on CPU: on a ResNet-50 layer1 tensor they
+# are several to tens of times slower than the uint8 arithmetic, threshold_backward on the mask and lerp by the
+# 0/1 mask used below (tools/bench_cpu_selects.py -> docs/results/stash_cpu_ops.md). All replacements are exact
+# selections; a lerp by 0 or 1 returns one end exactly (ATen computes b + 0·(a - b) and a - (a - b)·0) when both
+# ends are finite.
 
 
 def cpu_selects(t: torch.Tensor) -> bool:
@@ -68,9 +68,8 @@ def keep_where(t: torch.Tensor, mask: torch.Tensor, out: Optional[torch.Tensor] 
 
 def channel_std_mean(z: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """Per-channel (dim 1) population std and mean in float32. On CPU the mean, then the squared deviations a
-    batch slice at a time: 0.43 ms against std_mean's 7.5 ms over 3.2M elements (2 threads), and no full-size
-    temporary (the batch-norm kernel's statistics took 2.4 ms and a full-size output, which raised ResNet-50's
-    estimated batch-32 peak by 15 MiB). Elsewhere std_mean, one kernel."""
+    batch slice at a time: faster than std_mean there (docs/results/stash_cpu_ops.md) and without the full-size
+    output the batch-norm kernel's statistics would cost at the forward peak. Elsewhere std_mean, one kernel."""
     dims = [d for d in range(z.dim()) if d != 1]
     if not cpu_selects(z):
         std, mu = torch.std_mean(z, dim=dims, correction=0)
@@ -246,8 +245,8 @@ def _x_codes(x, mean, invstd, xstd, grid, mask, bins: int) -> torch.Tensor:
         return _code_((x[s] - _per_channel(mean, nd)).mul_(scale), _per_channel(lo, nd),
                       _per_channel(width.clamp_min(tiny), nd), bins)
 
-    # a batch slice at a time: the float temporaries stay slice-sized (at ResNet-50's forward peak, batch 32,
-    # a full-size one was one of five 98 MiB tensors alive)
+    # a batch slice at a time: the float temporaries stay slice-sized (a full-size one set ResNet-50's forward
+    # peak at batch 32 before; tools/peak_location.py finds such places)
     codes = torch.empty_like(x, dtype=torch.uint8)
     for s in batch_slices(x):
         if grid.shape[0] == 2:
