@@ -49,10 +49,9 @@ from memopt.errors import MemoptError
 from memopt.ops import graph_leaf
 from memopt.ops.bitpack import pack_bits, unpack_bits
 from memopt.ops import stash_grid
-from memopt.ops.stash_grid import (WINDOWS, _act_backward, _activation, _code_, _decode_mask, _from_codes, _grid,
-                                   _ends, _mask, _per_channel, _x_codes, _xhat_std, batch_slices, channel_std_mean, keep_where,
-                                   select_u8,
-                                   x_grid_half)
+from memopt.ops.stash_grid import (WINDOWS, _act_backward, _activation, _code_, _decode_mask, _ends, _from_codes,
+                                   _grid, _mask, _per_channel, _x_codes, _xhat_std, batch_slices, channel_std_mean,
+                                   keep_where, select_u8, x_grid_half)
 
 __all__ = ["WINDOWS", "BNActStash", "bn_act_stash", "conv_from_stash", "conv_grads", "linear_from_stash",
            "linear_grads", "max_pool2d_indices_only", "positive_z_grid", "split_by_mask", "x_grid_half"]
