@@ -9,28 +9,16 @@ the kernels (CPU kernels are deterministic).
 """
 from __future__ import annotations
 
-from typing import Any, List, Tuple
+from typing import Any
 
 import torch
 from torch import nn
 
 from memopt.ops import graph_leaf
 from memopt.ops.autocast import autocast_state, replayed_autocast
+from memopt.ops.rng import replayed_rng, rng_state
 
 _BatchNorm = nn.modules.batchnorm._BatchNorm
-
-
-def _rng_states(inputs: Tuple[torch.Tensor, ...]) -> List[torch.Tensor]:
-    states = [torch.get_rng_state()]
-    for device in sorted({t.device.index or 0 for t in inputs if t.is_cuda}):
-        states.append(torch.cuda.get_rng_state(device))
-    return states
-
-
-def _set_rng_states(states: List[torch.Tensor], inputs: Tuple[torch.Tensor, ...]) -> None:
-    torch.set_rng_state(states[0])
-    for device, state in zip(sorted({t.device.index or 0 for t in inputs if t.is_cuda}), states[1:]):
-        torch.cuda.set_rng_state(state, device)
 
 
 class _Recompute(torch.autograd.Function):
@@ -38,7 +26,7 @@ class _Recompute(torch.autograd.Function):
     def forward(ctx, block: nn.Module, n_inputs: int, random: bool, where: str, *tensors: torch.Tensor):
         inputs = tensors[:n_inputs]
         ctx.block, ctx.n_inputs, ctx.random, ctx.where = block, n_inputs, random, where
-        rng = _rng_states(inputs) if random else []
+        rng = rng_state(inputs) if random else []
         with torch.no_grad():
             out = block(*[t.detach() for t in inputs])  # module hooks must not see inputs needing grad
         if not isinstance(out, torch.Tensor):
@@ -60,10 +48,7 @@ class _Recompute(torch.autograd.Function):
         detached = [t.detach().requires_grad_(t.requires_grad) for t in inputs]
         stats = [(b, b.clone()) for m in ctx.block.modules() if isinstance(m, _BatchNorm) and m.training
                  for b in (m.running_mean, m.running_var, m.num_batches_tracked) if b is not None]
-        with torch.random.fork_rng(devices=sorted({t.device.index or 0 for t in inputs if t.is_cuda}),
-                                   enabled=ctx.random):
-            if ctx.random:
-                _set_rng_states(rng, inputs)
+        with replayed_rng(rng if ctx.random else None, inputs):
             with torch.enable_grad(), replayed_autocast(ctx.autocast):  # the forward's precision, not fp32
                 out = ctx.block(*detached)
         wanted = [t for t in detached if t.requires_grad] + params

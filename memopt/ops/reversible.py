@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from memopt.ops import graph_leaf
+from memopt.ops.rng import replayed_rng, rng_state
 from memopt.ops.autocast import autocast_state, replayed_autocast
 
 log = logging.getLogger("memopt")
@@ -84,26 +85,6 @@ class ReversibleSegment(nn.Module):
     def bn_buffers(self) -> List[torch.Tensor]:
         return [b for m in self.modules() if isinstance(m, _BatchNorm) and m.training
                 for b in (m.running_mean, m.running_var, m.num_batches_tracked) if b is not None]
-
-
-def rng_state(tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
-    """The CPU generator's state, then that of each CUDA device ``tensors`` live on (dropout on a GPU
-    draws from the device's generator)."""
-    states = [torch.get_rng_state()]
-    for device in _cuda_devices(tensors):
-        states.append(torch.cuda.get_rng_state(device))
-    return states
-
-
-def set_rng_state(states: List[torch.Tensor], tensors: Sequence[torch.Tensor]) -> None:
-    """Inverse of ``rng_state`` for the same ``tensors``."""
-    torch.set_rng_state(states[0])
-    for device, s in zip(_cuda_devices(tensors), states[1:]):
-        torch.cuda.set_rng_state(s, device)
-
-
-def _cuda_devices(tensors: Sequence[torch.Tensor]) -> List[int]:
-    return sorted({t.device.index or 0 for t in tensors if t.is_cuda})
 
 
 def _as_tuple(value: Any) -> Tuple[torch.Tensor, ...]:
@@ -247,9 +228,7 @@ def _undo_coupling(segment: ReversibleSegment, step: StepSpec, module: nn.Module
     want = grads is not None and grads.get(out_name) is not None
     inputs = [v.detach().requires_grad_(want) for v in values]
     params = segment.step_params(step) if want else []
-    with torch.random.fork_rng(devices=_cuda_devices(values), enabled=rng is not None):
-        if rng is not None:
-            set_rng_state(rng, values)
+    with replayed_rng(rng, values):
         with torch.set_grad_enabled(want):
             h = module(*inputs)
     out = state.pop(out_name)

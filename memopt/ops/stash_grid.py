@@ -181,8 +181,9 @@ def _from_codes(codes: torch.Tensor, mask: Optional[torch.Tensor], grid: torch.T
     if grid.shape[0] == 2:
         return out.mul_(_per_channel(grid[1], nd)).add_(_per_channel(grid[0], nd))
     lo0, w0, lo1, w1 = (_per_channel(g, nd) for g in grid)
+    cpu = cpu_selects(out)
     for s in batch_slices(out):
-        if cpu_selects(out):  # lerp by the mask as 0/1: exact selections
+        if cpu:  # lerp by the mask as 0/1: exact selections
             m = mask[s].to(torch.float32)
             out[s].mul_(torch.lerp(w0, w1, m)).add_(torch.lerp(lo0, lo1, m))
         else:

@@ -21,8 +21,8 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 from torch import fx
 
-from memopt.ops.reversible import (ReversibleSegment, _Reversible, _cuda_devices, relative_error, rng_state, run_forward,
-                                   set_rng_state, undo_steps)
+from memopt.ops.reversible import ReversibleSegment, _Reversible, relative_error, run_forward, undo_steps
+from memopt.ops.rng import rng_state, set_rng_state
 from memopt.state import preserved_state
 
 
@@ -118,8 +118,7 @@ def check_segment(segment: ReversibleSegment, true_input: Sequence[torch.Tensor]
     """Split ``segment`` into checked pieces (see the module docstring). ``boundaries[k]``: the stream
     names before step k (and after the last). ``state_of``: the module whose state to restore."""
     n = len(segment.steps)
-    devices = _cuda_devices(true_input)
-    with preserved_state(state_of), torch.no_grad(), torch.random.fork_rng(devices=devices):
+    with preserved_state(state_of), torch.no_grad():  # restores the generators too
         rng_start = rng_state(true_input)
         states: List[Dict[str, torch.Tensor]] = []
         outputs, extras, shapes = run_forward(segment, true_input, lambda k, s: states.append(dict(s)))
@@ -206,9 +205,8 @@ def _grad_error(segment: ReversibleSegment, piece: Piece, states: List[Dict[str,
     sub = sub_segment(segment, piece.start, piece.end, boundaries)
     params = sub.params()
     grads: List[Tuple[torch.Tensor, ...]] = []
-    first = [states[piece.start][name] for name in sub.inputs]
-    with preserved_state(state_of), torch.random.fork_rng(devices=_cuda_devices(first)):
-        rng = rng_state(first)
+    with preserved_state(state_of):  # restores the generators too
+        rng = rng_state([states[piece.start][name] for name in sub.inputs])
         generator = torch.Generator().manual_seed(0)
         for reversible in (False, True):
             inputs = [states[piece.start][name].detach().clone().requires_grad_(True) for name in sub.inputs]
