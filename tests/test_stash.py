@@ -265,7 +265,7 @@ def test_double_backward_names_the_node_and_report_shows_stash():
 
 @pytest.mark.parametrize("act", ["relu", "relu6", "leaky_relu"])
 def test_mask_split_grid_is_a_k_plus_1_bit_grid_on_each_side_of_the_kink(act):
-    from memopt.ops.stash import _from_codes, _grid, _mask, _x_codes, x_grid_half
+    from memopt.ops.stash_grid import _from_codes, _grid, _mask, _x_codes, x_grid_half
 
     torch.manual_seed(0)
     c, bits = 5, 4

@@ -4,7 +4,8 @@ Element i occupies stream bits [i*b, (i+1)*b), least significant bit first; stre
 in byte s // 8 at bit s % 8. For b in {1, 2, 4, 8} a byte holds 8/b whole codes, combined with
 shifts in uint8. Otherwise eight codes of b bits fill exactly b bytes: the group's 8*b-bit
 little-endian word is sum(code_j << b*j), split into b bytes. Transient memory is about n bytes.
-Plain torch, any device.
+Plain torch, any device; contiguous CPU tensors take a fused kernel (``memopt/ops/native.py``)
+that writes the same bytes in one pass.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import math
 
 import torch
 
+from memopt.ops import native
 from memopt.validation import check_bits
 
 
@@ -23,6 +25,8 @@ def packed_nbytes(n: int, bits: int) -> int:
 def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Pack integer ``codes`` (any shape, values in [0, 2**bits)) into a flat uint8 tensor."""
     check_bits(bits, "bits")
+    if codes.dtype in (torch.uint8, torch.bool) and native.applies(codes):
+        return native.pack(codes, bits)  # one pass, no temporaries
     flat = codes.reshape(-1).to(torch.uint8)
     n = flat.numel()
     if 8 % bits == 0:  # whole codes per byte: shift-or in uint8, no 64-bit words
@@ -58,6 +62,8 @@ def unpack_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     if packed.numel() != packed_nbytes(n, bits):
         raise ValueError(f"packed has {packed.numel()} bytes but {n} codes of {bits} bits need "
                          f"{packed_nbytes(n, bits)}")
+    if native.applies(packed):
+        return native.unpack(packed, bits, n)
     if 8 % bits == 0:
         per, mask = 8 // bits, (1 << bits) - 1
         out = torch.empty(packed.numel(), per, dtype=torch.uint8, device=packed.device)

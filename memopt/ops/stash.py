@@ -46,12 +46,12 @@ import torch
 import torch.nn.functional as F
 
 from memopt.errors import MemoptError
-from memopt.ops import graph_leaf
+from memopt.ops import graph_leaf, native
 from memopt.ops.bitpack import pack_bits, unpack_bits
 from memopt.ops import stash_grid
 from memopt.ops.stash_grid import (WINDOWS, _act_backward, _activation, _code_, _decode_mask, _ends, _from_codes,
-                                   _grid, _mask, _per_channel, _x_codes, _xhat_std, batch_slices, channel_std_mean,
-                                   keep_where, select_u8, x_grid_half)
+                                   _grid, _mask, _per_channel, _xhat_std, batch_slices, channel_std_mean, exact_mask,
+                                   keep_where, packed_x_codes, select_u8, x_grid_half)
 
 __all__ = ["WINDOWS", "BNActStash", "bn_act_stash", "conv_from_stash", "conv_grads", "linear_from_stash",
            "linear_grads", "max_pool2d_indices_only", "positive_z_grid", "split_by_mask", "x_grid_half"]
@@ -81,6 +81,12 @@ class _Stash:
     def rebuild(packed: torch.Tensor, mask_packed: torch.Tensor, affine: torch.Tensor, zero_code: torch.Tensor,
                 bits: int, shape: torch.Size, act: str, params: Tuple[float, ...]) -> torch.Tensor:
         """act(z) at the bin midpoints, built in place in one float buffer (backward peaks matter)."""
+        if native.applies(packed):  # one fused pass, the same values
+            has_mask = act != "identity" and mask_packed.numel()
+            mask = unpack_bits(mask_packed, 1, shape.numel()).view(shape) if has_mask else None
+            zero = zero_code if act != "identity" and not has_mask else None
+            return native.rebuild(packed, bits, shape, affine, act, params[0] if act == "leaky_relu" else 0.0,
+                                  mask=mask, zero_code=zero)
         codes = unpack_bits(packed, bits, shape.numel()).view(shape)
         if act == "identity":
             return _from_codes(codes, None, affine)
@@ -113,7 +119,7 @@ def _split_x_codes(x, weight, bias, mean, invstd, eps, mask, bits: int, act: str
     (packed codes, the data-dependent grid: 4 rows per channel, saved)."""
     xstd = _xhat_std(invstd, eps)
     grid = _grid(weight, bias, xstd, bits, act, True, _ends(x, mean, invstd, xstd, mask, True), residual=True)
-    return pack_bits(_x_codes(x, mean, invstd, xstd, grid, mask, 1 << bits), bits), grid
+    return packed_x_codes(x, mean, invstd, xstd, grid, mask, bits), grid
 
 
 def _bn_backward(g, sum_g, x_codes, mask, grid, weight, invstd, eps, bits: int, shape, exact=None):
@@ -124,6 +130,10 @@ def _bn_backward(g, sum_g, x_codes, mask, grid, weight, invstd, eps, bits: int, 
     (a conv bias before a training-mode BN gets no quantisation noise: docs/results/stash_gradients*.md)."""
     nd, n = len(shape), shape.numel()
     xstd = _xhat_std(invstd, eps)
+    gamma = weight.float() if weight is not None else torch.ones_like(invstd)
+    if native.applies(g, float_dtype=True) and native.applies(x_codes) and (mask is None or mask.is_contiguous()):
+        # two fused passes over the code, no full-size x̂ at all
+        return native.bn_backward(g, sum_g, x_codes, bits, grid, mask, xstd, gamma * invstd, exact)
     xhat = _from_codes(unpack_bits(x_codes, bits, n).view(shape), mask, grid).mul_(_per_channel(xstd, nd))
     dims = [d for d in range(nd) if d != 1]
     xhat.sub_(_per_channel(xhat.mean(dims), nd))
@@ -133,7 +143,6 @@ def _bn_backward(g, sum_g, x_codes, mask, grid, weight, invstd, eps, bits: int, 
     if exact is not None:
         sum_gx = torch.where(exact[1], exact[0], sum_gx)
     count = n // shape[1]
-    gamma = weight.float() if weight is not None else torch.ones_like(invstd)
     grad_x = xhat.mul_(_per_channel(-sum_gx / count, nd)).add_(g).sub_(_per_channel(sum_g / count, nd)) \
         .mul_(_per_channel(gamma * invstd, nd))
     return grad_x, sum_gx
@@ -171,7 +180,7 @@ class BNActStash(torch.autograd.Function):
             ends = _ends(x, mean, invstd, xstd, mask, False) if split and stash_grid.DATA_ENDS else None
             grid = _grid(weight, bias, xstd, bits, act, split, ends)
             xgrid = grid if ends is not None else torch.zeros(0, device=x.device)  # data-dependent: kept
-            x_codes = pack_bits(_x_codes(x, mean, invstd, xstd, grid, mask, bins), bits)
+            x_codes = packed_x_codes(x, mean, invstd, xstd, grid, mask, bits)
         none = torch.zeros(0, device=x.device)
         x2_codes, grid2, mean2, invstd2 = (*_split_x_codes(x2, weight2, bias2, mean2, invstd2, eps2, mask, bits, act),
                                            mean2, invstd2) if x2 is not None else (none, none, none, none)
@@ -204,19 +213,25 @@ class BNActStash(torch.autograd.Function):
                 j = torch.clamp(torch.round(-mu / zwidth) + bins // 2, 1, bins - 1)
             origin = -j * zwidth
             # the sign as the activation's backward reads it: after ReLU / ReLU6 a NaN z passes the gradient, as in stock
-            positive = ~(z <= 0) if act in ("relu", "relu6") else z > 0
-            # coded a batch slice at a time from float32 copies: no full-size temporary, z kept for the activation
-            codes = torch.empty_like(z, dtype=torch.uint8)
-            for s in batch_slices(z):
-                codes[s] = _code_(z[s].to(torch.float32, copy=True), _per_channel(origin, nd),
-                                  _per_channel(zwidth, nd), bins)
-            y = _activation(z, act, act_params, inplace=True)
-            del z
             zero_code = j.to(torch.int32)
-            zc = _per_channel(zero_code, nd).to(torch.uint8)
-            # rounding must never flip a sign: positive z go to bins >= j, the rest below
-            codes = select_u8(positive, torch.maximum(codes, zc), torch.minimum(codes, zc - 1))
-            y_codes = pack_bits(codes, bits)
+            relu_like = act in ("relu", "relu6")
+            if native.applies(z, float_dtype=True):  # one fused pass, the same codes
+                y_codes = native.encode(z, torch.stack([origin, zwidth]), bits, zero_code=zero_code,
+                                        positive_not_le=relu_like)
+                y = _activation(z, act, act_params, inplace=True)
+            else:
+                positive = ~(z <= 0) if relu_like else z > 0
+                # coded a batch slice at a time from float32 copies: no full-size temporary, z kept for the activation
+                codes = torch.empty_like(z, dtype=torch.uint8)
+                for s in batch_slices(z):
+                    codes[s] = _code_(z[s].to(torch.float32, copy=True), _per_channel(origin, nd),
+                                      _per_channel(zwidth, nd), bins)
+                y = _activation(z, act, act_params, inplace=True)
+                zc = _per_channel(zero_code, nd).to(torch.uint8)
+                # rounding must never flip a sign: positive z go to bins >= j, the rest below
+                codes = select_u8(positive, torch.maximum(codes, zc), torch.minimum(codes, zc - 1))
+                y_codes = pack_bits(codes, bits)
+            del z
             affine = torch.stack([origin, zwidth])
             if act != "relu6":  # the code knows the sign of z exactly (not where ReLU6 clips at 6)
                 mask_packed = empty_u8
@@ -240,8 +255,7 @@ class BNActStash(torch.autograd.Function):
         if ctx.act == "identity":
             mask = None
         else:
-            codes = None if mask_packed.numel() else unpack_bits(y_codes, ctx.bits, shape.numel()).view(shape)
-            mask = _decode_mask(mask_packed, codes, zero_code, shape)
+            mask = exact_mask(mask_packed, y_codes, zero_code, ctx.bits, shape)
         grad_z = _act_backward(grad_y, mask, ctx.act, ctx.act_params)
         split = split_by_mask(ctx.act, ctx.has_residual or ctx.second is not None)
         grid = xgrid if xgrid.numel() else _grid(weight, bias, _xhat_std(invstd, ctx.eps), ctx.bits, ctx.act, split)

@@ -8,7 +8,8 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from memopt.ops.bitpack import unpack_bits
+from memopt.ops import native
+from memopt.ops.bitpack import pack_bits, unpack_bits
 
 # Half-width of the grid in standard deviations, per K. The paper uses 3 for K = 4 and 8; we
 # measured the weight-gradient error of a pre-activation ResNet-20 (tools/bench_stash_depth.py
@@ -233,6 +234,26 @@ def _decode_mask(mask_packed: torch.Tensor, codes: Optional[torch.Tensor], zero_
     if mask_packed.numel():
         return unpack_bits(mask_packed, 1, shape.numel()).view(shape).view(torch.bool)  # 0/1 bytes: a view, no copy
     return codes >= _per_channel(zero_code, len(shape))
+
+
+def packed_x_codes(x, mean, invstd, xstd, grid, mask, bits: int) -> torch.Tensor:
+    """``pack_bits(_x_codes(...), bits)``: on a contiguous float32 CPU tensor one fused pass
+    (``memopt/ops/native.py``, the same codes) with no full-size temporary."""
+    if native.applies(x, float_dtype=True) and (mask is None or mask.is_contiguous()):
+        tiny = torch.finfo(torch.float32).tiny
+        rows = [r.clamp_min(tiny) if i % 2 else r for i, r in enumerate(grid)]
+        return native.encode(x, torch.stack(rows), bits, mean=mean, scale=invstd / xstd.clamp_min(1e-12), mask=mask)
+    return pack_bits(_x_codes(x, mean, invstd, xstd, grid, mask, 1 << bits), bits)
+
+
+def exact_mask(mask_packed: torch.Tensor, codes_packed: torch.Tensor, zero_code: torch.Tensor, bits: int,
+               shape: torch.Size) -> torch.Tensor:
+    """The activation's exact mask in backward: its 1-bit copy, else read from the z code (``_decode_mask``)
+    without unpacking the codes first where the fused kernels apply."""
+    if not mask_packed.numel() and native.applies(codes_packed):
+        return native.mask_from_codes(codes_packed, bits, shape, zero_code)
+    codes = None if mask_packed.numel() else unpack_bits(codes_packed, bits, shape.numel()).view(shape)
+    return _decode_mask(mask_packed, codes, zero_code, shape)
 
 
 def _x_codes(x, mean, invstd, xstd, grid, mask, bins: int) -> torch.Tensor:

@@ -18,7 +18,7 @@ from memopt.errors import MemoptError
 from memopt.ops import stash_grid
 from memopt.ops.bitpack import pack_bits, unpack_bits
 from memopt.ops.stash import _batch_norm, _bn_backward, pool_backward, pool_offsets
-from memopt.ops.stash_grid import _ends, _grid, _per_channel, _x_codes, _xhat_std, keep_where
+from memopt.ops.stash_grid import _ends, _grid, _per_channel, _xhat_std, keep_where, packed_x_codes
 
 
 class BNReLUMaxPoolStash(torch.autograd.Function):
@@ -36,7 +36,7 @@ class BNReLUMaxPoolStash(torch.autograd.Function):
         xstd = _xhat_std(invstd, eps)
         ends = _ends(x, mean, invstd, xstd, mask, False) if stash_grid.DATA_ENDS else None
         grid = _grid(weight, bias, xstd, bits, "relu", True, ends)
-        x_codes = pack_bits(_x_codes(x, mean, invstd, xstd, grid, mask, 1 << bits), bits)
+        x_codes = packed_x_codes(x, mean, invstd, xstd, grid, mask, bits)
         mask_packed = pack_bits(mask, 1)
         del mask
         ctx.save_for_backward(x_codes, mask_packed, offsets, pooled, weight, bias, invstd, grid)

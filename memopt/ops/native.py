@@ -1,0 +1,283 @@
+"""Fused CPU kernels for the stash's codecs: ``memopt/ops/stash_kernels.c``, compiled on first use.
+
+The plain-PyTorch codecs (``memopt/ops/stash_grid.py``, ``memopt/ops/bitpack.py``) take several full-size
+elementwise passes per chain (subtract, scale, divide, ceil, clamp, select, shift, or ...); each C kernel
+here does one pass with the same float32 arithmetic in the same order, so the codes and rebuilt values are
+bit-identical to the plain path (tests/test_native.py) and only the BN backward's per-channel sums are
+accumulated in another order (in double). A ResNet-50 step at batch 4 on 2 CPU threads: see
+docs/results/stash_memory.md for the ratio with and without them.
+
+The kernels run on contiguous CPU tensors only (float32 where a float is read); everything else (CUDA,
+half precision, strided views) takes the plain path. The library is built with the system's C compiler
+(``$CC``, else ``cc`` / ``gcc``; ``-O3 -march=native -ffp-contract=off -fopenmp``) into
+``$MEMOPT_CACHE_DIR`` (default ``~/.cache/memopt``), once per source, flags and CPU. Without a compiler, or
+with ``MEMOPT_NATIVE=0``, memopt warns once and uses the plain path: same codes, slower.
+
+Under a ``FakeTensorMode`` (the cost model) a wrapper allocates exactly the outputs the kernel would fill
+and runs nothing, so the estimated peak is the measured one on either path.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Iterator, Optional, Sequence, Tuple
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor
+
+__all__ = ["available", "applies", "disabled", "pack", "unpack", "encode", "rebuild", "mask_from_codes",
+           "bn_backward"]
+
+_SOURCE = Path(__file__).with_name("stash_kernels.c")
+_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC"]
+_ACTS = {"identity": 0, "relu": 1, "relu6": 2, "leaky_relu": 3}
+
+_lib: Optional[ctypes.CDLL] = None
+_tried = False
+_enabled = os.environ.get("MEMOPT_NATIVE", "1") != "0"
+
+_P, _I64, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+_SIGNATURES = {
+    "mo_pack": [_P, _I64, _I, _P, _I64, _I],
+    "mo_unpack": [_P, _I64, _I64, _I, _P, _I],
+    "mo_encode": [_P, _I64, _I64, _I64, _P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _P, _I64, _I],
+    "mo_rebuild": [_P, _I64, _I, _I64, _I64, _I64, _P, _P, _P, _P, _P, _P, _I, _F, _P, _I],
+    "mo_mask_from_codes": [_P, _I64, _I, _I64, _I64, _I64, _P, _P, _I],
+    "mo_xhat_sums": [_P, _I64, _I, _I64, _I64, _I64, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I],
+    "mo_bn_grad": [_P, _I64, _I, _I64, _I64, _I64, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I],
+}
+
+
+def _cpu_id() -> str:
+    """What ``-march=native`` depends on: the CPU's model and feature flags."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor()
+    keep = [line for line in text.splitlines() if line.startswith(("model name", "flags", "Features"))]
+    return "\n".join(sorted(set(keep)))
+
+
+def _compiler() -> Optional[str]:
+    for name in (os.environ.get("CC"), "cc", "gcc"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def _build() -> ctypes.CDLL:
+    cc = _compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler found ($CC, cc, gcc)")
+    source = _SOURCE.read_bytes()
+    key = hashlib.sha256(b"\0".join([source, " ".join(_FLAGS).encode(), cc.encode(), platform.machine().encode(),
+                                     _cpu_id().encode()])).hexdigest()[:16]
+    cache = Path(os.environ.get("MEMOPT_CACHE_DIR") or Path.home() / ".cache" / "memopt")
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        cache = Path(tempfile.gettempdir()) / "memopt-cache"
+        cache.mkdir(parents=True, exist_ok=True)
+    target = cache / f"stash_kernels-{key}.so"
+    if not target.exists():
+        # built under a private name, then renamed: parallel test workers never load a half-written file
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
+        os.close(fd)
+        try:
+            done = subprocess.run([cc, *_FLAGS, str(_SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True)
+            if done.returncode != 0:
+                raise RuntimeError(f"{cc} failed: {done.stderr.strip()[-800:]}")
+            os.replace(tmp, target)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    lib = ctypes.CDLL(str(target))
+    for name, args in _SIGNATURES.items():
+        getattr(lib, name).argtypes = args
+        getattr(lib, name).restype = None
+    return lib
+
+
+def _library() -> Optional[ctypes.CDLL]:
+    global _lib, _tried
+    if not _tried:
+        _tried = True
+        try:
+            _lib = _build()
+        except Exception as error:  # no compiler, no OpenMP, a read-only disk: the plain path still works
+            warnings.warn(f"memopt: the fused CPU stash kernels ({_SOURCE.name}) could not be built ({error}); "
+                          f"using plain PyTorch ops instead (same codes, slower). Set MEMOPT_NATIVE=0 to skip "
+                          f"building them.", RuntimeWarning, stacklevel=3)
+    return _lib
+
+
+def available() -> bool:
+    """Whether the kernels are enabled and built (building them now if needed)."""
+    return _enabled and _library() is not None
+
+
+@contextlib.contextmanager
+def disabled() -> Iterator[None]:
+    """Use the plain-PyTorch codecs inside this block (for comparisons and tests)."""
+    global _enabled
+    before, _enabled = _enabled, False
+    try:
+        yield
+    finally:
+        _enabled = before
+
+
+def applies(*tensors: torch.Tensor, float_dtype: bool = False) -> bool:
+    """Whether the kernels take these tensors: contiguous, on the CPU (real or fake), float32 where
+    ``float_dtype``, and the library built."""
+    for t in tensors:
+        if t.device.type != "cpu" or not t.is_contiguous() or (float_dtype and t.dtype != torch.float32):
+            return False
+        if type(t) not in (torch.Tensor, torch.nn.Parameter, FakeTensor):
+            return False
+    return _enabled and _library() is not None
+
+
+def _runs(*tensors: torch.Tensor) -> bool:
+    """False under the cost model's fake tensors: the outputs are allocated, nothing is computed."""
+    return not any(isinstance(t, FakeTensor) for t in tensors)
+
+
+def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
+    return None if t is None else t.data_ptr()
+
+
+def _threads() -> int:
+    return max(1, torch.get_num_threads())
+
+
+def _geometry(shape: Sequence[int]) -> Tuple[int, int, int]:
+    """(elements, channels, elements per channel and sample) of an (N, C, ...) tensor."""
+    n = 1
+    for d in shape:
+        n *= d
+    channels = shape[1] if len(shape) > 1 else 1
+    inner = 1
+    for d in shape[2:]:
+        inner *= d
+    return n, channels, inner
+
+
+def _rows(grid: torch.Tensor) -> list:
+    """A grid's rows (lo0, w0[, lo1, w1]) as contiguous float32, the missing side as None."""
+    rows = [r.float().contiguous() for r in grid]
+    return rows if len(rows) == 4 else rows + [None, None]
+
+
+def _u8(mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    if mask is None:
+        return None
+    return (mask.view(torch.uint8) if mask.dtype == torch.bool else mask.to(torch.uint8)).contiguous()
+
+
+def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """``bitpack.pack_bits`` for contiguous uint8 (or bool) CPU codes, in one pass."""
+    flat = codes.reshape(-1)
+    flat = flat.view(torch.uint8) if flat.dtype == torch.bool else flat
+    n = flat.numel()
+    nbytes = (n * bits + 7) // 8
+    out = torch.empty(nbytes, dtype=torch.uint8)
+    if _runs(flat) and n:
+        _library().mo_pack(flat.data_ptr(), n, bits, out.data_ptr(), nbytes, _threads())
+    return out
+
+
+def unpack(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    """``bitpack.unpack_bits`` on the CPU, in one pass."""
+    out = torch.empty(n, dtype=torch.uint8)
+    if _runs(packed) and n:
+        _library().mo_unpack(packed.data_ptr(), packed.numel(), n, bits, out.data_ptr(), _threads())
+    return out
+
+
+def encode(x: torch.Tensor, grid: torch.Tensor, bits: int, *, mean: Optional[torch.Tensor] = None,
+           scale: Optional[torch.Tensor] = None, mask: Optional[torch.Tensor] = None,
+           zero_code: Optional[torch.Tensor] = None, positive_not_le: bool = False) -> torch.Tensor:
+    """Packed codes of ``(x - mean) * scale`` (or of ``x``) on ``grid`` (rows lo0, w0[, lo1, w1], widths already
+    clamped), split by ``mask``; with ``zero_code`` the sign fix of a z code (``stash.BNActStash``)."""
+    n, channels, inner = _geometry(x.shape)
+    nbytes = (n * bits + 7) // 8
+    out = torch.empty(nbytes, dtype=torch.uint8)
+    lo0, w0, lo1, w1 = _rows(grid)
+    per = [None if t is None else t.float().contiguous() for t in (mean, scale)]
+    zc = None if zero_code is None else zero_code.to(torch.int32).contiguous()
+    m = _u8(mask) if lo1 is not None else None
+    if _runs(x) and n:
+        _library().mo_encode(x.data_ptr(), n, channels, inner, _ptr(per[0]), _ptr(per[1]), _ptr(lo0), _ptr(w0),
+                             _ptr(lo1), _ptr(w1), _ptr(m), _ptr(zc), int(positive_not_le), bits, out.data_ptr(),
+                             nbytes, _threads())
+    return out
+
+
+def rebuild(packed: torch.Tensor, bits: int, shape: torch.Size, grid: torch.Tensor, act: str, slope: float = 0.0,
+            *, mask: Optional[torch.Tensor] = None, zero_code: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """act(z) at the bin midpoints (``stash._Stash.rebuild``) as a new float32 tensor of ``shape``: the side
+    and the activation's branch from ``mask``, else from the code (``k >= zero_code``)."""
+    n, channels, inner = _geometry(shape)
+    out = torch.empty(shape, dtype=torch.float32)
+    lo0, w0, lo1, w1 = _rows(grid)
+    m, zc = _u8(mask), None if zero_code is None else zero_code.to(torch.int32).contiguous()
+    if _runs(packed) and n:
+        _library().mo_rebuild(packed.data_ptr(), packed.numel(), bits, n, channels, inner, _ptr(lo0), _ptr(w0),
+                              _ptr(lo1), _ptr(w1), _ptr(m), _ptr(zc), _ACTS[act], float(slope), out.data_ptr(),
+                              _threads())
+    return out
+
+
+def mask_from_codes(packed: torch.Tensor, bits: int, shape: torch.Size, zero_code: torch.Tensor) -> torch.Tensor:
+    """The exact mask of a z code, ``codes >= zero_code`` per channel, as a bool tensor of ``shape``."""
+    n, channels, inner = _geometry(shape)
+    out = torch.empty(shape, dtype=torch.uint8)
+    zc = zero_code.to(torch.int32).contiguous()
+    if _runs(packed) and n:
+        _library().mo_mask_from_codes(packed.data_ptr(), packed.numel(), bits, n, channels, inner, zc.data_ptr(),
+                                      out.data_ptr(), _threads())
+    return out.view(torch.bool)
+
+
+def bn_backward(g: torch.Tensor, sum_g: torch.Tensor, packed: torch.Tensor, bits: int, grid: torch.Tensor,
+                mask: Optional[torch.Tensor], xstd: torch.Tensor, gamma_invstd: torch.Tensor,
+                exact: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``stash._bn_backward`` in two passes over the code and ``g`` (float32) with no full-size x̂: pass 1 sums
+    x̂ and g x̂ per channel, pass 2 writes the input gradient. Returns (grad_x, sum of g times centred x̂)."""
+    shape = g.shape
+    n, channels, inner = _geometry(shape)
+    count = max(1, n // max(1, channels))
+    lo0, w0, lo1, w1 = _rows(grid)
+    m = _u8(mask) if lo1 is not None else None
+    sd = xstd.float().contiguous()
+    sum_x = torch.zeros(channels, dtype=torch.float64)
+    sum_gx = torch.zeros(channels, dtype=torch.float64)
+    run = _runs(g, packed)
+    if run and n:
+        _library().mo_xhat_sums(packed.data_ptr(), packed.numel(), bits, n, channels, inner, _ptr(lo0), _ptr(w0),
+                                _ptr(lo1), _ptr(w1), _ptr(m), sd.data_ptr(), g.data_ptr(), sum_x.data_ptr(),
+                                sum_gx.data_ptr(), _threads())
+    xmean = sum_x / count
+    # sum g (x̂ - mean x̂) from the uncentred sums; the mean of x̂ is about 0, so nothing cancels
+    centred = (sum_gx - xmean * sum_g.double()).float()
+    if exact is not None:
+        centred = torch.where(exact[1], exact[0], centred)
+    a = (-centred / count).contiguous()
+    b = (sum_g.float() / count).contiguous()
+    xm = xmean.float().contiguous()
+    s = gamma_invstd.float().contiguous()
+    out = torch.empty(shape, dtype=torch.float32)
+    if run and n:
+        _library().mo_bn_grad(packed.data_ptr(), packed.numel(), bits, n, channels, inner, _ptr(lo0), _ptr(w0),
+                              _ptr(lo1), _ptr(w1), _ptr(m), sd.data_ptr(), g.data_ptr(), xm.data_ptr(), a.data_ptr(),
+                              b.data_ptr(), s.data_ptr(), out.data_ptr(), _threads())
+    return out, centred

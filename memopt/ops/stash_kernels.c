@@ -1,0 +1,369 @@
+/* Fused CPU kernels for the K-bit stash (memopt/ops/native.py compiles and loads this file).
+ *
+ * Each kernel does in one pass over memory what the plain-PyTorch path (memopt/ops/stash_grid.py,
+ * memopt/ops/bitpack.py) does in several full-size elementwise ops, with the same float32 arithmetic
+ * in the same order (built with -ffp-contract=off, no fast-math), so codes and rebuilt values are
+ * bit-identical to that path; only the per-channel sums of the BN backward are accumulated in a
+ * different order (in double).
+ *
+ * Layout: a contiguous float32 / uint8 tensor of n elements, shape (N, C, S...) flattened, so element i
+ * belongs to channel (i / S) % C. Codes are an LSB-first bit stream: element i occupies stream bits
+ * [i*bits, (i+1)*bits) (memopt/ops/bitpack.py). Work is split into blocks of BLOCK elements, a
+ * multiple of 8, so that every block starts on a byte of every stream.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#define BLOCK 16384
+
+static int64_t num_blocks(int64_t n) { return (n + BLOCK - 1) / BLOCK; }
+
+/* codes [i0, i0 + count) of a stream (i0 a multiple of 8) into dst */
+static void unpack_block(const uint8_t *packed, int64_t nbytes, int bits, int64_t i0, int64_t count,
+                         uint8_t *dst) {
+    const unsigned m = (1u << bits) - 1u;
+    if (bits == 8) {
+        memcpy(dst, packed + i0, (size_t)count);
+    } else if (bits == 4) {
+        const uint8_t *p = packed + i0 / 2;
+        int64_t pairs = count / 2;
+        for (int64_t k = 0; k < pairs; k++) {
+            dst[2 * k] = p[k] & 15u;
+            dst[2 * k + 1] = p[k] >> 4;
+        }
+        if (count & 1) dst[count - 1] = p[pairs] & 15u;
+    } else if (bits == 1) {  /* whole bytes with a constant inner loop (vectorised), then the tail */
+        const uint8_t *p = packed + i0 / 8;
+        int64_t full = count / 8;
+        for (int64_t k = 0; k < full; k++)
+            for (int j = 0; j < 8; j++) dst[8 * k + j] = (p[k] >> j) & 1u;
+        for (int64_t k = full * 8; k < count; k++) dst[k] = (p[k / 8] >> (k % 8)) & 1u;
+    } else if (bits == 2) {
+        const uint8_t *p = packed + i0 / 4;
+        int64_t full = count / 4;
+        for (int64_t k = 0; k < full; k++)
+            for (int j = 0; j < 4; j++) dst[4 * k + j] = (p[k] >> (2 * j)) & 3u;
+        for (int64_t k = full * 4; k < count; k++) dst[k] = (p[k / 4] >> (2 * (k % 4))) & 3u;
+    } else {  /* eight codes fill `bits` bytes */
+        int64_t g0 = i0 / 8;
+        for (int64_t g = 0; g * 8 < count; g++) {
+            uint64_t w = 0;
+            for (int b = 0; b < bits; b++) {
+                int64_t at = (g0 + g) * bits + b;
+                if (at < nbytes) w |= (uint64_t)packed[at] << (8 * b);
+            }
+            for (int j = 0; j < 8 && g * 8 + j < count; j++) dst[g * 8 + j] = (w >> (bits * j)) & m;
+        }
+    }
+}
+
+/* codes[0, count) (element i0 + k at k; i0 a multiple of 8) into the stream; the last byte zero-padded */
+static void pack_block(const uint8_t *codes, int64_t count, int bits, int64_t i0, uint8_t *out, int64_t nbytes) {
+    if (bits == 8) {
+        memcpy(out + i0, codes, (size_t)count);
+    } else if (bits == 4) {
+        uint8_t *p = out + i0 / 2;
+        int64_t pairs = count / 2;
+        for (int64_t k = 0; k < pairs; k++) p[k] = (uint8_t)(codes[2 * k] | (codes[2 * k + 1] << 4));
+        if (count & 1) p[pairs] = codes[count - 1];
+    } else if (8 % bits == 0) {
+        const int per = 8 / bits;
+        uint8_t *p = out + i0 / per;
+        int64_t full = count / per;
+        for (int64_t k = 0; k < full; k++) {
+            unsigned v = 0;
+            for (int j = 0; j < per; j++) v |= (unsigned)codes[k * per + j] << (bits * j);
+            p[k] = (uint8_t)v;
+        }
+        if (full * per < count) {
+            unsigned v = 0;
+            for (int j = 0; full * per + j < count; j++) v |= (unsigned)codes[full * per + j] << (bits * j);
+            p[full] = (uint8_t)v;
+        }
+    } else {
+        int64_t g0 = i0 / 8;
+        for (int64_t g = 0; g * 8 < count; g++) {
+            uint64_t w = 0;
+            for (int j = 0; j < 8 && g * 8 + j < count; j++) w |= (uint64_t)codes[g * 8 + j] << (bits * j);
+            for (int b = 0; b < bits; b++) {
+                int64_t at = (g0 + g) * bits + b;
+                if (at < nbytes) out[at] = (uint8_t)(w >> (8 * b));
+            }
+        }
+    }
+}
+
+void mo_pack(const uint8_t *codes, int64_t n, int bits, uint8_t *out, int64_t nbytes, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t b = 0; b < num_blocks(n); b++) {
+        int64_t i0 = b * BLOCK, count = n - i0 < BLOCK ? n - i0 : BLOCK;
+        pack_block(codes + i0, count, bits, i0, out, nbytes);
+    }
+}
+
+void mo_unpack(const uint8_t *packed, int64_t nbytes, int64_t n, int bits, uint8_t *out, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t b = 0; b < num_blocks(n); b++) {
+        int64_t i0 = b * BLOCK, count = n - i0 < BLOCK ? n - i0 : BLOCK;
+        unpack_block(packed, nbytes, bits, i0, count, out + i0);
+    }
+}
+
+/* Per-channel grid of a code: bins of width w from lo; split codes take side 1 where the mask is set. */
+typedef struct {
+    const float *lo0, *w0, *lo1, *w1; /* lo1 / w1 NULL: one grid */
+} grid_t;
+
+/* The end of the run of elements from `start` that lie in one channel, at most `stop`. */
+static inline int64_t segment_end(int64_t start, int64_t S, int64_t stop) {
+    int64_t end = (start / S + 1) * S;
+    return end < stop ? end : stop;
+}
+
+/* Bin k covers (lo + k w, lo + (k+1) w]; clipped to [0, top] (a NaN gives 0). */
+static inline uint8_t code_of(float v, float lo, float w, float top) {
+    float q = ceilf((v - lo) / w) - 1.0f;
+    q = q > 0.0f ? q : 0.0f;
+    q = q < top ? q : top;
+    return (uint8_t)(int32_t)q;
+}
+
+/* One channel's run of codes; `centre` and `split` are constants at every call, so each variant is its
+ * own branch-free loop the compiler vectorises. */
+static inline void encode_run(const float *restrict x, const uint8_t *restrict mask, uint8_t *restrict dst,
+                              int64_t count, int centre, int split, float m, float sc, float l0, float v0,
+                              float l1, float v1, float top) {
+    for (int64_t i = 0; i < count; i++) {
+        float v = centre ? (x[i] - m) * sc : x[i];
+        int side = split ? mask[i] != 0 : 0;
+        dst[i] = code_of(v, side ? l1 : l0, side ? v1 : v0, top);
+    }
+}
+
+/* Codes of v = (x - mean) * scale (mean NULL: v = x) on the grid (lo1 NULL: one grid, else side 1 where
+ * the mask is set), as stash_grid._code_. With zero_code (a z code whose zero is the bin edge
+ * j = zero_code[c]) positive values go to bins >= j and the rest below; positive means !(v <= 0) when
+ * positive_not_le (ReLU / ReLU6: a NaN passes the gradient), else v > 0. Packed straight into out. */
+void mo_encode(const float *x, int64_t n, int64_t C, int64_t S, const float *mean, const float *scale,
+               const float *lo0, const float *w0, const float *lo1, const float *w1, const uint8_t *mask,
+               const int32_t *zero_code, int positive_not_le, int bits, uint8_t *out, int64_t nbytes,
+               int nthreads) {
+    const float top = (float)((1 << bits) - 1);
+#pragma omp parallel num_threads(nthreads)
+    {
+        uint8_t *codes = (uint8_t *)malloc(BLOCK);
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < num_blocks(n); b++) {
+            int64_t i0 = b * BLOCK, count = n - i0 < BLOCK ? n - i0 : BLOCK;
+            for (int64_t s = i0, e; s < i0 + count; s = e) {  /* runs of one channel c */
+                const int64_t c = (s / S) % C;
+                e = segment_end(s, S, i0 + count);
+                const float m = mean ? mean[c] : 0.0f, sc = scale ? scale[c] : 1.0f;
+                const float l0 = lo0[c], v0 = w0[c];
+                const float l1 = lo1 ? lo1[c] : l0, v1 = w1 ? w1[c] : v0;
+                const uint8_t *mk = lo1 ? mask + s : NULL;
+                uint8_t *dst = codes + (s - i0);
+                if (mean && lo1) encode_run(x + s, mk, dst, e - s, 1, 1, m, sc, l0, v0, l1, v1, top);
+                else if (mean) encode_run(x + s, mk, dst, e - s, 1, 0, m, sc, l0, v0, l1, v1, top);
+                else if (lo1) encode_run(x + s, mk, dst, e - s, 0, 1, m, sc, l0, v0, l1, v1, top);
+                else encode_run(x + s, mk, dst, e - s, 0, 0, m, sc, l0, v0, l1, v1, top);
+                if (zero_code) {
+                    const uint8_t j = (uint8_t)zero_code[c], below = (uint8_t)(j - 1);
+                    const float *z = x + s;
+                    for (int64_t i = 0; i < e - s; i++) {
+                        int positive = positive_not_le ? !(z[i] <= 0.0f) : z[i] > 0.0f;
+                        uint8_t k = dst[i];
+                        dst[i] = positive ? (k > j ? k : j) : (k < below ? k : below);
+                    }
+                }
+            }
+            pack_block(codes, count, bits, i0, out, nbytes);
+        }
+        free(codes);
+    }
+}
+
+/* The rebuilt value of code k: (k + 1/2) w + lo, as stash_grid._from_codes (float32, same order). */
+static inline float midpoint(uint8_t k, float lo, float w) { return ((float)k + 0.5f) * w + lo; }
+
+enum { ACT_IDENTITY = 0, ACT_RELU = 1, ACT_RELU6 = 2, ACT_LEAKY_RELU = 3 };
+enum { MASK_NONE = 0, MASK_BYTES = 1, MASK_FROM_CODE = 2 };
+
+static inline float activation_at(float z, int on, int act, float slope) {
+    if (act == ACT_RELU) return on ? (z < 0.0f ? 0.0f : z) : 0.0f;
+    if (act == ACT_RELU6) return on ? (z < 0.0f ? 0.0f : (z > 6.0f ? 6.0f : z)) : (z > 3.0f ? 6.0f : 0.0f);
+    if (act == ACT_LEAKY_RELU) return on ? (z < 0.0f ? 0.0f : z) : (z > 0.0f ? 0.0f : z) * slope;
+    return z;
+}
+
+/* One channel's run of act(z); `act`, `source` and `split` are constants at every call. */
+static inline void rebuild_run(const uint8_t *restrict k, const uint8_t *restrict mask, float *restrict out,
+                               int64_t count, int act, int source, int split, uint8_t zc, float l0, float v0,
+                               float l1, float v1, float slope) {
+    for (int64_t i = 0; i < count; i++) {
+        int on = source == MASK_BYTES ? mask[i] != 0 : (source == MASK_FROM_CODE ? k[i] >= zc : 1);
+        int side = split ? on : 0;
+        out[i] = activation_at(midpoint(k[i], side ? l1 : l0, side ? v1 : v0), on, act, slope);
+    }
+}
+
+#define REBUILD_CASE(ACT)                                                                                    \
+    if (source == MASK_BYTES && split) rebuild_run(k, mk, o, len, ACT, MASK_BYTES, 1, zc, l0, v0, l1, v1, slope); \
+    else if (source == MASK_BYTES) rebuild_run(k, mk, o, len, ACT, MASK_BYTES, 0, zc, l0, v0, l1, v1, slope);    \
+    else if (source == MASK_FROM_CODE) rebuild_run(k, mk, o, len, ACT, MASK_FROM_CODE, 0, zc, l0, v0, l1, v1, slope); \
+    else rebuild_run(k, mk, o, len, ACT, MASK_NONE, 0, zc, l0, v0, l1, v1, slope);
+
+/* act(z) at the bin midpoints, the exact mask deciding each element's side of the kink (stash._Stash.rebuild):
+ * mask from `mask` (0/1 bytes), else from the code (k >= zero_code[c]), else none (identity). A split grid
+ * (lo1 set) needs the mask bytes. */
+void mo_rebuild(const uint8_t *packed, int64_t nbytes, int bits, int64_t n, int64_t C, int64_t S,
+                const float *lo0, const float *w0, const float *lo1, const float *w1, const uint8_t *mask,
+                const int32_t *zero_code, int act, float slope, float *out, int nthreads) {
+    const int source = mask ? MASK_BYTES : (zero_code ? MASK_FROM_CODE : MASK_NONE);
+    const int split = lo1 != NULL && mask != NULL;
+#pragma omp parallel num_threads(nthreads)
+    {
+        uint8_t *codes = (uint8_t *)malloc(BLOCK);
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < num_blocks(n); b++) {
+            int64_t i0 = b * BLOCK, count = n - i0 < BLOCK ? n - i0 : BLOCK;
+            unpack_block(packed, nbytes, bits, i0, count, codes);
+            for (int64_t s = i0, e; s < i0 + count; s = e) {  /* runs of one channel c */
+                const int64_t c = (s / S) % C;
+                e = segment_end(s, S, i0 + count);
+                const float l0 = lo0[c], v0 = w0[c];
+                const float l1 = lo1 ? lo1[c] : l0, v1 = w1 ? w1[c] : v0;
+                const uint8_t zc = zero_code ? (uint8_t)zero_code[c] : 0;
+                const uint8_t *k = codes + (s - i0), *mk = mask ? mask + s : NULL;
+                float *o = out + s;
+                const int64_t len = e - s;
+                if (act == ACT_RELU) { REBUILD_CASE(ACT_RELU) }
+                else if (act == ACT_RELU6) { REBUILD_CASE(ACT_RELU6) }
+                else if (act == ACT_LEAKY_RELU) { REBUILD_CASE(ACT_LEAKY_RELU) }
+                else { REBUILD_CASE(ACT_IDENTITY) }
+            }
+        }
+        free(codes);
+    }
+}
+
+/* The exact activation mask of a z code: k >= zero_code[c], as 0/1 bytes. */
+void mo_mask_from_codes(const uint8_t *packed, int64_t nbytes, int bits, int64_t n, int64_t C, int64_t S,
+                        const int32_t *zero_code, uint8_t *out, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t b = 0; b < num_blocks(n); b++) {
+        int64_t i0 = b * BLOCK, count = n - i0 < BLOCK ? n - i0 : BLOCK;
+        unpack_block(packed, nbytes, bits, i0, count, out + i0);
+        for (int64_t s = i0, e; s < i0 + count; s = e) {  /* runs of one channel c */
+            const int64_t c = (s / S) % C;
+            e = segment_end(s, S, i0 + count);
+            const uint8_t zc = (uint8_t)zero_code[c];
+            uint8_t *o = out + s;
+            for (int64_t i = 0; i < e - s; i++) o[i] = o[i] >= zc;
+        }
+    }
+}
+
+/* x̂ of code k on its side's grid, times the channel's std of x̂ (stash._bn_backward before centring). */
+static inline float xhat_at(uint8_t k, int side, float l0, float v0, float l1, float v1, float sd) {
+    return midpoint(k, side ? l1 : l0, side ? v1 : v0) * sd;
+}
+
+static inline void sums_run(const uint8_t *restrict k, const uint8_t *restrict mask, const float *restrict g,
+                            int64_t count, int split, float l0, float v0, float l1, float v1, float sd,
+                            double *sum_x, double *sum_gx) {
+    double sx = 0.0, sgx = 0.0;
+#pragma omp simd reduction(+ : sx, sgx)
+    for (int64_t i = 0; i < count; i++) {
+        float xh = xhat_at(k[i], split ? mask[i] != 0 : 0, l0, v0, l1, v1, sd);
+        sx += xh;
+        sgx += (double)g[i] * xh;
+    }
+    *sum_x += sx;
+    *sum_gx += sgx;
+}
+
+/* BN backward, pass 1: per channel, sum of x̂ and sum of g x̂ (double), x̂ rebuilt from its code. */
+void mo_xhat_sums(const uint8_t *packed, int64_t nbytes, int bits, int64_t n, int64_t C, int64_t S,
+                  const float *lo0, const float *w0, const float *lo1, const float *w1, const uint8_t *mask,
+                  const float *xstd, const float *g, double *sum_x, double *sum_gx, int nthreads) {
+    int threads = nthreads < 1 ? 1 : nthreads;
+    double *acc = (double *)calloc((size_t)threads * 2 * C, sizeof(double));
+#pragma omp parallel num_threads(threads)
+    {
+        uint8_t *codes = (uint8_t *)malloc(BLOCK);
+        int t = 0;
+#ifdef _OPENMP
+        t = omp_get_thread_num();
+#endif
+        double *ax = acc + (size_t)t * 2 * C, *agx = ax + C;
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < num_blocks(n); b++) {
+            int64_t i0 = b * BLOCK, count = n - i0 < BLOCK ? n - i0 : BLOCK;
+            unpack_block(packed, nbytes, bits, i0, count, codes);
+            for (int64_t s = i0, e; s < i0 + count; s = e) {  /* runs of one channel c */
+                const int64_t c = (s / S) % C;
+                e = segment_end(s, S, i0 + count);
+                const float l0 = lo0[c], v0 = w0[c], sd = xstd[c];
+                const float l1 = lo1 ? lo1[c] : l0, v1 = w1 ? w1[c] : v0;
+                if (lo1) sums_run(codes + (s - i0), mask + s, g + s, e - s, 1, l0, v0, l1, v1, sd, ax + c, agx + c);
+                else sums_run(codes + (s - i0), NULL, g + s, e - s, 0, l0, v0, l1, v1, sd, ax + c, agx + c);
+            }
+        }
+        free(codes);
+    }
+    for (int64_t c = 0; c < C; c++) {
+        double sx = 0.0, sgx = 0.0;
+        for (int t = 0; t < threads; t++) {
+            sx += acc[(size_t)t * 2 * C + c];
+            sgx += acc[(size_t)t * 2 * C + C + c];
+        }
+        sum_x[c] = sx;
+        sum_gx[c] = sgx;
+    }
+    free(acc);
+}
+
+static inline void grad_run(const uint8_t *restrict k, const uint8_t *restrict mask, const float *restrict g,
+                            float *restrict out, int64_t count, int split, float l0, float v0, float l1, float v1,
+                            float sd, float xm, float a, float bsub, float scale) {
+    for (int64_t i = 0; i < count; i++) {
+        float xh = xhat_at(k[i], split ? mask[i] != 0 : 0, l0, v0, l1, v1, sd);
+        out[i] = (((xh - xm) * a + g[i]) - bsub) * scale;
+    }
+}
+
+/* BN backward, pass 2: grad_x = (((x̂ - xmean) a + g) - b) s per channel, x̂ rebuilt again from its code
+ * (the order of stash._bn_backward's in-place ops); no full-size x̂ is ever stored. */
+void mo_bn_grad(const uint8_t *packed, int64_t nbytes, int bits, int64_t n, int64_t C, int64_t S,
+                const float *lo0, const float *w0, const float *lo1, const float *w1, const uint8_t *mask,
+                const float *xstd, const float *g, const float *xmean, const float *a, const float *bsub,
+                const float *scale, float *out, int nthreads) {
+#pragma omp parallel num_threads(nthreads)
+    {
+        uint8_t *codes = (uint8_t *)malloc(BLOCK);
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < num_blocks(n); b++) {
+            int64_t i0 = b * BLOCK, count = n - i0 < BLOCK ? n - i0 : BLOCK;
+            unpack_block(packed, nbytes, bits, i0, count, codes);
+            for (int64_t s = i0, e; s < i0 + count; s = e) {  /* runs of one channel c */
+                const int64_t c = (s / S) % C;
+                e = segment_end(s, S, i0 + count);
+                const float l0 = lo0[c], v0 = w0[c], sd = xstd[c];
+                const float l1 = lo1 ? lo1[c] : l0, v1 = w1 ? w1[c] : v0;
+                if (lo1)
+                    grad_run(codes + (s - i0), mask + s, g + s, out + s, e - s, 1, l0, v0, l1, v1, sd, xmean[c], a[c],
+                             bsub[c], scale[c]);
+                else
+                    grad_run(codes + (s - i0), NULL, g + s, out + s, e - s, 0, l0, v0, l1, v1, sd, xmean[c], a[c],
+                             bsub[c], scale[c]);
+            }
+        }
+        free(codes);
+    }
+}
