@@ -34,7 +34,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 __all__ = ["available", "applies", "disabled", "pack", "unpack", "encode", "rebuild", "mask_from_codes",
-           "bn_backward"]
+           "bn_backward", "act_mask", "act_backward_sum", "channel_extremes"]
 
 _SOURCE = Path(__file__).with_name("stash_kernels.c")
 _FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC"]
@@ -53,6 +53,9 @@ _SIGNATURES = {
     "mo_mask_from_codes": [_P, _I64, _I, _I64, _I64, _I64, _P, _P, _I],
     "mo_xhat_sums": [_P, _I64, _I, _I64, _I64, _I64, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I],
     "mo_bn_grad": [_P, _I64, _I, _I64, _I64, _I64, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I],
+    "mo_act_mask": [_P, _I64, _I, _P, _I],
+    "mo_act_backward_sum": [_P, _P, _I64, _I64, _I64, _I, _F, _P, _P, _I],
+    "mo_channel_extremes": [_P, _P, _I64, _I64, _I64, _P, _I],
 }
 
 
@@ -281,3 +284,34 @@ def bn_backward(g: torch.Tensor, sum_g: torch.Tensor, packed: torch.Tensor, bits
                               _ptr(lo1), _ptr(w1), _ptr(m), sd.data_ptr(), g.data_ptr(), xm.data_ptr(), a.data_ptr(),
                               b.data_ptr(), s.data_ptr(), out.data_ptr(), _threads())
     return out, centred
+
+
+def act_mask(z: torch.Tensor, act: str) -> torch.Tensor:
+    """``stash_grid._mask`` (ReLU / ReLU6 / LeakyReLU) of a float32 tensor in one pass, as bool."""
+    out = torch.empty(z.shape, dtype=torch.uint8)
+    if _runs(z) and z.numel():
+        _library().mo_act_mask(z.data_ptr(), z.numel(), _ACTS[act], out.data_ptr(), _threads())
+    return out.view(torch.bool)
+
+
+def act_backward_sum(grad: torch.Tensor, mask: torch.Tensor, act: str, slope: float = 0.0
+                     ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``stash_grid._act_backward`` of a float32 gradient through the exact mask, and its per-channel sum
+    (float32, accumulated in double), in one pass."""
+    n, channels, inner = _geometry(grad.shape)
+    out = torch.empty(grad.shape, dtype=torch.float32)
+    total = torch.zeros(channels, dtype=torch.float64)
+    if _runs(grad, mask) and n:
+        _library().mo_act_backward_sum(grad.data_ptr(), _u8(mask).data_ptr(), n, channels, inner, _ACTS[act],
+                                       float(slope), out.data_ptr(), total.data_ptr(), _threads())
+    return out, total.float()
+
+
+def channel_extremes(x: torch.Tensor, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Per channel of a float32 ``x``: rows (least, greatest where the mask is 0, least where it is 1, greatest)
+    in one pass (without a mask rows 1 and 2 are ±inf); an empty side gives ±inf, a NaN channel NaN."""
+    n, channels, inner = _geometry(x.shape)
+    out = torch.empty(4, channels, dtype=torch.float32)
+    if _runs(x) and n:
+        _library().mo_channel_extremes(x.data_ptr(), _ptr(_u8(mask)), n, channels, inner, out.data_ptr(), _threads())
+    return out

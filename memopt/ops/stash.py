@@ -256,12 +256,16 @@ class BNActStash(torch.autograd.Function):
             mask = None
         else:
             mask = exact_mask(mask_packed, y_codes, zero_code, ctx.bits, shape)
-        grad_z = _act_backward(grad_y, mask, ctx.act, ctx.act_params)
+        if mask is not None and native.applies(grad_y, mask, float_dtype=False) and grad_y.dtype == torch.float32:
+            g, sum_g = native.act_backward_sum(grad_y, mask, ctx.act, ctx.act_params[0] if ctx.act == "leaky_relu"
+                                               else 0.0)  # one pass for both
+            grad_z = g
+        else:
+            grad_z = _act_backward(grad_y, mask, ctx.act, ctx.act_params)
+            g = grad_z.float()
+            sum_g = g.sum([d for d in range(nd) if d != 1])
         split = split_by_mask(ctx.act, ctx.has_residual or ctx.second is not None)
         grid = xgrid if xgrid.numel() else _grid(weight, bias, _xhat_std(invstd, ctx.eps), ctx.bits, ctx.act, split)
-        g = grad_z.float()
-        dims = [d for d in range(nd) if d != 1]
-        sum_g = g.sum(dims)
         grad_x, sum_gx = _bn_backward(g, sum_g, x_codes, mask, grid, weight, invstd, ctx.eps, ctx.bits, shape)
         grads2 = (None,) * 3
         if ctx.second is not None:  # the downsample BN: same output gradient, its own x̂ code split by our mask

@@ -107,6 +107,14 @@ def _ends(x, mean, invstd, xstd, mask, inner: bool) -> torch.Tensor:
     nd = x.dim()
     dims = [d for d in range(nd) if d != 1]
     scale = invstd / xstd.clamp_min(1e-12)
+    if native.applies(x, float_dtype=True) and (not inner or mask.is_contiguous()):
+        # one pass for every extreme; x -> (x - mean) * scale is monotonic in float32 (scale > 0), so the
+        # extremes of the mapped values are the mapped extremes, and an empty side's ±inf stays ±inf
+        raw = native.channel_extremes(x, mask if inner else None)
+        mapped = (raw - mean) * scale
+        if not inner:
+            return torch.stack([mapped[0], mapped[3], mapped[0], mapped[3]])
+        return torch.where(torch.isinf(raw), raw, mapped)
     lo, hi = ((v.float() - mean) * scale for v in (x.amin(dims), x.amax(dims)))
     if not inner:
         return torch.stack([lo, hi, lo, hi])
@@ -202,6 +210,8 @@ def _mask(z: torch.Tensor, act: str, params: Tuple[float, ...]) -> Optional[torc
     """Where the activation passes the gradient (with slope 1), with ATen's own comparisons."""
     if act == "identity":
         return None
+    if native.applies(z, float_dtype=True):
+        return native.act_mask(z, act)
     if act == "relu6":
         return ~((z <= 0) | (z >= 6))
     if act == "leaky_relu":

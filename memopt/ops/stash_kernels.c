@@ -367,3 +367,139 @@ void mo_bn_grad(const uint8_t *packed, int64_t nbytes, int bits, int64_t n, int6
         free(codes);
     }
 }
+
+/* The activation's exact mask from its input z, with ATen's comparisons (stash_grid._mask): ReLU !(z <= 0)
+ * (a NaN passes), ReLU6 !(z <= 0 || z >= 6), LeakyReLU z > 0; as 0/1 bytes. */
+void mo_act_mask(const float *z, int64_t n, int act, uint8_t *out, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t b = 0; b < num_blocks(n); b++) {
+        int64_t i0 = b * BLOCK, end = n - i0 < BLOCK ? n : i0 + BLOCK;
+        if (act == ACT_RELU6)
+            for (int64_t i = i0; i < end; i++) out[i] = (uint8_t)!((z[i] <= 0.0f) | (z[i] >= 6.0f));
+        else if (act == ACT_LEAKY_RELU)
+            for (int64_t i = i0; i < end; i++) out[i] = (uint8_t)(z[i] > 0.0f);
+        else
+            for (int64_t i = i0; i < end; i++) out[i] = (uint8_t)!(z[i] <= 0.0f);
+    }
+}
+
+/* The activation's backward through its exact mask (stash_grid._act_backward: 0 where the mask is 0, also
+ * for a NaN gradient; LeakyReLU: grad * slope there) and the per-channel sum of the result (double). */
+void mo_act_backward_sum(const float *grad, const uint8_t *mask, int64_t n, int64_t C, int64_t S, int act,
+                         float slope, float *out, double *sum, int nthreads) {
+    int threads = nthreads < 1 ? 1 : nthreads;
+    double *acc = (double *)calloc((size_t)threads * C, sizeof(double));
+#pragma omp parallel num_threads(threads)
+    {
+        int t = 0;
+#ifdef _OPENMP
+        t = omp_get_thread_num();
+#endif
+        double *a = acc + (size_t)t * C;
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < num_blocks(n); b++) {
+            int64_t i0 = b * BLOCK, count = n - i0 < BLOCK ? n - i0 : BLOCK;
+            for (int64_t s = i0, e; s < i0 + count; s = e) {  /* runs of one channel c */
+                const int64_t c = (s / S) % C;
+                e = segment_end(s, S, i0 + count);
+                const float *gr = grad + s;
+                const uint8_t *mk = mask + s;
+                float *o = out + s;
+                double acc_c = 0.0;
+                if (act == ACT_LEAKY_RELU) {
+#pragma omp simd reduction(+ : acc_c)
+                    for (int64_t i = 0; i < e - s; i++) {
+                        float v = mk[i] ? gr[i] : gr[i] * slope;
+                        o[i] = v;
+                        acc_c += v;
+                    }
+                } else {
+#pragma omp simd reduction(+ : acc_c)
+                    for (int64_t i = 0; i < e - s; i++) {
+                        float v = mk[i] ? gr[i] : 0.0f;
+                        o[i] = v;
+                        acc_c += v;
+                    }
+                }
+                a[c] += acc_c;
+            }
+        }
+    }
+    for (int64_t c = 0; c < C; c++) {
+        double v = 0.0;
+        for (int t = 0; t < threads; t++) v += acc[(size_t)t * C + c];
+        sum[c] = v;
+    }
+    free(acc);
+}
+
+/* (No `omp simd` min/max reductions here: GCC 12 vectorised the masked one wrongly, a greatest value short
+ * of the true one, caught by tests/test_native.py.)
+ * Per channel of x: its least and greatest value, and with a mask the greatest where the mask is 0 and
+ * the least where it is 1 (stash_grid._ends before its affine map, which is monotonic): rows
+ * (lo, hi0, lo1, hi) of out (4 x C floats). An empty side gives +-inf, a channel with a NaN gives NaN. */
+void mo_channel_extremes(const float *x, const uint8_t *mask, int64_t n, int64_t C, int64_t S, float *out,
+                         int nthreads) {
+    int threads = nthreads < 1 ? 1 : nthreads;
+    float *acc = (float *)malloc((size_t)threads * 5 * C * sizeof(float));
+    for (int64_t i = 0; i < (int64_t)threads * C; i++) {
+        float *a = acc + 5 * i;
+        a[0] = INFINITY; a[1] = -INFINITY; a[2] = INFINITY; a[3] = -INFINITY; a[4] = 0.0f;
+    }
+#pragma omp parallel num_threads(threads)
+    {
+        int t = 0;
+#ifdef _OPENMP
+        t = omp_get_thread_num();
+#endif
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < num_blocks(n); b++) {
+            int64_t i0 = b * BLOCK, count = n - i0 < BLOCK ? n - i0 : BLOCK;
+            for (int64_t s = i0, e; s < i0 + count; s = e) {  /* runs of one channel c */
+                const int64_t c = (s / S) % C;
+                e = segment_end(s, S, i0 + count);
+                float *a = acc + 5 * ((size_t)t * C + c);
+                float lo = a[0], hi0 = a[1], lo1 = a[2], hi = a[3];
+                int nan = 0;
+                const float *v = x + s;
+                if (mask) {
+                    const uint8_t *mk = mask + s;
+                    for (int64_t i = 0; i < e - s; i++) {
+                        float u = v[i];
+                        lo = u < lo ? u : lo;
+                        hi = u > hi ? u : hi;
+                        float u0 = mk[i] ? -INFINITY : u, u1 = mk[i] ? u : INFINITY;
+                        hi0 = u0 > hi0 ? u0 : hi0;
+                        lo1 = u1 < lo1 ? u1 : lo1;
+                        nan |= u != u;
+                    }
+                } else {
+                    for (int64_t i = 0; i < e - s; i++) {
+                        float u = v[i];
+                        lo = u < lo ? u : lo;
+                        hi = u > hi ? u : hi;
+                        nan |= u != u;
+                    }
+                }
+                a[0] = lo; a[1] = hi0; a[2] = lo1; a[3] = hi; a[4] = nan || a[4] != 0.0f ? 1.0f : 0.0f;
+            }
+        }
+    }
+    for (int64_t c = 0; c < C; c++) {
+        float lo = INFINITY, hi0 = -INFINITY, lo1 = INFINITY, hi = -INFINITY;
+        int nan = 0;
+        for (int t = 0; t < threads; t++) {
+            const float *a = acc + 5 * ((size_t)t * C + c);
+            lo = a[0] < lo ? a[0] : lo;
+            hi0 = a[1] > hi0 ? a[1] : hi0;
+            lo1 = a[2] < lo1 ? a[2] : lo1;
+            hi = a[3] > hi ? a[3] : hi;
+            nan |= a[4] != 0.0f;
+        }
+        out[c] = nan ? NAN : lo;
+        out[C + c] = nan ? NAN : hi0;
+        out[2 * C + c] = nan ? NAN : lo1;
+        out[3 * C + c] = nan ? NAN : hi;
+    }
+    free(acc);
+}
