@@ -20,6 +20,7 @@
 #endif
 
 #define BLOCK 16384
+#define LANES 16 /* independent accumulators of a reduction: what the compiler vectorises */
 
 static int64_t num_blocks(int64_t n) { return (n + BLOCK - 1) / BLOCK; }
 
@@ -274,15 +275,29 @@ static inline float xhat_at(uint8_t k, int side, float l0, float v0, float l1, f
     return midpoint(k, side ? l1 : l0, side ? v1 : v0) * sd;
 }
 
+/* Sums of x̂ and g x̂ over a run of at most BLOCK elements: float partial sums in LANES lanes (vectorised),
+ * added in double. */
 static inline void sums_run(const uint8_t *restrict k, const uint8_t *restrict mask, const float *restrict g,
                             int64_t count, int split, float l0, float v0, float l1, float v1, float sd,
                             double *sum_x, double *sum_gx) {
+    float lx[LANES], lgx[LANES];
+    for (int j = 0; j < LANES; j++) lx[j] = lgx[j] = 0.0f;
+    int64_t i = 0;
+    for (; i + LANES <= count; i += LANES)
+        for (int j = 0; j < LANES; j++) {
+            float xh = xhat_at(k[i + j], split ? mask[i + j] != 0 : 0, l0, v0, l1, v1, sd);
+            lx[j] += xh;
+            lgx[j] += g[i + j] * xh;
+        }
     double sx = 0.0, sgx = 0.0;
-#pragma omp simd reduction(+ : sx, sgx)
-    for (int64_t i = 0; i < count; i++) {
+    for (; i < count; i++) {
         float xh = xhat_at(k[i], split ? mask[i] != 0 : 0, l0, v0, l1, v1, sd);
         sx += xh;
-        sgx += (double)g[i] * xh;
+        sgx += (double)(g[i] * xh);
+    }
+    for (int j = 0; j < LANES; j++) {
+        sx += lx[j];
+        sgx += lgx[j];
     }
     *sum_x += sx;
     *sum_gx += sgx;
@@ -383,6 +398,26 @@ void mo_act_mask(const float *z, int64_t n, int act, uint8_t *out, int nthreads)
     }
 }
 
+/* out = mask ? grad : (leaky ? grad * slope : 0) over a run (at most BLOCK elements), and its sum: float
+ * partial sums in LANES lanes of at most BLOCK / LANES terms each (what the compiler vectorises), added in
+ * double. */
+static inline double masked_sum_run(const float *restrict gr, const uint8_t *restrict mk, float *restrict o,
+                                    int64_t count, int leaky, float slope) {
+    for (int64_t i = 0; i < count; i++) {
+        float g = gr[i], other = leaky ? g * slope : 0.0f;  /* both computed: a branch-free select */
+        o[i] = mk[i] ? g : other;
+    }
+    float lane[LANES];
+    for (int j = 0; j < LANES; j++) lane[j] = 0.0f;
+    int64_t i = 0;
+    for (; i + LANES <= count; i += LANES)
+        for (int j = 0; j < LANES; j++) lane[j] += o[i + j];
+    double total = 0.0;
+    for (; i < count; i++) total += o[i];
+    for (int j = 0; j < LANES; j++) total += lane[j];
+    return total;
+}
+
 /* The activation's backward through its exact mask (stash_grid._act_backward: 0 where the mask is 0, also
  * for a NaN gradient; LeakyReLU: grad * slope there) and the per-channel sum of the result (double). */
 void mo_act_backward_sum(const float *grad, const uint8_t *mask, int64_t n, int64_t C, int64_t S, int act,
@@ -405,23 +440,8 @@ void mo_act_backward_sum(const float *grad, const uint8_t *mask, int64_t n, int6
                 const float *gr = grad + s;
                 const uint8_t *mk = mask + s;
                 float *o = out + s;
-                double acc_c = 0.0;
-                if (act == ACT_LEAKY_RELU) {
-#pragma omp simd reduction(+ : acc_c)
-                    for (int64_t i = 0; i < e - s; i++) {
-                        float v = mk[i] ? gr[i] : gr[i] * slope;
-                        o[i] = v;
-                        acc_c += v;
-                    }
-                } else {
-#pragma omp simd reduction(+ : acc_c)
-                    for (int64_t i = 0; i < e - s; i++) {
-                        float v = mk[i] ? gr[i] : 0.0f;
-                        o[i] = v;
-                        acc_c += v;
-                    }
-                }
-                a[c] += acc_c;
+                a[c] += act == ACT_LEAKY_RELU ? masked_sum_run(gr, mk, o, e - s, 1, slope)
+                                              : masked_sum_run(gr, mk, o, e - s, 0, slope);
             }
         }
     }
@@ -433,9 +453,50 @@ void mo_act_backward_sum(const float *grad, const uint8_t *mask, int64_t n, int6
     free(acc);
 }
 
-/* (No `omp simd` min/max reductions here: GCC 12 vectorised the masked one wrongly, a greatest value short
- * of the true one, caught by tests/test_native.py.)
- * Per channel of x: its least and greatest value, and with a mask the greatest where the mask is 0 and
+/* Least / greatest of a run into a[0..4] = (lo, hi0, lo1, hi, any NaN), in LANES independent lanes: a plain
+ * loop the compiler turns into vector min / max (each lane's `u < lo ? u : lo` is exactly the instruction's
+ * semantics). No `omp simd` min/max reduction: GCC 12 vectorised the masked one wrongly (a greatest value
+ * short of the true one, caught by tests/test_native.py). */
+static inline void extremes_run(const float *restrict v, const uint8_t *restrict mk, int64_t count, float *a) {
+    float lo[LANES], hi0[LANES], lo1[LANES], hi[LANES];
+    int nan[LANES];
+    for (int j = 0; j < LANES; j++) {
+        lo[j] = a[0]; hi0[j] = a[1]; lo1[j] = a[2]; hi[j] = a[3]; nan[j] = 0;
+    }
+    int64_t i = 0;
+    for (; i + LANES <= count; i += LANES)
+        for (int j = 0; j < LANES; j++) {
+            float u = v[i + j];
+            int on = mk ? mk[i + j] != 0 : 0;
+            float u0 = on ? -INFINITY : u, u1 = on ? u : INFINITY;
+            lo[j] = u < lo[j] ? u : lo[j];
+            hi[j] = u > hi[j] ? u : hi[j];
+            hi0[j] = u0 > hi0[j] ? u0 : hi0[j];
+            lo1[j] = u1 < lo1[j] ? u1 : lo1[j];
+            nan[j] |= u != u;
+        }
+    for (; i < count; i++) {
+        float u = v[i];
+        int on = mk ? mk[i] != 0 : 0;
+        float u0 = on ? -INFINITY : u, u1 = on ? u : INFINITY;
+        lo[0] = u < lo[0] ? u : lo[0];
+        hi[0] = u > hi[0] ? u : hi[0];
+        hi0[0] = u0 > hi0[0] ? u0 : hi0[0];
+        lo1[0] = u1 < lo1[0] ? u1 : lo1[0];
+        nan[0] |= u != u;
+    }
+    int any = a[4] != 0.0f;
+    for (int j = 0; j < LANES; j++) {
+        a[0] = lo[j] < a[0] ? lo[j] : a[0];
+        a[1] = hi0[j] > a[1] ? hi0[j] : a[1];
+        a[2] = lo1[j] < a[2] ? lo1[j] : a[2];
+        a[3] = hi[j] > a[3] ? hi[j] : a[3];
+        any |= nan[j];
+    }
+    a[4] = any ? 1.0f : 0.0f;
+}
+
+/* Per channel of x: its least and greatest value, and with a mask the greatest where the mask is 0 and
  * the least where it is 1 (stash_grid._ends before its affine map, which is monotonic): rows
  * (lo, hi0, lo1, hi) of out (4 x C floats). An empty side gives +-inf, a channel with a NaN gives NaN. */
 void mo_channel_extremes(const float *x, const uint8_t *mask, int64_t n, int64_t C, int64_t S, float *out,
@@ -458,30 +519,8 @@ void mo_channel_extremes(const float *x, const uint8_t *mask, int64_t n, int64_t
             for (int64_t s = i0, e; s < i0 + count; s = e) {  /* runs of one channel c */
                 const int64_t c = (s / S) % C;
                 e = segment_end(s, S, i0 + count);
-                float *a = acc + 5 * ((size_t)t * C + c);
-                float lo = a[0], hi0 = a[1], lo1 = a[2], hi = a[3];
-                int nan = 0;
-                const float *v = x + s;
-                if (mask) {
-                    const uint8_t *mk = mask + s;
-                    for (int64_t i = 0; i < e - s; i++) {
-                        float u = v[i];
-                        lo = u < lo ? u : lo;
-                        hi = u > hi ? u : hi;
-                        float u0 = mk[i] ? -INFINITY : u, u1 = mk[i] ? u : INFINITY;
-                        hi0 = u0 > hi0 ? u0 : hi0;
-                        lo1 = u1 < lo1 ? u1 : lo1;
-                        nan |= u != u;
-                    }
-                } else {
-                    for (int64_t i = 0; i < e - s; i++) {
-                        float u = v[i];
-                        lo = u < lo ? u : lo;
-                        hi = u > hi ? u : hi;
-                        nan |= u != u;
-                    }
-                }
-                a[0] = lo; a[1] = hi0; a[2] = lo1; a[3] = hi; a[4] = nan || a[4] != 0.0f ? 1.0f : 0.0f;
+                if (mask) extremes_run(x + s, mask + s, e - s, acc + 5 * ((size_t)t * C + c));
+                else extremes_run(x + s, NULL, e - s, acc + 5 * ((size_t)t * C + c));
             }
         }
     }
