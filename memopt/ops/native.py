@@ -158,8 +158,12 @@ def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
     return None if t is None else t.data_ptr()
 
 
-def _threads() -> int:
-    return max(1, torch.get_num_threads())
+# below this many elements a kernel runs on one thread: waking the pool costs more than the work
+_PARALLEL_FROM = 1 << 16
+
+
+def _threads(n: int) -> int:
+    return max(1, torch.get_num_threads()) if n >= _PARALLEL_FROM else 1
 
 
 def _geometry(shape: Sequence[int]) -> Tuple[int, int, int]:
@@ -194,7 +198,7 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     nbytes = (n * bits + 7) // 8
     out = torch.empty(nbytes, dtype=torch.uint8)
     if _runs(flat) and n:
-        _library().mo_pack(flat.data_ptr(), n, bits, out.data_ptr(), nbytes, _threads())
+        _library().mo_pack(flat.data_ptr(), n, bits, out.data_ptr(), nbytes, _threads(n))
     return out
 
 
@@ -202,7 +206,7 @@ def unpack(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     """``bitpack.unpack_bits`` on the CPU, in one pass."""
     out = torch.empty(n, dtype=torch.uint8)
     if _runs(packed) and n:
-        _library().mo_unpack(packed.data_ptr(), packed.numel(), n, bits, out.data_ptr(), _threads())
+        _library().mo_unpack(packed.data_ptr(), packed.numel(), n, bits, out.data_ptr(), _threads(n))
     return out
 
 
@@ -221,7 +225,7 @@ def encode(x: torch.Tensor, grid: torch.Tensor, bits: int, *, mean: Optional[tor
     if _runs(x) and n:
         _library().mo_encode(x.data_ptr(), n, channels, inner, _ptr(per[0]), _ptr(per[1]), _ptr(lo0), _ptr(w0),
                              _ptr(lo1), _ptr(w1), _ptr(m), _ptr(zc), int(positive_not_le), bits, out.data_ptr(),
-                             nbytes, _threads())
+                             nbytes, _threads(n))
     return out
 
 
@@ -236,7 +240,7 @@ def rebuild(packed: torch.Tensor, bits: int, shape: torch.Size, grid: torch.Tens
     if _runs(packed) and n:
         _library().mo_rebuild(packed.data_ptr(), packed.numel(), bits, n, channels, inner, _ptr(lo0), _ptr(w0),
                               _ptr(lo1), _ptr(w1), _ptr(m), _ptr(zc), _ACTS[act], float(slope), out.data_ptr(),
-                              _threads())
+                              _threads(n))
     return out
 
 
@@ -247,7 +251,7 @@ def mask_from_codes(packed: torch.Tensor, bits: int, shape: torch.Size, zero_cod
     zc = zero_code.to(torch.int32).contiguous()
     if _runs(packed) and n:
         _library().mo_mask_from_codes(packed.data_ptr(), packed.numel(), bits, n, channels, inner, zc.data_ptr(),
-                                      out.data_ptr(), _threads())
+                                      out.data_ptr(), _threads(n))
     return out.view(torch.bool)
 
 
@@ -268,7 +272,7 @@ def bn_backward(g: torch.Tensor, sum_g: torch.Tensor, packed: torch.Tensor, bits
     if run and n:
         _library().mo_xhat_sums(packed.data_ptr(), packed.numel(), bits, n, channels, inner, _ptr(lo0), _ptr(w0),
                                 _ptr(lo1), _ptr(w1), _ptr(m), sd.data_ptr(), g.data_ptr(), sum_x.data_ptr(),
-                                sum_gx.data_ptr(), _threads())
+                                sum_gx.data_ptr(), _threads(n))
     xmean = sum_x / count
     # sum g (x̂ - mean x̂) from the uncentred sums; the mean of x̂ is about 0, so nothing cancels
     centred = (sum_gx - xmean * sum_g.double()).float()
@@ -282,7 +286,7 @@ def bn_backward(g: torch.Tensor, sum_g: torch.Tensor, packed: torch.Tensor, bits
     if run and n:
         _library().mo_bn_grad(packed.data_ptr(), packed.numel(), bits, n, channels, inner, _ptr(lo0), _ptr(w0),
                               _ptr(lo1), _ptr(w1), _ptr(m), sd.data_ptr(), g.data_ptr(), xm.data_ptr(), a.data_ptr(),
-                              b.data_ptr(), s.data_ptr(), out.data_ptr(), _threads())
+                              b.data_ptr(), s.data_ptr(), out.data_ptr(), _threads(n))
     return out, centred
 
 
@@ -290,7 +294,7 @@ def act_mask(z: torch.Tensor, act: str) -> torch.Tensor:
     """``stash_grid._mask`` (ReLU / ReLU6 / LeakyReLU) of a float32 tensor in one pass, as bool."""
     out = torch.empty(z.shape, dtype=torch.uint8)
     if _runs(z) and z.numel():
-        _library().mo_act_mask(z.data_ptr(), z.numel(), _ACTS[act], out.data_ptr(), _threads())
+        _library().mo_act_mask(z.data_ptr(), z.numel(), _ACTS[act], out.data_ptr(), _threads(z.numel()))
     return out.view(torch.bool)
 
 
@@ -303,7 +307,7 @@ def act_backward_sum(grad: torch.Tensor, mask: torch.Tensor, act: str, slope: fl
     total = torch.zeros(channels, dtype=torch.float64)
     if _runs(grad, mask) and n:
         _library().mo_act_backward_sum(grad.data_ptr(), _u8(mask).data_ptr(), n, channels, inner, _ACTS[act],
-                                       float(slope), out.data_ptr(), total.data_ptr(), _threads())
+                                       float(slope), out.data_ptr(), total.data_ptr(), _threads(n))
     return out, total.float()
 
 
@@ -313,5 +317,5 @@ def channel_extremes(x: torch.Tensor, mask: Optional[torch.Tensor] = None) -> to
     n, channels, inner = _geometry(x.shape)
     out = torch.empty(4, channels, dtype=torch.float32)
     if _runs(x) and n:
-        _library().mo_channel_extremes(x.data_ptr(), _ptr(_u8(mask)), n, channels, inner, out.data_ptr(), _threads())
+        _library().mo_channel_extremes(x.data_ptr(), _ptr(_u8(mask)), n, channels, inner, out.data_ptr(), _threads(n))
     return out
