@@ -34,7 +34,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 __all__ = ["available", "applies", "disabled", "pack", "unpack", "encode", "rebuild", "mask_from_codes",
-           "bn_backward", "act_mask", "act_backward_sum", "channel_extremes"]
+           "bn_backward", "act_mask", "act_backward_sum", "channel_extremes", "chain_grid"]
 
 _SOURCE = Path(__file__).with_name("stash_kernels.c")
 _FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC"]
@@ -56,6 +56,7 @@ _SIGNATURES = {
     "mo_act_mask": [_P, _I64, _I, _P, _I],
     "mo_act_backward_sum": [_P, _P, _I64, _I64, _I64, _I, _F, _P, _P, _I],
     "mo_channel_extremes": [_P, _P, _I64, _I64, _I64, _P, _I],
+    "mo_chain_grid": [_I64, _P, _P, _P, _P, _P, _P, _I, _I, _F, _I, _I, _I, _I, _P, _P, _P, _P],
 }
 
 
@@ -319,3 +320,23 @@ def channel_extremes(x: torch.Tensor, mask: Optional[torch.Tensor] = None) -> to
     if _runs(x) and n:
         _library().mo_channel_extremes(x.data_ptr(), _ptr(_u8(mask)), n, channels, inner, out.data_ptr(), _threads(n))
     return out
+
+
+def chain_grid(invstd: torch.Tensor, xstd: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
+               mean: torch.Tensor, raw: Optional[torch.Tensor], inner: bool, bits: int, half: float, split: bool,
+               relu6: bool, residual: bool, data_ends: bool, affine: bool
+               ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """A chain's per-channel constants in one call (``stash_grid.x_code``): the encode scale, the grid, the grid
+    as the encoder takes it (widths at least FLT_MIN) and, with ``affine``, the consumers' rows."""
+    channels = invstd.numel()
+    rows = 4 if split else 2
+    per = [None if t is None else t.detach().float().contiguous() for t in (invstd, xstd, weight, bias, mean, raw)]
+    scale = torch.empty(channels)
+    grid, enc = torch.empty(rows, channels), torch.empty(rows, channels)
+    aff = torch.empty(rows, channels) if affine else None
+    if _runs(invstd, mean) and channels:
+        _library().mo_chain_grid(channels, per[0].data_ptr(), per[1].data_ptr(), _ptr(per[2]), _ptr(per[3]),
+                                 per[4].data_ptr(), _ptr(per[5]), int(inner), bits, float(half), int(split),
+                                 int(relu6), int(residual), int(data_ends), scale.data_ptr(), grid.data_ptr(),
+                                 enc.data_ptr(), _ptr(aff))
+    return scale, grid, enc, aff

@@ -48,10 +48,9 @@ import torch.nn.functional as F
 from memopt.errors import MemoptError
 from memopt.ops import graph_leaf, native
 from memopt.ops.bitpack import pack_bits, unpack_bits
-from memopt.ops import stash_grid
-from memopt.ops.stash_grid import (WINDOWS, _act_backward, _activation, _code_, _decode_mask, _ends, _from_codes,
-                                   _grid, _mask, _per_channel, _xhat_std, batch_slices, channel_std_mean, exact_mask,
-                                   keep_where, packed_x_codes, select_u8, x_grid_half)
+from memopt.ops.stash_grid import (WINDOWS, _act_backward, _activation, _code_, _decode_mask, _from_codes, _grid,
+                                   _mask, _per_channel, _xhat_std, batch_slices, channel_std_mean, exact_mask,
+                                   keep_where, select_u8, x_code, x_grid_half)
 
 __all__ = ["WINDOWS", "BNActStash", "bn_act_stash", "conv_from_stash", "conv_grads", "linear_from_stash",
            "linear_grads", "max_pool2d_indices_only", "positive_z_grid", "split_by_mask", "x_grid_half"]
@@ -117,9 +116,8 @@ def _batch_norm(x, weight, bias, running_mean, running_var, num_batches_tracked,
 def _split_x_codes(x, weight, bias, mean, invstd, eps, mask, bits: int, act: str):
     """A residual chain's x̂ code split by the exact mask, each side's window ending where its values end:
     (packed codes, the data-dependent grid: 4 rows per channel, saved)."""
-    xstd = _xhat_std(invstd, eps)
-    grid = _grid(weight, bias, xstd, bits, act, True, _ends(x, mean, invstd, xstd, mask, True), residual=True)
-    return packed_x_codes(x, mean, invstd, xstd, grid, mask, bits), grid
+    codes, grid, _, _ = x_code(x, weight, bias, mean, invstd, eps, mask, bits, act, True, True)
+    return codes, grid
 
 
 def _bn_backward(g, sum_g, x_codes, mask, grid, weight, invstd, eps, bits: int, shape, exact=None):
@@ -171,29 +169,17 @@ class BNActStash(torch.autograd.Function):
         # a residual chain whose z is coded applies its activation (in place) once the code is taken
         y = None if has_residual and need_y else _activation(z, act, act_params, inplace=True)
         nd, bins, half = x.dim(), 1 << bits, WINDOWS[bits]
-        xstd = _xhat_std(invstd, eps)
         split = split_by_mask(act, has_residual)
-        if split and has_residual:
-            x_codes, grid = _split_x_codes(x, weight, bias, mean, invstd, eps, mask, bits, act)
-            xgrid = grid  # data-dependent: kept
-        else:
-            ends = _ends(x, mean, invstd, xstd, mask, False) if split and stash_grid.DATA_ENDS else None
-            grid = _grid(weight, bias, xstd, bits, act, split, ends)
-            xgrid = grid if ends is not None else torch.zeros(0, device=x.device)  # data-dependent: kept
-            x_codes = packed_x_codes(x, mean, invstd, xstd, grid, mask, bits)
+        x_codes, grid, data, affine = x_code(x, weight, bias, mean, invstd, eps, mask, bits, act, split,
+                                             split and has_residual, affine=not has_residual)
+        xgrid = grid if data else torch.zeros(0, device=x.device)  # a data-dependent grid is kept
         none = torch.zeros(0, device=x.device)
         x2_codes, grid2, mean2, invstd2 = (*_split_x_codes(x2, weight2, bias2, mean2, invstd2, eps2, mask, bits, act),
                                            mean2, invstd2) if x2 is not None else (none, none, none, none)
-        gamma = weight if weight is not None else torch.ones_like(mean)
-        beta = bias if bias is not None else torch.zeros_like(mean)
         empty_u8 = torch.zeros(0, dtype=torch.uint8, device=x.device)
         zero_code = torch.zeros(0, dtype=torch.int32, device=x.device)
         mask_packed = pack_bits(mask, 1) if mask is not None else empty_u8
-        if not has_residual:
-            # consumers rebuild z = γ σ x̂ + β from the x̂ code (σ = xstd): per side lo_z = β + γσ·lo, w_z = γσ·w
-            gs, b = gamma.float() * xstd, beta.float()
-            affine = torch.stack([b + gs * grid[0], gs * grid[1]] + ([b + gs * grid[2], gs * grid[3]] if len(grid) == 4
-                                                                     else []))
+        if not has_residual:  # consumers rebuild z = γ σ x̂ + β from the x̂ code (affine: x_code's)
             y_codes = x_codes
         elif not need_y:  # nobody rebuilds y (e.g. it only feeds a pooling or an add): the mask is enough
             affine = torch.zeros(2, 0, device=x.device)

@@ -256,6 +256,34 @@ def packed_x_codes(x, mean, invstd, xstd, grid, mask, bits: int) -> torch.Tensor
     return pack_bits(_x_codes(x, mean, invstd, xstd, grid, mask, 1 << bits), bits)
 
 
+def x_code(x, weight, bias, mean, invstd, eps: float, mask, bits: int, act: str, split: bool, residual: bool,
+           affine: bool = False):
+    """A chain's x̂ code and what goes with it: (packed codes, grid (rows lo0, w0[, lo1, w1]), whether the grid
+    depends on the data (then it is saved, else backward rebuilds it), the consumers' affine rows per side
+    (β + γσ·lo, γσ·w; only with ``affine``)). A residual chain's grid ends where each side's values end
+    (``_ends`` inner); otherwise an outer end at the window's edge moves to the data's end (``DATA_ENDS``).
+    On a contiguous float32 CPU tensor: two fused passes (extremes, codes) and one call for the per-channel
+    constants (``memopt/ops/native.py``), the same values as the plain path below."""
+    data = residual or (split and DATA_ENDS)
+    xstd = _xhat_std(invstd, eps)
+    if native.applies(x, float_dtype=True) and (mask is None or mask.is_contiguous()):
+        raw = native.channel_extremes(x, mask if residual else None) if data else None
+        scale, grid, enc, rows = native.chain_grid(invstd, xstd, weight, bias, mean, raw, residual, bits,
+                                                   x_grid_half(bits, split), split, act == "relu6", residual,
+                                                   DATA_ENDS, affine)
+        return native.encode(x, enc, bits, mean=mean, scale=scale, mask=mask), grid, data, rows
+    ends = _ends(x, mean, invstd, xstd, mask, residual) if data else None
+    grid = _grid(weight, bias, xstd, bits, act, split, ends, residual=residual)
+    rows = None
+    if affine:
+        # consumers rebuild z = γ σ x̂ + β from the x̂ code (σ = xstd): per side lo_z = β + γσ·lo, w_z = γσ·w
+        gs = (weight.float() if weight is not None else torch.ones_like(xstd)) * xstd
+        b = bias.float() if bias is not None else torch.zeros_like(xstd)
+        rows = torch.stack([b + gs * grid[0], gs * grid[1]] + ([b + gs * grid[2], gs * grid[3]] if len(grid) == 4
+                                                               else []))
+    return packed_x_codes(x, mean, invstd, xstd, grid, mask, bits), grid, data, rows
+
+
 def exact_mask(mask_packed: torch.Tensor, codes_packed: torch.Tensor, zero_code: torch.Tensor, bits: int,
                shape: torch.Size) -> torch.Tensor:
     """The activation's exact mask in backward: its 1-bit copy, else read from the z code (``_decode_mask``)

@@ -11,6 +11,7 @@
  * [i*bits, (i+1)*bits) (memopt/ops/bitpack.py). Work is split into blocks of BLOCK elements, a
  * multiple of 8, so that every block starts on a byte of every stream.
  */
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -541,4 +542,99 @@ void mo_channel_extremes(const float *x, const uint8_t *mask, int64_t n, int64_t
         out[3 * C + c] = nan ? NAN : hi;
     }
     free(acc);
+}
+
+/* ---- Per-channel constants of a chain's x̂ code (C floats, not n): _ends' affine map,
+ * _grid, the encode scale and the consumers' affine, in one call instead of some sixty small tensor ops.
+ * The same float32 operations in the same order as the plain path; NaN propagates as torch.clamp /
+ * minimum / maximum propagate it. */
+
+static inline float clampf_nan(float v, float lo, float hi) { return v != v ? v : (v < lo ? lo : (v > hi ? hi : v)); }
+static inline float minf_nan(float a, float b) { return (a != a || b != b) ? NAN : (a < b ? a : b); }
+static inline float maxf_nan(float a, float b) { return (a != a || b != b) ? NAN : (a > b ? a : b); }
+
+/* Inputs: invstd and xstd (stash_grid._xhat_std, from PyTorch: its sqrt is not always the correctly rounded
+ * one that sqrtf gives, so computing it here changed the last bit); weight / bias (NULL: 1 / 0); mean; raw (4 x C extremes of x from mo_channel_extremes,
+ * NULL without data ends); inner (raw holds each side's inner extremes: a residual chain); bits; half (the
+ * window's half-width); split; relu6; residual (the sides' inner ends from the data, not the kink);
+ * data_ends (stash_grid.DATA_ENDS: an outer end at the window's edge moves to where the data end).
+ * Outputs: scale = invstd / max(xstd, 1e-12), grid (rows lo0, w0[, lo1, w1]: 2 or 4 x C), enc (grid with
+ * widths at least FLT_MIN, as the encoder takes them) and, when affine is not NULL, the consumers' rows
+ * beta + gamma xstd lo, gamma xstd w per side. */
+void mo_chain_grid(int64_t C, const float *invstd, const float *xstd, const float *weight, const float *bias,
+                   const float *mean, const float *raw, int inner, int bits, float half, int split, int relu6,
+                   int residual, int data_ends, float *scale, float *grid, float *enc, float *affine) {
+    const float bins = (float)(1 << bits), tiny = FLT_MIN;
+    for (int64_t c = 0; c < C; c++) {
+        const float sd = xstd[c];
+        float sdc = sd < 1e-12f ? 1e-12f : sd;  /* clamp_min: NaN stays NaN */
+        float sc = invstd[c] / sdc;
+        scale[c] = sc;
+        float ends[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        if (raw) {
+            float m[4];
+            for (int r = 0; r < 4; r++) m[r] = (raw[r * C + c] - mean[c]) * sc;
+            if (inner) {
+                for (int r = 0; r < 4; r++) ends[r] = isinf(raw[r * C + c]) ? raw[r * C + c] : m[r];
+            } else {
+                ends[0] = m[0]; ends[1] = m[3]; ends[2] = m[0]; ends[3] = m[3];
+            }
+        }
+        float lo = -half, hi = half;
+        if (!split) {
+            grid[c] = lo;
+            grid[C + c] = (hi - lo) / bins;
+            enc[c] = grid[c];
+            enc[C + c] = grid[C + c] < tiny ? tiny : grid[C + c];
+            if (affine) {
+                float g = weight ? weight[c] : 1.0f, b = bias ? bias[c] : 0.0f, gs = g * sd;
+                affine[c] = b + gs * grid[c];
+                affine[C + c] = gs * grid[C + c];
+            }
+            continue;
+        }
+        float lo0, hi0, lo1, hi1;
+        if (residual) {
+            lo0 = lo; hi0 = clampf_nan(ends[1], -half, half); lo1 = clampf_nan(ends[2], -half, half); hi1 = hi;
+        } else {
+            float g = weight ? weight[c] : 1.0f, b = bias ? bias[c] : 0.0f;
+            float s = g * sd;
+            int ok = fabsf(s) > tiny;  /* false for NaN too */
+            float safe = ok ? s : 1.0f;
+            float tau = clampf_nan(ok ? -b / safe : lo, -half, half);
+            if (relu6) {
+                float tau6 = clampf_nan(ok ? (6.0f - b) / safe : hi, -half, half);
+                lo1 = minf_nan(tau, tau6); hi1 = maxf_nan(tau, tau6); lo0 = lo; hi0 = hi;
+            } else {
+                int pos = s > 0.0f;
+                lo1 = pos ? tau : lo; hi1 = pos ? hi : tau;
+                lo0 = pos ? lo : tau; hi0 = pos ? tau : hi;
+            }
+            if (!ok) { lo1 = lo; hi1 = hi; lo0 = lo; hi0 = hi; }
+        }
+        if (raw && data_ends) {
+            float e[4];
+            int fin[4];
+            for (int r = 0; r < 4; r++) {
+                e[r] = clampf_nan(ends[r], -half, half);
+                fin[r] = isfinite(e[r]);
+            }
+            if (lo0 <= -half && fin[0]) lo0 = e[0];
+            if (hi0 >= half && fin[1]) hi0 = e[1];
+            if (lo1 <= -half && fin[2]) lo1 = e[2];
+            if (hi1 >= half && fin[3]) hi1 = e[3];
+        }
+        float row[4] = {lo0, (hi0 - lo0) / bins, lo1, (hi1 - lo1) / bins};
+        for (int r = 0; r < 4; r++) {
+            grid[r * C + c] = row[r];
+            enc[r * C + c] = (r % 2 && row[r] < tiny) ? tiny : row[r];
+        }
+        if (affine) {
+            float g = weight ? weight[c] : 1.0f, b = bias ? bias[c] : 0.0f, gs = g * sd;
+            affine[c] = b + gs * row[0];
+            affine[C + c] = gs * row[1];
+            affine[2 * C + c] = b + gs * row[2];
+            affine[3 * C + c] = gs * row[3];
+        }
+    }
 }

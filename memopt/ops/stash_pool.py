@@ -15,10 +15,9 @@ import torch
 import torch.nn.functional as F
 
 from memopt.errors import MemoptError
-from memopt.ops import stash_grid
 from memopt.ops.bitpack import pack_bits, unpack_bits
 from memopt.ops.stash import _batch_norm, _bn_backward, pool_backward, pool_offsets
-from memopt.ops.stash_grid import _ends, _grid, _per_channel, _xhat_std, keep_where, packed_x_codes
+from memopt.ops.stash_grid import _per_channel, keep_where, x_code
 
 
 class BNReLUMaxPoolStash(torch.autograd.Function):
@@ -33,10 +32,7 @@ class BNReLUMaxPoolStash(torch.autograd.Function):
         del y, out
         offsets, ctx.pool = pool_offsets(x.shape, pooled, indices, kernel_size, stride, padding, dilation)
         del indices
-        xstd = _xhat_std(invstd, eps)
-        ends = _ends(x, mean, invstd, xstd, mask, False) if stash_grid.DATA_ENDS else None
-        grid = _grid(weight, bias, xstd, bits, "relu", True, ends)
-        x_codes = packed_x_codes(x, mean, invstd, xstd, grid, mask, bits)
+        x_codes, grid, _, _ = x_code(x, weight, bias, mean, invstd, eps, mask, bits, "relu", True, False)
         mask_packed = pack_bits(mask, 1)
         del mask
         ctx.save_for_backward(x_codes, mask_packed, offsets, pooled, weight, bias, invstd, grid)
