@@ -28,12 +28,12 @@ import subprocess
 import tempfile
 import warnings
 from pathlib import Path
-from typing import Iterator, Optional, Sequence, Tuple
+from typing import Iterator, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
-__all__ = ["available", "applies", "disabled", "pack", "unpack", "encode", "rebuild", "mask_from_codes",
+__all__ = ["PackedMask", "available", "applies", "disabled", "pack", "unpack", "encode", "rebuild", "mask_from_codes",
            "bn_backward", "act_mask", "act_backward_sum", "channel_extremes", "chain_grid"]
 
 _SOURCE = Path(__file__).with_name("stash_kernels.c")
@@ -49,12 +49,12 @@ _SIGNATURES = {
     "mo_pack": [_P, _I64, _I, _P, _I64, _I],
     "mo_unpack": [_P, _I64, _I64, _I, _P, _I],
     "mo_encode": [_P, _I64, _I64, _I64, _P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _P, _I64, _I],
-    "mo_rebuild": [_P, _I64, _I, _I64, _I64, _I64, _P, _P, _P, _P, _P, _P, _I, _F, _P, _I],
-    "mo_mask_from_codes": [_P, _I64, _I, _I64, _I64, _I64, _P, _P, _I],
-    "mo_xhat_sums": [_P, _I64, _I, _I64, _I64, _I64, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I],
-    "mo_bn_grad": [_P, _I64, _I, _I64, _I64, _I64, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I],
+    "mo_rebuild": [_P, _I64, _I, _I64, _I64, _I64, _P, _P, _P, _P, _P, _I, _P, _I, _F, _P, _I],
+    "mo_mask_from_codes": [_P, _I64, _I, _I64, _I64, _I64, _P, _P, _I, _I],
+    "mo_xhat_sums": [_P, _I64, _I, _I64, _I64, _I64, _P, _P, _P, _P, _P, _I, _P, _P, _P, _P, _I],
+    "mo_bn_grad": [_P, _I64, _I, _I64, _I64, _I64, _P, _P, _P, _P, _P, _I, _P, _P, _P, _P, _P, _P, _P, _I],
     "mo_act_mask": [_P, _I64, _I, _P, _I],
-    "mo_act_backward_sum": [_P, _P, _I64, _I64, _I64, _I, _F, _P, _P, _I],
+    "mo_act_backward_sum": [_P, _P, _I, _I64, _I64, _I64, _I, _F, _P, _P, _I],
     "mo_channel_extremes": [_P, _P, _I64, _I64, _I64, _P, _I],
     "mo_chain_grid": [_I64, _P, _P, _P, _P, _P, _P, _I, _I, _F, _I, _I, _I, _I, _P, _P, _P, _P],
 }
@@ -185,10 +185,27 @@ def _rows(grid: torch.Tensor) -> list:
     return rows if len(rows) == 4 else rows + [None, None]
 
 
-def _u8(mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+class PackedMask(NamedTuple):
+    """An activation mask kept as its 1-bit stream (``pack_bits(mask, 1)``): the backward kernels read it a
+    block at a time, so no full-size byte mask exists at the backward peak."""
+    bits: torch.Tensor
+
+    def unpacked(self, shape: torch.Size) -> torch.Tensor:
+        from memopt.ops.bitpack import unpack_bits
+
+        return unpack_bits(self.bits, 1, shape.numel()).view(shape).view(torch.bool)
+
+
+def _u8(mask) -> Optional[torch.Tensor]:
     if mask is None:
         return None
+    if isinstance(mask, PackedMask):
+        return mask.bits
     return (mask.view(torch.uint8) if mask.dtype == torch.bool else mask.to(torch.uint8)).contiguous()
+
+
+def _is_bits(mask) -> int:
+    return int(isinstance(mask, PackedMask))
 
 
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
@@ -240,27 +257,32 @@ def rebuild(packed: torch.Tensor, bits: int, shape: torch.Size, grid: torch.Tens
     m, zc = _u8(mask), None if zero_code is None else zero_code.to(torch.int32).contiguous()
     if _runs(packed) and n:
         _library().mo_rebuild(packed.data_ptr(), packed.numel(), bits, n, channels, inner, _ptr(lo0), _ptr(w0),
-                              _ptr(lo1), _ptr(w1), _ptr(m), _ptr(zc), _ACTS[act], float(slope), out.data_ptr(),
+                              _ptr(lo1), _ptr(w1), _ptr(m), _is_bits(mask), _ptr(zc), _ACTS[act], float(slope),
+                              out.data_ptr(),
                               _threads(n))
     return out
 
 
-def mask_from_codes(packed: torch.Tensor, bits: int, shape: torch.Size, zero_code: torch.Tensor) -> torch.Tensor:
-    """The exact mask of a z code, ``codes >= zero_code`` per channel, as a bool tensor of ``shape``."""
+def mask_from_codes(packed: torch.Tensor, bits: int, shape: torch.Size, zero_code: torch.Tensor,
+                    as_bits: bool = False):
+    """The exact mask of a z code, ``codes >= zero_code`` per channel: a bool tensor of ``shape``, or with
+    ``as_bits`` a ``PackedMask`` (n / 8 bytes)."""
     n, channels, inner = _geometry(shape)
-    out = torch.empty(shape, dtype=torch.uint8)
+    out = torch.empty((n + 7) // 8 if as_bits else shape, dtype=torch.uint8)
     zc = zero_code.to(torch.int32).contiguous()
     if _runs(packed) and n:
         _library().mo_mask_from_codes(packed.data_ptr(), packed.numel(), bits, n, channels, inner, zc.data_ptr(),
-                                      out.data_ptr(), _threads(n))
-    return out.view(torch.bool)
+                                      out.data_ptr(), int(as_bits), _threads(n))
+    return PackedMask(out) if as_bits else out.view(torch.bool)
 
 
 def bn_backward(g: torch.Tensor, sum_g: torch.Tensor, packed: torch.Tensor, bits: int, grid: torch.Tensor,
                 mask: Optional[torch.Tensor], xstd: torch.Tensor, gamma_invstd: torch.Tensor,
-                exact: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+                exact: Optional[Tuple[torch.Tensor, torch.Tensor]] = None, out: Optional[torch.Tensor] = None
+                ) -> Tuple[torch.Tensor, torch.Tensor]:
     """``stash._bn_backward`` in two passes over the code and ``g`` (float32) with no full-size x̂: pass 1 sums
-    x̂ and g x̂ per channel, pass 2 writes the input gradient. Returns (grad_x, sum of g times centred x̂)."""
+    x̂ and g x̂ per channel, pass 2 writes the input gradient (into ``out``, which may be ``g`` itself: each
+    element is read before it is written). Returns (grad_x, sum of g times centred x̂)."""
     shape = g.shape
     n, channels, inner = _geometry(shape)
     count = max(1, n // max(1, channels))
@@ -272,7 +294,7 @@ def bn_backward(g: torch.Tensor, sum_g: torch.Tensor, packed: torch.Tensor, bits
     run = _runs(g, packed)
     if run and n:
         _library().mo_xhat_sums(packed.data_ptr(), packed.numel(), bits, n, channels, inner, _ptr(lo0), _ptr(w0),
-                                _ptr(lo1), _ptr(w1), _ptr(m), sd.data_ptr(), g.data_ptr(), sum_x.data_ptr(),
+                                _ptr(lo1), _ptr(w1), _ptr(m), _is_bits(mask), sd.data_ptr(), g.data_ptr(), sum_x.data_ptr(),
                                 sum_gx.data_ptr(), _threads(n))
     xmean = sum_x / count
     # sum g (x̂ - mean x̂) from the uncentred sums; the mean of x̂ is about 0, so nothing cancels
@@ -283,10 +305,10 @@ def bn_backward(g: torch.Tensor, sum_g: torch.Tensor, packed: torch.Tensor, bits
     b = (sum_g.float() / count).contiguous()
     xm = xmean.float().contiguous()
     s = gamma_invstd.float().contiguous()
-    out = torch.empty(shape, dtype=torch.float32)
+    out = torch.empty(shape, dtype=torch.float32) if out is None else out
     if run and n:
         _library().mo_bn_grad(packed.data_ptr(), packed.numel(), bits, n, channels, inner, _ptr(lo0), _ptr(w0),
-                              _ptr(lo1), _ptr(w1), _ptr(m), sd.data_ptr(), g.data_ptr(), xm.data_ptr(), a.data_ptr(),
+                              _ptr(lo1), _ptr(w1), _ptr(m), _is_bits(mask), sd.data_ptr(), g.data_ptr(), xm.data_ptr(), a.data_ptr(),
                               b.data_ptr(), s.data_ptr(), out.data_ptr(), _threads(n))
     return out, centred
 
@@ -307,8 +329,8 @@ def act_backward_sum(grad: torch.Tensor, mask: torch.Tensor, act: str, slope: fl
     out = torch.empty(grad.shape, dtype=torch.float32)
     total = torch.zeros(channels, dtype=torch.float64)
     if _runs(grad, mask) and n:
-        _library().mo_act_backward_sum(grad.data_ptr(), _u8(mask).data_ptr(), n, channels, inner, _ACTS[act],
-                                       float(slope), out.data_ptr(), total.data_ptr(), _threads(n))
+        _library().mo_act_backward_sum(grad.data_ptr(), _u8(mask).data_ptr(), _is_bits(mask), n, channels, inner,
+                                       _ACTS[act], float(slope), out.data_ptr(), total.data_ptr(), _threads(n))
     return out, total.float()
 
 

@@ -82,7 +82,7 @@ class _Stash:
         """act(z) at the bin midpoints, built in place in one float buffer (backward peaks matter)."""
         if native.applies(packed):  # one fused pass, the same values
             has_mask = act != "identity" and mask_packed.numel()
-            mask = unpack_bits(mask_packed, 1, shape.numel()).view(shape) if has_mask else None
+            mask = native.PackedMask(mask_packed) if has_mask else None  # read a block at a time
             zero = zero_code if act != "identity" and not has_mask else None
             return native.rebuild(packed, bits, shape, affine, act, params[0] if act == "leaky_relu" else 0.0,
                                   mask=mask, zero_code=zero)
@@ -120,7 +120,7 @@ def _split_x_codes(x, weight, bias, mean, invstd, eps, mask, bits: int, act: str
     return codes, grid
 
 
-def _bn_backward(g, sum_g, x_codes, mask, grid, weight, invstd, eps, bits: int, shape, exact=None):
+def _bn_backward(g, sum_g, x_codes, mask, grid, weight, invstd, eps, bits: int, shape, exact=None, out=None):
     """BN input and weight gradients from the output gradient ``g`` (float32) and the x̂ code: the mean term
     (``sum_g``) and σ are exact; x̂ enters only through the variance term and the weight gradient
     sum(g x̂) (``exact``: (values, where to use them) instead). At most two full-size temporaries. The rebuilt x̂ is centred per
@@ -129,9 +129,13 @@ def _bn_backward(g, sum_g, x_codes, mask, grid, weight, invstd, eps, bits: int, 
     nd, n = len(shape), shape.numel()
     xstd = _xhat_std(invstd, eps)
     gamma = weight.float() if weight is not None else torch.ones_like(invstd)
-    if native.applies(g, float_dtype=True) and native.applies(x_codes) and (mask is None or mask.is_contiguous()):
+    packed_mask = isinstance(mask, native.PackedMask)
+    if native.applies(g, float_dtype=True) and native.applies(x_codes) and (
+            mask is None or packed_mask or mask.is_contiguous()):
         # two fused passes over the code, no full-size x̂ at all
-        return native.bn_backward(g, sum_g, x_codes, bits, grid, mask, xstd, gamma * invstd, exact)
+        return native.bn_backward(g, sum_g, x_codes, bits, grid, mask, xstd, gamma * invstd, exact, out=out)
+    if packed_mask:
+        mask = mask.unpacked(shape)
     xhat = _from_codes(unpack_bits(x_codes, bits, n).view(shape), mask, grid).mul_(_per_channel(xstd, nd))
     dims = [d for d in range(nd) if d != 1]
     xhat.sub_(_per_channel(xhat.mean(dims), nd))
@@ -238,11 +242,15 @@ class BNActStash(torch.autograd.Function):
         x_codes, y_codes, mask_packed, zero_code, weight, bias, mean, invstd, xgrid, x2_codes, weight2, grid2, \
             invstd2 = ctx.saved_tensors
         shape, nd = ctx.shape, len(ctx.shape)
+        dtype = grad_y.dtype
+        # the fused kernels read the mask as its 1-bit stream; g is then a new tensor of ours (the downsample BN's
+        # input gradient may overwrite it below)
+        fresh_g = ctx.act != "identity" and native.applies(grad_y, y_codes) and dtype == torch.float32
         if ctx.act == "identity":
             mask = None
         else:
-            mask = exact_mask(mask_packed, y_codes, zero_code, ctx.bits, shape)
-        if mask is not None and native.applies(grad_y, mask, float_dtype=False) and grad_y.dtype == torch.float32:
+            mask = exact_mask(mask_packed, y_codes, zero_code, ctx.bits, shape, as_bits=fresh_g)
+        if fresh_g:
             g, sum_g = native.act_backward_sum(grad_y, mask, ctx.act, ctx.act_params[0] if ctx.act == "leaky_relu"
                                                else 0.0)  # one pass for both
             grad_z = g
@@ -256,15 +264,18 @@ class BNActStash(torch.autograd.Function):
         grads2 = (None,) * 3
         if ctx.second is not None:  # the downsample BN: same output gradient, its own x̂ code split by our mask
             dtype2, eps2, has_w2, has_b2 = ctx.second
-            grad_x2, sum_gx2 = _bn_backward(g, sum_g, x2_codes, mask, grid2, weight2, invstd2, eps2, ctx.bits, shape)
+            # g is read for the last time here: the fused kernel writes grad_x2 over it (elementwise), one full-size
+            # tensor fewer at the backward peak (ResNet-50's downsample blocks hold it)
+            grad_x2, sum_gx2 = _bn_backward(g, sum_g, x2_codes, mask, grid2, weight2, invstd2, eps2, ctx.bits, shape,
+                                            out=g if fresh_g and not ctx.has_residual else None)
             grads2 = (grad_x2.to(dtype2), sum_gx2.to(weight2.dtype) if has_w2 else None,
-                      sum_g.to(weight2.dtype if weight2 is not None else grad_y.dtype) if has_b2 else None)
+                      sum_g.to(weight2.dtype if weight2 is not None else dtype) if has_b2 else None)
         del mask
         grad_w = sum_gx if ctx.has_weight else None
         grad_b = sum_g if ctx.has_bias else None
         grad_r = grad_z if ctx.has_residual else None  # the residual input's
-        return (grad_x.to(grad_y.dtype), None if grad_w is None else grad_w.to(weight.dtype),
-                None if grad_b is None else grad_b.to(weight.dtype if weight is not None else grad_y.dtype),
+        return (grad_x.to(dtype), None if grad_w is None else grad_w.to(weight.dtype),
+                None if grad_b is None else grad_b.to(weight.dtype if weight is not None else dtype),
                 None, None, None, grad_r, None, None, None, None, None, None, None, *grads2, None, None, None, None, None)
 
 

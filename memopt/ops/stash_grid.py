@@ -285,9 +285,14 @@ def x_code(x, weight, bias, mean, invstd, eps: float, mask, bits: int, act: str,
 
 
 def exact_mask(mask_packed: torch.Tensor, codes_packed: torch.Tensor, zero_code: torch.Tensor, bits: int,
-               shape: torch.Size) -> torch.Tensor:
-    """The activation's exact mask in backward: its 1-bit copy, else read from the z code (``_decode_mask``)
-    without unpacking the codes first where the fused kernels apply."""
+               shape: torch.Size, as_bits: bool = False):
+    """The activation's exact mask in backward: its 1-bit copy, else read from the z code (``_decode_mask``).
+    With ``as_bits`` (the fused kernels' backward) a ``native.PackedMask``: the saved stream itself, or one
+    made from the code, never a full-size byte mask."""
+    if as_bits:
+        if mask_packed.numel():
+            return native.PackedMask(mask_packed)
+        return native.mask_from_codes(codes_packed, bits, shape, zero_code, as_bits=True)
     if not mask_packed.numel() and native.applies(codes_packed):
         return native.mask_from_codes(codes_packed, bits, shape, zero_code)
     codes = None if mask_packed.numel() else unpack_bits(codes_packed, bits, shape.numel()).view(shape)

@@ -121,6 +121,18 @@ typedef struct {
     const float *lo0, *w0, *lo1, *w1; /* lo1 / w1 NULL: one grid */
 } grid_t;
 
+/* A block's mask as 0/1 bytes, element i at [i - i0]: `mask` itself, or with `bits1` its 1-bit stream
+ * (stash's saved mask, never unpacked to full size) unpacked into buf; NULL without a mask. */
+static void unpack_block(const uint8_t *packed, int64_t nbytes, int bits, int64_t i0, int64_t count, uint8_t *dst);
+
+static inline const uint8_t *block_mask(const uint8_t *mask, int bits1, int64_t n, int64_t i0, int64_t count,
+                                        uint8_t *buf) {
+    if (!mask) return NULL;
+    if (!bits1) return mask + i0;
+    unpack_block(mask, (n + 7) / 8, 1, i0, count, buf);
+    return buf;
+}
+
 /* The end of the run of elements from `start` that lie in one channel, at most `stop`. */
 static inline int64_t segment_end(int64_t start, int64_t S, int64_t stop) {
     int64_t end = (start / S + 1) * S;
@@ -225,23 +237,24 @@ static inline void rebuild_run(const uint8_t *restrict k, const uint8_t *restric
  * (lo1 set) needs the mask bytes. */
 void mo_rebuild(const uint8_t *packed, int64_t nbytes, int bits, int64_t n, int64_t C, int64_t S,
                 const float *lo0, const float *w0, const float *lo1, const float *w1, const uint8_t *mask,
-                const int32_t *zero_code, int act, float slope, float *out, int nthreads) {
+                int mask_bits, const int32_t *zero_code, int act, float slope, float *out, int nthreads) {
     const int source = mask ? MASK_BYTES : (zero_code ? MASK_FROM_CODE : MASK_NONE);
     const int split = lo1 != NULL && mask != NULL;
 #pragma omp parallel num_threads(nthreads)
     {
-        uint8_t *codes = (uint8_t *)malloc(BLOCK);
+        uint8_t *codes = (uint8_t *)malloc(BLOCK), *mbuf = (uint8_t *)malloc(BLOCK);
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < num_blocks(n); b++) {
             int64_t i0 = b * BLOCK, count = n - i0 < BLOCK ? n - i0 : BLOCK;
             unpack_block(packed, nbytes, bits, i0, count, codes);
+            const uint8_t *mb = block_mask(mask, mask_bits, n, i0, count, mbuf);
             for (int64_t s = i0, e; s < i0 + count; s = e) {  /* runs of one channel c */
                 const int64_t c = (s / S) % C;
                 e = segment_end(s, S, i0 + count);
                 const float l0 = lo0[c], v0 = w0[c];
                 const float l1 = lo1 ? lo1[c] : l0, v1 = w1 ? w1[c] : v0;
                 const uint8_t zc = zero_code ? (uint8_t)zero_code[c] : 0;
-                const uint8_t *k = codes + (s - i0), *mk = mask ? mask + s : NULL;
+                const uint8_t *k = codes + (s - i0), *mk = mb ? mb + (s - i0) : NULL;
                 float *o = out + s;
                 const int64_t len = e - s;
                 if (act == ACT_RELU) { REBUILD_CASE(ACT_RELU) }
@@ -251,23 +264,32 @@ void mo_rebuild(const uint8_t *packed, int64_t nbytes, int bits, int64_t n, int6
             }
         }
         free(codes);
+        free(mbuf);
     }
 }
 
-/* The exact activation mask of a z code: k >= zero_code[c], as 0/1 bytes. */
+/* The exact activation mask of a z code: k >= zero_code[c], as 0/1 bytes, or with out_bits as a 1-bit
+ * stream (n / 8 bytes instead of n at the backward peak). */
 void mo_mask_from_codes(const uint8_t *packed, int64_t nbytes, int bits, int64_t n, int64_t C, int64_t S,
-                        const int32_t *zero_code, uint8_t *out, int nthreads) {
-#pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t b = 0; b < num_blocks(n); b++) {
-        int64_t i0 = b * BLOCK, count = n - i0 < BLOCK ? n - i0 : BLOCK;
-        unpack_block(packed, nbytes, bits, i0, count, out + i0);
-        for (int64_t s = i0, e; s < i0 + count; s = e) {  /* runs of one channel c */
-            const int64_t c = (s / S) % C;
-            e = segment_end(s, S, i0 + count);
-            const uint8_t zc = (uint8_t)zero_code[c];
-            uint8_t *o = out + s;
-            for (int64_t i = 0; i < e - s; i++) o[i] = o[i] >= zc;
+                        const int32_t *zero_code, uint8_t *out, int out_bits, int nthreads) {
+#pragma omp parallel num_threads(nthreads)
+    {
+        uint8_t *buf = (uint8_t *)malloc(BLOCK);
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < num_blocks(n); b++) {
+            int64_t i0 = b * BLOCK, count = n - i0 < BLOCK ? n - i0 : BLOCK;
+            uint8_t *dst = out_bits ? buf : out + i0;
+            unpack_block(packed, nbytes, bits, i0, count, dst);
+            for (int64_t s = i0, e; s < i0 + count; s = e) {  /* runs of one channel c */
+                const int64_t c = (s / S) % C;
+                e = segment_end(s, S, i0 + count);
+                const uint8_t zc = (uint8_t)zero_code[c];
+                uint8_t *o = dst + (s - i0);
+                for (int64_t i = 0; i < e - s; i++) o[i] = o[i] >= zc;
+            }
+            if (out_bits) pack_block(buf, count, 1, i0, out, (n + 7) / 8);
         }
+        free(buf);
     }
 }
 
@@ -307,12 +329,12 @@ static inline void sums_run(const uint8_t *restrict k, const uint8_t *restrict m
 /* BN backward, pass 1: per channel, sum of x̂ and sum of g x̂ (double), x̂ rebuilt from its code. */
 void mo_xhat_sums(const uint8_t *packed, int64_t nbytes, int bits, int64_t n, int64_t C, int64_t S,
                   const float *lo0, const float *w0, const float *lo1, const float *w1, const uint8_t *mask,
-                  const float *xstd, const float *g, double *sum_x, double *sum_gx, int nthreads) {
+                  int mask_bits, const float *xstd, const float *g, double *sum_x, double *sum_gx, int nthreads) {
     int threads = nthreads < 1 ? 1 : nthreads;
     double *acc = (double *)calloc((size_t)threads * 2 * C, sizeof(double));
 #pragma omp parallel num_threads(threads)
     {
-        uint8_t *codes = (uint8_t *)malloc(BLOCK);
+        uint8_t *codes = (uint8_t *)malloc(BLOCK), *mbuf = (uint8_t *)malloc(BLOCK);
         int t = 0;
 #ifdef _OPENMP
         t = omp_get_thread_num();
@@ -322,16 +344,18 @@ void mo_xhat_sums(const uint8_t *packed, int64_t nbytes, int bits, int64_t n, in
         for (int64_t b = 0; b < num_blocks(n); b++) {
             int64_t i0 = b * BLOCK, count = n - i0 < BLOCK ? n - i0 : BLOCK;
             unpack_block(packed, nbytes, bits, i0, count, codes);
+            const uint8_t *mb = block_mask(lo1 ? mask : NULL, mask_bits, n, i0, count, mbuf);
             for (int64_t s = i0, e; s < i0 + count; s = e) {  /* runs of one channel c */
                 const int64_t c = (s / S) % C;
                 e = segment_end(s, S, i0 + count);
                 const float l0 = lo0[c], v0 = w0[c], sd = xstd[c];
                 const float l1 = lo1 ? lo1[c] : l0, v1 = w1 ? w1[c] : v0;
-                if (lo1) sums_run(codes + (s - i0), mask + s, g + s, e - s, 1, l0, v0, l1, v1, sd, ax + c, agx + c);
+                if (lo1) sums_run(codes + (s - i0), mb + (s - i0), g + s, e - s, 1, l0, v0, l1, v1, sd, ax + c, agx + c);
                 else sums_run(codes + (s - i0), NULL, g + s, e - s, 0, l0, v0, l1, v1, sd, ax + c, agx + c);
             }
         }
         free(codes);
+        free(mbuf);
     }
     for (int64_t c = 0; c < C; c++) {
         double sx = 0.0, sgx = 0.0;
@@ -345,42 +369,54 @@ void mo_xhat_sums(const uint8_t *packed, int64_t nbytes, int bits, int64_t n, in
     free(acc);
 }
 
-static inline void grad_run(const uint8_t *restrict k, const uint8_t *restrict mask, const float *restrict g,
+/* One channel's run of the input gradient; `io` is g on entry and the gradient on exit when `out` is NULL
+ * (the caller's g is not needed afterwards), so both forms stay free of aliasing and vectorise. */
+static inline void grad_run(const uint8_t *restrict k, const uint8_t *restrict mask, float *restrict io,
                             float *restrict out, int64_t count, int split, float l0, float v0, float l1, float v1,
                             float sd, float xm, float a, float bsub, float scale) {
-    for (int64_t i = 0; i < count; i++) {
-        float xh = xhat_at(k[i], split ? mask[i] != 0 : 0, l0, v0, l1, v1, sd);
-        out[i] = (((xh - xm) * a + g[i]) - bsub) * scale;
+    if (out) {
+        for (int64_t i = 0; i < count; i++) {
+            float xh = xhat_at(k[i], split ? mask[i] != 0 : 0, l0, v0, l1, v1, sd);
+            out[i] = (((xh - xm) * a + io[i]) - bsub) * scale;
+        }
+    } else {
+        for (int64_t i = 0; i < count; i++) {
+            float xh = xhat_at(k[i], split ? mask[i] != 0 : 0, l0, v0, l1, v1, sd);
+            io[i] = (((xh - xm) * a + io[i]) - bsub) * scale;
+        }
     }
 }
 
 /* BN backward, pass 2: grad_x = (((x̂ - xmean) a + g) - b) s per channel, x̂ rebuilt again from its code
- * (the order of stash._bn_backward's in-place ops); no full-size x̂ is ever stored. */
+ * (the order of stash._bn_backward's in-place ops); no full-size x̂ is ever stored. out may be g (in place). */
 void mo_bn_grad(const uint8_t *packed, int64_t nbytes, int bits, int64_t n, int64_t C, int64_t S,
                 const float *lo0, const float *w0, const float *lo1, const float *w1, const uint8_t *mask,
-                const float *xstd, const float *g, const float *xmean, const float *a, const float *bsub,
-                const float *scale, float *out, int nthreads) {
+                int mask_bits, const float *xstd, const float *g, const float *xmean, const float *a,
+                const float *bsub, const float *scale, float *out, int nthreads) {
 #pragma omp parallel num_threads(nthreads)
     {
-        uint8_t *codes = (uint8_t *)malloc(BLOCK);
+        uint8_t *codes = (uint8_t *)malloc(BLOCK), *mbuf = (uint8_t *)malloc(BLOCK);
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < num_blocks(n); b++) {
             int64_t i0 = b * BLOCK, count = n - i0 < BLOCK ? n - i0 : BLOCK;
             unpack_block(packed, nbytes, bits, i0, count, codes);
+            const uint8_t *mb = block_mask(lo1 ? mask : NULL, mask_bits, n, i0, count, mbuf);
             for (int64_t s = i0, e; s < i0 + count; s = e) {  /* runs of one channel c */
                 const int64_t c = (s / S) % C;
                 e = segment_end(s, S, i0 + count);
                 const float l0 = lo0[c], v0 = w0[c], sd = xstd[c];
                 const float l1 = lo1 ? lo1[c] : l0, v1 = w1 ? w1[c] : v0;
+                float *io = (float *)g + s, *o = out == g ? NULL : out + s;
                 if (lo1)
-                    grad_run(codes + (s - i0), mask + s, g + s, out + s, e - s, 1, l0, v0, l1, v1, sd, xmean[c], a[c],
+                    grad_run(codes + (s - i0), mb + (s - i0), io, o, e - s, 1, l0, v0, l1, v1, sd, xmean[c], a[c],
                              bsub[c], scale[c]);
                 else
-                    grad_run(codes + (s - i0), NULL, g + s, out + s, e - s, 0, l0, v0, l1, v1, sd, xmean[c], a[c],
+                    grad_run(codes + (s - i0), NULL, io, o, e - s, 0, l0, v0, l1, v1, sd, xmean[c], a[c],
                              bsub[c], scale[c]);
             }
         }
         free(codes);
+        free(mbuf);
     }
 }
 
@@ -421,8 +457,8 @@ static inline double masked_sum_run(const float *restrict gr, const uint8_t *res
 
 /* The activation's backward through its exact mask (stash_grid._act_backward: 0 where the mask is 0, also
  * for a NaN gradient; LeakyReLU: grad * slope there) and the per-channel sum of the result (double). */
-void mo_act_backward_sum(const float *grad, const uint8_t *mask, int64_t n, int64_t C, int64_t S, int act,
-                         float slope, float *out, double *sum, int nthreads) {
+void mo_act_backward_sum(const float *grad, const uint8_t *mask, int mask_bits, int64_t n, int64_t C, int64_t S,
+                         int act, float slope, float *out, double *sum, int nthreads) {
     int threads = nthreads < 1 ? 1 : nthreads;
     double *acc = (double *)calloc((size_t)threads * C, sizeof(double));
 #pragma omp parallel num_threads(threads)
@@ -432,19 +468,22 @@ void mo_act_backward_sum(const float *grad, const uint8_t *mask, int64_t n, int6
         t = omp_get_thread_num();
 #endif
         double *a = acc + (size_t)t * C;
+        uint8_t *mbuf = (uint8_t *)malloc(BLOCK);
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < num_blocks(n); b++) {
             int64_t i0 = b * BLOCK, count = n - i0 < BLOCK ? n - i0 : BLOCK;
+            const uint8_t *mb = block_mask(mask, mask_bits, n, i0, count, mbuf);
             for (int64_t s = i0, e; s < i0 + count; s = e) {  /* runs of one channel c */
                 const int64_t c = (s / S) % C;
                 e = segment_end(s, S, i0 + count);
                 const float *gr = grad + s;
-                const uint8_t *mk = mask + s;
+                const uint8_t *mk = mb + (s - i0);
                 float *o = out + s;
                 a[c] += act == ACT_LEAKY_RELU ? masked_sum_run(gr, mk, o, e - s, 1, slope)
                                               : masked_sum_run(gr, mk, o, e - s, 0, slope);
             }
         }
+        free(mbuf);
     }
     for (int64_t c = 0; c < C; c++) {
         double v = 0.0;
