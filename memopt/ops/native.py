@@ -34,7 +34,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 __all__ = ["PackedMask", "available", "applies", "disabled", "pack", "unpack", "encode", "rebuild", "mask_from_codes",
-           "bn_backward", "act_mask", "act_backward_sum", "channel_extremes", "chain_grid"]
+           "bn_backward", "act_mask", "channel_extremes", "chain_grid"]
 
 _SOURCE = Path(__file__).with_name("stash_kernels.c")
 _FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC"]
@@ -51,10 +51,9 @@ _SIGNATURES = {
     "mo_encode": [_P, _I64, _I64, _I64, _P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _P, _I64, _I],
     "mo_rebuild": [_P, _I64, _I, _I64, _I64, _I64, _P, _P, _P, _P, _P, _I, _P, _I, _F, _P, _I],
     "mo_mask_from_codes": [_P, _I64, _I, _I64, _I64, _I64, _P, _P, _I, _I],
-    "mo_xhat_sums": [_P, _I64, _I, _I64, _I64, _I64, _P, _P, _P, _P, _P, _I, _P, _P, _P, _P, _I],
-    "mo_bn_grad": [_P, _I64, _I, _I64, _I64, _I64, _P, _P, _P, _P, _P, _I, _P, _P, _P, _P, _P, _P, _P, _I],
     "mo_act_mask": [_P, _I64, _I, _P, _I],
-    "mo_act_backward_sum": [_P, _P, _I, _I64, _I64, _I64, _I, _F, _P, _P, _I],
+    "mo_bn_backward": [_P, _I64, _I, _I64, _I64, _I64, _P, _P, _P, _P, _P, _I, _P, _P, _I, _F, _P, _P, _P, _P, _P, _P, _P,
+                       _I],
     "mo_channel_extremes": [_P, _P, _I64, _I64, _I64, _P, _I],
     "mo_chain_grid": [_I64, _P, _P, _P, _P, _P, _P, _I, _I, _F, _I, _I, _I, _I, _P, _P, _P, _P],
 }
@@ -276,41 +275,34 @@ def mask_from_codes(packed: torch.Tensor, bits: int, shape: torch.Size, zero_cod
     return PackedMask(out) if as_bits else out.view(torch.bool)
 
 
-def bn_backward(g: torch.Tensor, sum_g: torch.Tensor, packed: torch.Tensor, bits: int, grid: torch.Tensor,
-                mask: Optional[torch.Tensor], xstd: torch.Tensor, gamma_invstd: torch.Tensor,
+def bn_backward(packed: torch.Tensor, bits: int, shape: torch.Size, grid: torch.Tensor, mask, xstd: torch.Tensor,
+                gamma_invstd: torch.Tensor, *, g: Optional[torch.Tensor] = None, sum_g: Optional[torch.Tensor] = None,
+                grad: Optional[torch.Tensor] = None, act: str = "relu", slope: float = 0.0,
                 exact: Optional[Tuple[torch.Tensor, torch.Tensor]] = None, out: Optional[torch.Tensor] = None
-                ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``stash._bn_backward`` in two passes over the code and ``g`` (float32) with no full-size x̂: pass 1 sums
-    x̂ and g x̂ per channel, pass 2 writes the input gradient (into ``out``, which may be ``g`` itself: each
-    element is read before it is written). Returns (grad_x, sum of g times centred x̂)."""
-    shape = g.shape
+                ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``stash._bn_backward`` in two passes over the code with no full-size x̂ (``mo_bn_backward``): from ``g`` and
+    its per-channel ``sum_g``, or from ``grad`` (float32), the gradient arriving at the activation, whose
+    backward through ``mask`` (a bool tensor or a ``PackedMask``) gives g and sum_g in the same first pass. The
+    input gradient goes to ``out`` (which may be ``g``: each element is read before it is written).
+    Returns (grad_x, sum of g times centred x̂, g, sum_g)."""
     n, channels, inner = _geometry(shape)
-    count = max(1, n // max(1, channels))
     lo0, w0, lo1, w1 = _rows(grid)
-    m = _u8(mask) if lo1 is not None else None
-    sd = xstd.float().contiguous()
-    sum_x = torch.zeros(channels, dtype=torch.float64)
-    sum_gx = torch.zeros(channels, dtype=torch.float64)
-    run = _runs(g, packed)
-    if run and n:
-        _library().mo_xhat_sums(packed.data_ptr(), packed.numel(), bits, n, channels, inner, _ptr(lo0), _ptr(w0),
-                                _ptr(lo1), _ptr(w1), _ptr(m), _is_bits(mask), sd.data_ptr(), g.data_ptr(), sum_x.data_ptr(),
-                                sum_gx.data_ptr(), _threads(n))
-    xmean = sum_x / count
-    # sum g (x̂ - mean x̂) from the uncentred sums; the mean of x̂ is about 0, so nothing cancels
-    centred = (sum_gx - xmean * sum_g.double()).float()
-    if exact is not None:
-        centred = torch.where(exact[1], exact[0], centred)
-    a = (-centred / count).contiguous()
-    b = (sum_g.float() / count).contiguous()
-    xm = xmean.float().contiguous()
-    s = gamma_invstd.float().contiguous()
+    m = _u8(mask)
+    if grad is not None:
+        g, sum_g = torch.empty(shape, dtype=torch.float32), torch.empty(channels, dtype=torch.float32)
+    else:
+        sum_g = sum_g.float().contiguous()
+    exact_val, exact_ok = (None, None) if exact is None else (exact[0].float().contiguous(),
+                                                              exact[1].to(torch.uint8).contiguous())
+    sum_gx = torch.empty(channels, dtype=torch.float32)
     out = torch.empty(shape, dtype=torch.float32) if out is None else out
-    if run and n:
-        _library().mo_bn_grad(packed.data_ptr(), packed.numel(), bits, n, channels, inner, _ptr(lo0), _ptr(w0),
-                              _ptr(lo1), _ptr(w1), _ptr(m), _is_bits(mask), sd.data_ptr(), g.data_ptr(), xm.data_ptr(), a.data_ptr(),
-                              b.data_ptr(), s.data_ptr(), out.data_ptr(), _threads(n))
-    return out, centred
+    per = [t.float().contiguous() for t in (xstd, gamma_invstd)]
+    if _runs(g, packed) and n:
+        _library().mo_bn_backward(packed.data_ptr(), packed.numel(), bits, n, channels, inner, _ptr(lo0), _ptr(w0),
+                                  _ptr(lo1), _ptr(w1), _ptr(m), _is_bits(mask), per[0].data_ptr(), _ptr(grad),
+                                  _ACTS[act], float(slope), g.data_ptr(), sum_g.data_ptr(), per[1].data_ptr(),
+                                  _ptr(exact_val), _ptr(exact_ok), out.data_ptr(), sum_gx.data_ptr(), _threads(n))
+    return out, sum_gx, g, sum_g
 
 
 def act_mask(z: torch.Tensor, act: str) -> torch.Tensor:
@@ -319,19 +311,6 @@ def act_mask(z: torch.Tensor, act: str) -> torch.Tensor:
     if _runs(z) and z.numel():
         _library().mo_act_mask(z.data_ptr(), z.numel(), _ACTS[act], out.data_ptr(), _threads(z.numel()))
     return out.view(torch.bool)
-
-
-def act_backward_sum(grad: torch.Tensor, mask: torch.Tensor, act: str, slope: float = 0.0
-                     ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``stash_grid._act_backward`` of a float32 gradient through the exact mask, and its per-channel sum
-    (float32, accumulated in double), in one pass."""
-    n, channels, inner = _geometry(grad.shape)
-    out = torch.empty(grad.shape, dtype=torch.float32)
-    total = torch.zeros(channels, dtype=torch.float64)
-    if _runs(grad, mask) and n:
-        _library().mo_act_backward_sum(grad.data_ptr(), _u8(mask).data_ptr(), _is_bits(mask), n, channels, inner,
-                                       _ACTS[act], float(slope), out.data_ptr(), total.data_ptr(), _threads(n))
-    return out, total.float()
 
 
 def channel_extremes(x: torch.Tensor, mask: Optional[torch.Tensor] = None) -> torch.Tensor:

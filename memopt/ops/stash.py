@@ -133,7 +133,8 @@ def _bn_backward(g, sum_g, x_codes, mask, grid, weight, invstd, eps, bits: int, 
     if native.applies(g, float_dtype=True) and native.applies(x_codes) and (
             mask is None or packed_mask or mask.is_contiguous()):
         # two fused passes over the code, no full-size x̂ at all
-        return native.bn_backward(g, sum_g, x_codes, bits, grid, mask, xstd, gamma * invstd, exact, out=out)
+        return native.bn_backward(x_codes, bits, shape, grid, mask, xstd, gamma * invstd, g=g, sum_g=sum_g, exact=exact,
+                                  out=out)[:2]
     if packed_mask:
         mask = mask.unpacked(shape)
     xhat = _from_codes(unpack_bits(x_codes, bits, n).view(shape), mask, grid).mul_(_per_channel(xstd, nd))
@@ -250,17 +251,19 @@ class BNActStash(torch.autograd.Function):
             mask = None
         else:
             mask = exact_mask(mask_packed, y_codes, zero_code, ctx.bits, shape, as_bits=fresh_g)
-        if fresh_g:
-            g, sum_g = native.act_backward_sum(grad_y, mask, ctx.act, ctx.act_params[0] if ctx.act == "leaky_relu"
-                                               else 0.0)  # one pass for both
+        split = split_by_mask(ctx.act, ctx.has_residual or ctx.second is not None)
+        grid = xgrid if xgrid.numel() else _grid(weight, bias, _xhat_std(invstd, ctx.eps), ctx.bits, ctx.act, split)
+        if fresh_g:  # the activation's backward, its sum and the BN backward in two fused passes
+            gamma = weight.float() if weight is not None else torch.ones_like(invstd)
+            grad_x, sum_gx, g, sum_g = native.bn_backward(
+                x_codes, ctx.bits, shape, grid, mask, _xhat_std(invstd, ctx.eps), gamma * invstd, grad=grad_y,
+                act=ctx.act, slope=ctx.act_params[0] if ctx.act == "leaky_relu" else 0.0)
             grad_z = g
         else:
             grad_z = _act_backward(grad_y, mask, ctx.act, ctx.act_params)
             g = grad_z.float()
             sum_g = g.sum([d for d in range(nd) if d != 1])
-        split = split_by_mask(ctx.act, ctx.has_residual or ctx.second is not None)
-        grid = xgrid if xgrid.numel() else _grid(weight, bias, _xhat_std(invstd, ctx.eps), ctx.bits, ctx.act, split)
-        grad_x, sum_gx = _bn_backward(g, sum_g, x_codes, mask, grid, weight, invstd, ctx.eps, ctx.bits, shape)
+            grad_x, sum_gx = _bn_backward(g, sum_g, x_codes, mask, grid, weight, invstd, ctx.eps, ctx.bits, shape)
         grads2 = (None,) * 3
         if ctx.second is not None:  # the downsample BN: same output gradient, its own x̂ code split by our mask
             dtype2, eps2, has_w2, has_b2 = ctx.second

@@ -326,49 +326,6 @@ static inline void sums_run(const uint8_t *restrict k, const uint8_t *restrict m
     *sum_gx += sgx;
 }
 
-/* BN backward, pass 1: per channel, sum of x̂ and sum of g x̂ (double), x̂ rebuilt from its code. */
-void mo_xhat_sums(const uint8_t *packed, int64_t nbytes, int bits, int64_t n, int64_t C, int64_t S,
-                  const float *lo0, const float *w0, const float *lo1, const float *w1, const uint8_t *mask,
-                  int mask_bits, const float *xstd, const float *g, double *sum_x, double *sum_gx, int nthreads) {
-    int threads = nthreads < 1 ? 1 : nthreads;
-    double *acc = (double *)calloc((size_t)threads * 2 * C, sizeof(double));
-#pragma omp parallel num_threads(threads)
-    {
-        uint8_t *codes = (uint8_t *)malloc(BLOCK), *mbuf = (uint8_t *)malloc(BLOCK);
-        int t = 0;
-#ifdef _OPENMP
-        t = omp_get_thread_num();
-#endif
-        double *ax = acc + (size_t)t * 2 * C, *agx = ax + C;
-#pragma omp for schedule(static)
-        for (int64_t b = 0; b < num_blocks(n); b++) {
-            int64_t i0 = b * BLOCK, count = n - i0 < BLOCK ? n - i0 : BLOCK;
-            unpack_block(packed, nbytes, bits, i0, count, codes);
-            const uint8_t *mb = block_mask(lo1 ? mask : NULL, mask_bits, n, i0, count, mbuf);
-            for (int64_t s = i0, e; s < i0 + count; s = e) {  /* runs of one channel c */
-                const int64_t c = (s / S) % C;
-                e = segment_end(s, S, i0 + count);
-                const float l0 = lo0[c], v0 = w0[c], sd = xstd[c];
-                const float l1 = lo1 ? lo1[c] : l0, v1 = w1 ? w1[c] : v0;
-                if (lo1) sums_run(codes + (s - i0), mb + (s - i0), g + s, e - s, 1, l0, v0, l1, v1, sd, ax + c, agx + c);
-                else sums_run(codes + (s - i0), NULL, g + s, e - s, 0, l0, v0, l1, v1, sd, ax + c, agx + c);
-            }
-        }
-        free(codes);
-        free(mbuf);
-    }
-    for (int64_t c = 0; c < C; c++) {
-        double sx = 0.0, sgx = 0.0;
-        for (int t = 0; t < threads; t++) {
-            sx += acc[(size_t)t * 2 * C + c];
-            sgx += acc[(size_t)t * 2 * C + C + c];
-        }
-        sum_x[c] = sx;
-        sum_gx[c] = sgx;
-    }
-    free(acc);
-}
-
 /* One channel's run of the input gradient; `io` is g on entry and the gradient on exit when `out` is NULL
  * (the caller's g is not needed afterwards), so both forms stay free of aliasing and vectorise. */
 static inline void grad_run(const uint8_t *restrict k, const uint8_t *restrict mask, float *restrict io,
@@ -389,7 +346,7 @@ static inline void grad_run(const uint8_t *restrict k, const uint8_t *restrict m
 
 /* BN backward, pass 2: grad_x = (((x̂ - xmean) a + g) - b) s per channel, x̂ rebuilt again from its code
  * (the order of stash._bn_backward's in-place ops); no full-size x̂ is ever stored. out may be g (in place). */
-void mo_bn_grad(const uint8_t *packed, int64_t nbytes, int bits, int64_t n, int64_t C, int64_t S,
+static void mo_bn_grad(const uint8_t *packed, int64_t nbytes, int bits, int64_t n, int64_t C, int64_t S,
                 const float *lo0, const float *w0, const float *lo1, const float *w1, const uint8_t *mask,
                 int mask_bits, const float *xstd, const float *g, const float *xmean, const float *a,
                 const float *bsub, const float *scale, float *out, int nthreads) {
@@ -453,44 +410,6 @@ static inline double masked_sum_run(const float *restrict gr, const uint8_t *res
     for (; i < count; i++) total += o[i];
     for (int j = 0; j < LANES; j++) total += lane[j];
     return total;
-}
-
-/* The activation's backward through its exact mask (stash_grid._act_backward: 0 where the mask is 0, also
- * for a NaN gradient; LeakyReLU: grad * slope there) and the per-channel sum of the result (double). */
-void mo_act_backward_sum(const float *grad, const uint8_t *mask, int mask_bits, int64_t n, int64_t C, int64_t S,
-                         int act, float slope, float *out, double *sum, int nthreads) {
-    int threads = nthreads < 1 ? 1 : nthreads;
-    double *acc = (double *)calloc((size_t)threads * C, sizeof(double));
-#pragma omp parallel num_threads(threads)
-    {
-        int t = 0;
-#ifdef _OPENMP
-        t = omp_get_thread_num();
-#endif
-        double *a = acc + (size_t)t * C;
-        uint8_t *mbuf = (uint8_t *)malloc(BLOCK);
-#pragma omp for schedule(static)
-        for (int64_t b = 0; b < num_blocks(n); b++) {
-            int64_t i0 = b * BLOCK, count = n - i0 < BLOCK ? n - i0 : BLOCK;
-            const uint8_t *mb = block_mask(mask, mask_bits, n, i0, count, mbuf);
-            for (int64_t s = i0, e; s < i0 + count; s = e) {  /* runs of one channel c */
-                const int64_t c = (s / S) % C;
-                e = segment_end(s, S, i0 + count);
-                const float *gr = grad + s;
-                const uint8_t *mk = mb + (s - i0);
-                float *o = out + s;
-                a[c] += act == ACT_LEAKY_RELU ? masked_sum_run(gr, mk, o, e - s, 1, slope)
-                                              : masked_sum_run(gr, mk, o, e - s, 0, slope);
-            }
-        }
-        free(mbuf);
-    }
-    for (int64_t c = 0; c < C; c++) {
-        double v = 0.0;
-        for (int t = 0; t < threads; t++) v += acc[(size_t)t * C + c];
-        sum[c] = v;
-    }
-    free(acc);
 }
 
 /* Least / greatest of a run into a[0..4] = (lo, hi0, lo1, hi, any NaN), in LANES independent lanes: a plain
@@ -676,4 +595,70 @@ void mo_chain_grid(int64_t C, const float *invstd, const float *xstd, const floa
             affine[3 * C + c] = gs * row[3];
         }
     }
+}
+
+/* ---- The whole BN backward of a chain in two passes, with no full-size x̂ (stash._bn_backward):
+ * pass 1 per channel sums x̂ and g x̂ (and, given `grad`, first writes g = the activation's backward of grad
+ * through the mask and sums it: one read of g fewer than a separate pass); then per channel
+ *   m = mean x̂,  sum_gx = sum g x̂ - m sum g  (the sum of g times centred x̂; `exact_ok[c]` takes exact_val[c]),
+ *   a = -sum_gx / count,  b = sum_g / count,  s = gamma * invstd;
+ * pass 2 writes grad_x = (((x̂ - m) a + g) - b) s into out (which may be g). sum_g is read (no grad) or written
+ * (float), sum_gx written (float). */
+void mo_bn_backward(const uint8_t *packed, int64_t nbytes, int bits, int64_t n, int64_t C, int64_t S,
+                    const float *lo0, const float *w0, const float *lo1, const float *w1, const uint8_t *mask,
+                    int mask_bits, const float *xstd, const float *grad, int act, float slope, float *g,
+                    float *sum_g, const float *gamma_invstd, const float *exact_val, const uint8_t *exact_ok,
+                    float *out, float *sum_gx, int nthreads) {
+    int threads = nthreads < 1 ? 1 : nthreads;
+    double *acc = (double *)calloc((size_t)threads * 3 * C, sizeof(double));
+#pragma omp parallel num_threads(threads)
+    {
+        uint8_t *codes = (uint8_t *)malloc(BLOCK), *mbuf = (uint8_t *)malloc(BLOCK);
+        int t = 0;
+#ifdef _OPENMP
+        t = omp_get_thread_num();
+#endif
+        double *ax = acc + (size_t)t * 3 * C, *agx = ax + C, *ag = agx + C;
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < num_blocks(n); b++) {
+            int64_t i0 = b * BLOCK, count = n - i0 < BLOCK ? n - i0 : BLOCK;
+            unpack_block(packed, nbytes, bits, i0, count, codes);
+            const uint8_t *mb = block_mask(mask, mask_bits, n, i0, count, mbuf);
+            for (int64_t s = i0, e; s < i0 + count; s = e) {  /* runs of one channel c */
+                const int64_t c = (s / S) % C;
+                e = segment_end(s, S, i0 + count);
+                if (grad) ag[c] += masked_sum_run(grad + s, mb + (s - i0), g + s, e - s, act == ACT_LEAKY_RELU, slope);
+                const float l0 = lo0[c], v0 = w0[c], sd = xstd[c];
+                const float l1 = lo1 ? lo1[c] : l0, v1 = w1 ? w1[c] : v0;
+                if (lo1) sums_run(codes + (s - i0), mb + (s - i0), g + s, e - s, 1, l0, v0, l1, v1, sd, ax + c, agx + c);
+                else sums_run(codes + (s - i0), NULL, g + s, e - s, 0, l0, v0, l1, v1, sd, ax + c, agx + c);
+            }
+        }
+        free(codes);
+        free(mbuf);
+    }
+    const double count = (double)(C ? n / C : 1);
+    float *xmean = (float *)malloc(4 * (size_t)C * sizeof(float));
+    float *a = xmean + C, *bsub = a + C, *scale = bsub + C;
+    for (int64_t c = 0; c < C; c++) {
+        double sx = 0.0, sgx = 0.0, sg = 0.0;
+        for (int t = 0; t < threads; t++) {
+            sx += acc[(size_t)t * 3 * C + c];
+            sgx += acc[(size_t)t * 3 * C + C + c];
+            sg += acc[(size_t)t * 3 * C + 2 * C + c];
+        }
+        if (grad) sum_g[c] = (float)sg;
+        double m = sx / count;
+        float centred = (float)(sgx - m * (double)sum_g[c]);  /* m is about 0: nothing cancels */
+        if (exact_ok && exact_ok[c]) centred = exact_val[c];
+        sum_gx[c] = centred;
+        xmean[c] = (float)m;
+        a[c] = -centred / (float)count;
+        bsub[c] = sum_g[c] / (float)count;
+        scale[c] = gamma_invstd[c];
+    }
+    free(acc);
+    mo_bn_grad(packed, nbytes, bits, n, C, S, lo0, w0, lo1, w1, mask, mask_bits, xstd, g, xmean, a, bsub, scale,
+               out, nthreads);
+    free(xmean);
 }
