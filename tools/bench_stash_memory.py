@@ -130,7 +130,7 @@ def main() -> None:
             f"(`MEMOPT_NATIVE=0`): {plain:.2f}x; torch.utils.checkpoint around every bottleneck block, measured the "
             f"same way at batch 4: {ckpt_ratio:.2f}x. What memopt adds to a step whose kernels cost almost nothing "
             f"(64x64, batch 2, every BN a chain, 99 rewritten nodes): {overhead * 1e3:.0f} ms, the Python side of "
-            f"its autograd Functions (per-channel grids as small tensor ops, ctypes calls).\n\n"
+            f"its autograd Functions (wrappers, ctypes calls, small per-channel tensor ops).\n\n"
             f"## Where the peak goes (ResNet-50, batch 32, estimated)\n\nWhat is alive at the step's peak, from the "
             f"cost model's breakdown (`Plan.estimated_breakdown`): forward-born storages still alive are activations "
             f"(saved codes and statistics, plus any forward output not yet freed), storages born in backward are "

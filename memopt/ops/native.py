@@ -4,14 +4,16 @@ The plain-PyTorch codecs (``memopt/ops/stash_grid.py``, ``memopt/ops/bitpack.py`
 elementwise passes per chain (subtract, scale, divide, ceil, clamp, select, shift, or ...); each C kernel
 here does one pass with the same float32 arithmetic in the same order, so the codes and rebuilt values are
 bit-identical to the plain path (tests/test_native.py) and only the BN backward's per-channel sums are
-accumulated in another order (in double). A ResNet-50 step at batch 4 on 2 CPU threads: see
-docs/results/stash_memory.md for the ratio with and without them.
+accumulated in another order (float lanes, then double). The backward also keeps less: no full-size x̂ or
+byte mask (the saved 1-bit mask is read a block at a time). ResNet-50 step time with and without them:
+docs/results/stash_memory.md.
 
 The kernels run on contiguous CPU tensors only (float32 where a float is read); everything else (CUDA,
 half precision, strided views) takes the plain path. The library is built with the system's C compiler
-(``$CC``, else ``cc`` / ``gcc``; ``-O3 -march=native -ffp-contract=off -fopenmp``) into
-``$MEMOPT_CACHE_DIR`` (default ``~/.cache/memopt``), once per source, flags and CPU. Without a compiler, or
-with ``MEMOPT_NATIVE=0``, memopt warns once and uses the plain path: same codes, slower.
+(``$CC``, else ``cc`` / ``gcc``; ``-O3 -march=native -ffp-contract=off -fno-trapping-math -fopenmp``) into
+``$MEMOPT_CACHE_DIR`` (default ``~/.cache/memopt``), once per source, flags and CPU. Without a working
+compiler memopt warns once (quoting the compiler's error) and uses the plain path: same codes, slower;
+``MEMOPT_NATIVE=0`` chooses the plain path without building anything.
 
 Under a ``FakeTensorMode`` (the cost model) a wrapper allocates exactly the outputs the kernel would fill
 and runs nothing, so the estimated peak is the measured one on either path.

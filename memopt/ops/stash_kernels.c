@@ -1,15 +1,17 @@
 /* Fused CPU kernels for the K-bit stash (memopt/ops/native.py compiles and loads this file).
  *
  * Each kernel does in one pass over memory what the plain-PyTorch path (memopt/ops/stash_grid.py,
- * memopt/ops/bitpack.py) does in several full-size elementwise ops, with the same float32 arithmetic
- * in the same order (built with -ffp-contract=off, no fast-math), so codes and rebuilt values are
- * bit-identical to that path; only the per-channel sums of the BN backward are accumulated in a
- * different order (in double).
+ * memopt/ops/bitpack.py) does in several full-size elementwise ops, with the same float32 arithmetic in the
+ * same order (built with -ffp-contract=off, no fast-math; -fno-trapping-math only lets the compiler turn
+ * selects into vector blends), so codes, grids and rebuilt values are bit-identical to that path
+ * (tests/test_native.py); only the BN backward's per-channel sums are accumulated in another order (float
+ * lanes over at most BLOCK elements, then double), so its gradients agree to about 1e-6 relative.
  *
  * Layout: a contiguous float32 / uint8 tensor of n elements, shape (N, C, S...) flattened, so element i
  * belongs to channel (i / S) % C. Codes are an LSB-first bit stream: element i occupies stream bits
- * [i*bits, (i+1)*bits) (memopt/ops/bitpack.py). Work is split into blocks of BLOCK elements, a
- * multiple of 8, so that every block starts on a byte of every stream.
+ * [i*bits, (i+1)*bits) (memopt/ops/bitpack.py). Work is split into blocks of BLOCK elements, a multiple of 8,
+ * so that every block starts on a byte of every stream; masks may be 0/1 bytes or the saved 1-bit stream,
+ * unpacked a block at a time.
  */
 #include <float.h>
 #include <math.h>
