@@ -95,7 +95,8 @@ def main() -> None:
                f"--bits {' '.join(map(str, args.bits))} --size {args.size} --batch {args.batch} --threads {args.threads}")
     write_results_file(args.out, "\n".join([
         "# Stash: per-parameter gradient cosine after training steps", "",
-        f"Command: `{command}` (torch {torch.__version__}, CPU). {__doc__.split(chr(10), 2)[2].split('Writes')[0]}",
+        f"Command: `{command}` (torch {torch.__version__}, CPU). "
+        + " ".join(__doc__.split("\n\n", 1)[1].split("Writes")[0].split()), "",
         tabulate(rows, ["model", "stock SGD steps", "training loss at the last step", "bits", "worst cos",
                         "params >= 0.99", "median cos", "median BN weight cos", "excluded (exact grad ~ 0)"],
                  tablefmt="github"), "",

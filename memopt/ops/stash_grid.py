@@ -107,14 +107,6 @@ def _ends(x, mean, invstd, xstd, mask, inner: bool) -> torch.Tensor:
     nd = x.dim()
     dims = [d for d in range(nd) if d != 1]
     scale = invstd / xstd.clamp_min(1e-12)
-    if native.applies(x, float_dtype=True) and (not inner or mask.is_contiguous()):
-        # one pass for every extreme; x -> (x - mean) * scale is monotonic in float32 (scale > 0), so the
-        # extremes of the mapped values are the mapped extremes, and an empty side's ±inf stays ±inf
-        raw = native.channel_extremes(x, mask if inner else None)
-        mapped = (raw - mean) * scale
-        if not inner:
-            return torch.stack([mapped[0], mapped[3], mapped[0], mapped[3]])
-        return torch.where(torch.isinf(raw), raw, mapped)
     lo, hi = ((v.float() - mean) * scale for v in (x.amin(dims), x.amax(dims)))
     if not inner:
         return torch.stack([lo, hi, lo, hi])
@@ -246,16 +238,6 @@ def _decode_mask(mask_packed: torch.Tensor, codes: Optional[torch.Tensor], zero_
     return codes >= _per_channel(zero_code, len(shape))
 
 
-def packed_x_codes(x, mean, invstd, xstd, grid, mask, bits: int) -> torch.Tensor:
-    """``pack_bits(_x_codes(...), bits)``: on a contiguous float32 CPU tensor one fused pass
-    (``memopt/ops/native.py``, the same codes) with no full-size temporary."""
-    if native.applies(x, float_dtype=True) and (mask is None or mask.is_contiguous()):
-        tiny = torch.finfo(torch.float32).tiny
-        rows = [r.clamp_min(tiny) if i % 2 else r for i, r in enumerate(grid)]
-        return native.encode(x, torch.stack(rows), bits, mean=mean, scale=invstd / xstd.clamp_min(1e-12), mask=mask)
-    return pack_bits(_x_codes(x, mean, invstd, xstd, grid, mask, 1 << bits), bits)
-
-
 def x_code(x, weight, bias, mean, invstd, eps: float, mask, bits: int, act: str, split: bool, residual: bool,
            affine: bool = False):
     """A chain's x̂ code and what goes with it: (packed codes, grid (rows lo0, w0[, lo1, w1]), whether the grid
@@ -263,7 +245,8 @@ def x_code(x, weight, bias, mean, invstd, eps: float, mask, bits: int, act: str,
     (β + γσ·lo, γσ·w; only with ``affine``)). A residual chain's grid ends where each side's values end
     (``_ends`` inner); otherwise an outer end at the window's edge moves to the data's end (``DATA_ENDS``).
     On a contiguous float32 CPU tensor: two fused passes (extremes, codes) and one call for the per-channel
-    constants (``memopt/ops/native.py``), the same values as the plain path below."""
+    constants (``memopt/ops/native.py``: the extremes of x map to those of x̂ because x -> (x - mean) * scale is
+    monotonic in float32), the same values as the plain path below."""
     data = residual or (split and DATA_ENDS)
     xstd = _xhat_std(invstd, eps)
     if native.applies(x, float_dtype=True) and (mask is None or mask.is_contiguous()):
@@ -281,7 +264,7 @@ def x_code(x, weight, bias, mean, invstd, eps: float, mask, bits: int, act: str,
         b = bias.float() if bias is not None else torch.zeros_like(xstd)
         rows = torch.stack([b + gs * grid[0], gs * grid[1]] + ([b + gs * grid[2], gs * grid[3]] if len(grid) == 4
                                                                else []))
-    return packed_x_codes(x, mean, invstd, xstd, grid, mask, bits), grid, data, rows
+    return pack_bits(_x_codes(x, mean, invstd, xstd, grid, mask, 1 << bits), bits), grid, data, rows
 
 
 def exact_mask(mask_packed: torch.Tensor, codes_packed: torch.Tensor, zero_code: torch.Tensor, bits: int,
