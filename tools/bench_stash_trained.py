@@ -5,7 +5,9 @@ hold once a model has trained? For each model: K stock SGD steps (lr 0.05, momen
 scikit-learn's digits (8x8, upsampled to SIZE x SIZE, 3 channels, labels 0-9, standardised), then on a fresh
 batch the cross-entropy gradient of each parameter with the stash (few-bit off) against exact autograd on
 a copy of the same trained model. Parameters whose exact gradient norm is below 1e-3 x the median are left
-out (as in bench_stash_gradients.py). Writes docs/results/stash_trained.md.
+out (as in bench_stash_gradients.py). ``--window-scale`` multiplies every grid's half-width (stash_grid.WINDOWS,
+±4σ at 8 bits) to show what clipping at the window costs once activations have heavy tails. Writes
+docs/results/stash_trained.md.
 Run: python tools/bench_stash_trained.py  (about 15 minutes on 2 CPU threads)
 """
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch.nn.functional as F
 from tabulate import tabulate
 
 import memopt
+import memopt.ops.stash_grid as stash_grid
 from results_file import write_results_file
 
 
@@ -63,6 +66,7 @@ def main() -> None:
     parser.add_argument("--models", default="resnet18,mobilenet_v2")
     parser.add_argument("--steps", type=int, nargs="+", default=[0, 100])
     parser.add_argument("--bits", type=int, nargs="+", default=[4, 8])
+    parser.add_argument("--window-scale", type=float, nargs="+", default=[1.0])
     parser.add_argument("--size", type=int, default=64)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--threads", type=int, default=2)
@@ -79,29 +83,37 @@ def main() -> None:
             loss = train(model, data_x, data_y, steps, args.batch, generator)
             idx = torch.randint(0, len(data_x), (args.batch,), generator=generator)
             x, y = data_x[idx], data_y[idx]
-            for bits in args.bits:
-                cos = cosines(model, x, y, bits)
+            for bits, scale in [(b, s) for b in args.bits for s in args.window_scale]:
+                original = dict(stash_grid.WINDOWS)
+                stash_grid.WINDOWS.update({k: v * scale for k, v in original.items()})
+                try:
+                    cos = cosines(model, x, y, bits)
+                finally:
+                    stash_grid.WINDOWS.update(original)
                 median = statistics.median(v[1] for v in cos.values())
                 kept = {n: c for n, (c, norm) in cos.items() if norm >= 1e-3 * median}
                 ranked = sorted(kept.items(), key=lambda t: t[1])
                 bn = sorted(c for n, c in kept.items() if n.endswith(".weight") and _is_bn(model, n))
-                rows.append([name, steps, f"{loss:.3f}" if steps else "", bits, f"{ranked[0][1]:.4f}",
+                rows.append([name, steps, f"{loss:.3f}" if steps else "", bits, f"{scale:g}", f"{ranked[0][1]:.4f}",
                              f"{sum(c >= 0.99 for c in kept.values())}/{len(kept)}",
                              f"{statistics.median(kept.values()):.4f}",
                              f"{bn[len(bn) // 2]:.4f}" if bn else "", len(cos) - len(kept)])
-                worst_rows += [[name, steps, bits, n, f"{c:.4f}", f"{cos[n][1] / median:.1e}"] for n, c in ranked[:3]]
+                worst_rows += [[name, steps, bits, f"{scale:g}", n, f"{c:.4f}", f"{cos[n][1] / median:.1e}"]
+                               for n, c in ranked[:3]]
                 print(rows[-1], flush=True)
     command = (f"python tools/bench_stash_trained.py --models {args.models} --steps {' '.join(map(str, args.steps))} "
-               f"--bits {' '.join(map(str, args.bits))} --size {args.size} --batch {args.batch} --threads {args.threads}")
+               f"--bits {' '.join(map(str, args.bits))} --window-scale {' '.join(f'{v:g}' for v in args.window_scale)} "
+               f"--size {args.size} --batch {args.batch} --threads {args.threads}"
+               f"{' --out ' + args.out if args.out != 'docs/results/stash_trained.md' else ''}")
     write_results_file(args.out, "\n".join([
         "# Stash: per-parameter gradient cosine after training steps", "",
         f"Command: `{command}` (torch {torch.__version__}, CPU). "
         + " ".join(__doc__.split("\n\n", 1)[1].split("Writes")[0].split()), "",
-        tabulate(rows, ["model", "stock SGD steps", "training loss at the last step", "bits", "worst cos",
+        tabulate(rows, ["model", "stock SGD steps", "training loss at the last step", "bits", "window x", "worst cos",
                         "params >= 0.99", "median cos", "median BN weight cos", "excluded (exact grad ~ 0)"],
                  tablefmt="github"), "",
         "## The three worst parameters of each run", "",
-        tabulate(worst_rows, ["model", "steps", "bits", "parameter", "cos", "exact norm / median"],
+        tabulate(worst_rows, ["model", "steps", "bits", "window x", "parameter", "cos", "exact norm / median"],
                  tablefmt="github"), ""]))
 
 
