@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import hashlib
+import math
 import os
 import platform
 import shutil
@@ -170,14 +171,7 @@ def _threads(n: int) -> int:
 
 def _geometry(shape: Sequence[int]) -> Tuple[int, int, int]:
     """(elements, channels, elements per channel and sample) of an (N, C, ...) tensor."""
-    n = 1
-    for d in shape:
-        n *= d
-    channels = shape[1] if len(shape) > 1 else 1
-    inner = 1
-    for d in shape[2:]:
-        inner *= d
-    return n, channels, inner
+    return math.prod(shape), shape[1] if len(shape) > 1 else 1, math.prod(shape[2:])
 
 
 def _rows(grid: torch.Tensor) -> list:

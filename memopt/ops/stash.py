@@ -120,6 +120,11 @@ def _split_x_codes(x, weight, bias, mean, invstd, eps, mask, bits: int, act: str
     return codes, grid
 
 
+def _gamma_invstd(weight, invstd):
+    """γ / σ per channel (float32): the BN input gradient's scale (γ = 1 without an affine weight)."""
+    return (weight.float() if weight is not None else torch.ones_like(invstd)) * invstd
+
+
 def _bn_backward(g, sum_g, x_codes, mask, grid, weight, invstd, eps, bits: int, shape, exact=None, out=None):
     """BN input and weight gradients from the output gradient ``g`` (float32) and the x̂ code: the mean term
     (``sum_g``) and σ are exact; x̂ enters only through the variance term and the weight gradient
@@ -128,12 +133,12 @@ def _bn_backward(g, sum_g, x_codes, mask, grid, weight, invstd, eps, bits: int, 
     (a conv bias before a training-mode BN gets no quantisation noise: docs/results/stash_gradients*.md)."""
     nd, n = len(shape), shape.numel()
     xstd = _xhat_std(invstd, eps)
-    gamma = weight.float() if weight is not None else torch.ones_like(invstd)
+    scale = _gamma_invstd(weight, invstd)
     packed_mask = isinstance(mask, native.PackedMask)
     if native.applies(g, float_dtype=True) and native.applies(x_codes) and (
             mask is None or packed_mask or mask.is_contiguous()):
         # two fused passes over the code, no full-size x̂ at all
-        return native.bn_backward(x_codes, bits, shape, grid, mask, xstd, gamma * invstd, g=g, sum_g=sum_g, exact=exact,
+        return native.bn_backward(x_codes, bits, shape, grid, mask, xstd, scale, g=g, sum_g=sum_g, exact=exact,
                                   out=out)[:2]
     if packed_mask:
         mask = mask.unpacked(shape)
@@ -147,7 +152,7 @@ def _bn_backward(g, sum_g, x_codes, mask, grid, weight, invstd, eps, bits: int, 
         sum_gx = torch.where(exact[1], exact[0], sum_gx)
     count = n // shape[1]
     grad_x = xhat.mul_(_per_channel(-sum_gx / count, nd)).add_(g).sub_(_per_channel(sum_g / count, nd)) \
-        .mul_(_per_channel(gamma * invstd, nd))
+        .mul_(_per_channel(scale, nd))
     return grad_x, sum_gx
 
 
@@ -252,11 +257,11 @@ class BNActStash(torch.autograd.Function):
         else:
             mask = exact_mask(mask_packed, y_codes, zero_code, ctx.bits, shape, as_bits=fresh_g)
         split = split_by_mask(ctx.act, ctx.has_residual or ctx.second is not None)
-        grid = xgrid if xgrid.numel() else _grid(weight, bias, _xhat_std(invstd, ctx.eps), ctx.bits, ctx.act, split)
+        xstd = _xhat_std(invstd, ctx.eps)
+        grid = xgrid if xgrid.numel() else _grid(weight, bias, xstd, ctx.bits, ctx.act, split)
         if fresh_g:  # the activation's backward, its sum and the BN backward in two fused passes
-            gamma = weight.float() if weight is not None else torch.ones_like(invstd)
             grad_x, sum_gx, g, sum_g = native.bn_backward(
-                x_codes, ctx.bits, shape, grid, mask, _xhat_std(invstd, ctx.eps), gamma * invstd, grad=grad_y,
+                x_codes, ctx.bits, shape, grid, mask, xstd, _gamma_invstd(weight, invstd), grad=grad_y,
                 act=ctx.act, slope=ctx.act_params[0] if ctx.act == "leaky_relu" else 0.0)
             grad_z = g
         else:
