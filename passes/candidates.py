@@ -267,6 +267,10 @@ def rewritten_units(gm: fx.GraphModule, technique: str) -> Dict[str, Tuple[Set[s
 
 
 def bits_of(new_nodes: Sequence[fx.Node]) -> Optional[int]:
+    """The bits a unit was asked for (``level``: a chain without an activation codes with one more)."""
+    levels = [n.meta[DECISION_KEY]["level"] for n in new_nodes if "level" in n.meta[DECISION_KEY]]
+    if levels:
+        return levels[0]
     bits = [n.meta[DECISION_KEY].get("bits") for n in new_nodes if n.meta[DECISION_KEY].get("bits") is not None]
     return bits[0] if bits else None
 

@@ -27,6 +27,7 @@ from cost_model.analysis import META_KEY
 from cost_model.op_registry import op_kind
 from memopt.capture import has_hooks
 from memopt.ops.stash import bn_act_stash, conv_from_stash, linear_from_stash, max_pool2d_indices_only
+from memopt.ops.stash_identity import bn_exact_link
 from memopt.plan import DECISION_KEY
 from memopt.stash.config import StashConfig
 from passes.base import PassResult, register_pass
@@ -203,8 +204,14 @@ def stash_pass(gm: fx.GraphModule, cfg: StashConfig) -> PassResult:
         second = _second_bn(bn, add, kind, modules, cfg, order)
         if second is not None:
             joined.add(second)
-        _rewrite(gm, modules, bn, add, end, kind, cfg.bits_for(bn.name), second)
+        level = cfg.bits_for(bn.name)
+        # no activation, no mask: its codes get the bit an activation chain's mask gives (StashConfig.identity_extra_bit)
+        bits = min(level + 1, 8) if kind == "identity" and cfg.identity_extra_bit else level
+        _rewrite(gm, modules, bn, add, end, kind, bits, second, level)
         modified = True
+    if cfg.scale_identity:
+        for first, conv, following in _identity_links(gm, modules):
+            _link(gm, modules, first, conv, following)
     if cfg.generic:  # after the chains: what they cover is no longer a plain conv / linear input
         modified |= generic_stash(gm, cfg)
     if cfg.compact_extras:
@@ -212,14 +219,75 @@ def stash_pass(gm: fx.GraphModule, cfg: StashConfig) -> PassResult:
     return PassResult(gm, modified)
 
 
+def _stash_output(node: fx.Node, index: int) -> Optional[fx.Node]:
+    return next((u for u in node.users if u.target is operator.getitem and u.args[1] == index), None)
+
+
+def _identity_links(gm: fx.GraphModule, modules) -> List[Tuple[fx.Node, fx.Node, fx.Node]]:
+    """(A, conv, B) where the scale identity of ``memopt/ops/stash_identity.py`` holds: chain A (weight, no
+    residual, not pooled) feeds only a depthwise conv (one input channel per group) read from its stash, whose
+    output feeds only B: another chain's BatchNorm input, or a training-mode BatchNorm module left exact."""
+    links = []
+    for first in gm.graph.nodes:
+        if not _chain_without_residual(first) or first.args[1] is None:
+            continue
+        y = _stash_output(first, 0)
+        conv = _single_user(y) if y is not None else None
+        if conv is None or conv.target is not conv_from_stash or conv.args[0] is not y:
+            continue
+        if gm.get_parameter(conv.args[1].target).shape[1] != 1:  # not depthwise: channels mix in each group
+            continue
+        following = _single_user(conv)
+        if following is None or following.args[:1] != (conv,) or \
+                conv in list(following.args[1:]) + list(following.kwargs.values()):
+            continue
+        module = modules.get(following.target) if following.op == "call_module" else None
+        exact_bn = isinstance(module, (nn.BatchNorm1d, nn.BatchNorm2d)) and module.training and \
+            module.affine and _bn_reason(module) is None
+        if exact_bn or _chain_without_residual(following):
+            links.append((first, conv, following))
+    return links
+
+
+def _chain_without_residual(node: fx.Node) -> bool:
+    """A rewritten chain (not the pooled stem form) whose BatchNorm output is not added to a residual."""
+    return node.target is bn_act_stash and node.args[6] is None and node.kwargs.get("pool") is None and \
+        (len(node.args) <= 14 or node.args[14] is None)
+
+
+def _link(gm: fx.GraphModule, modules, first: fx.Node, conv: fx.Node, following: fx.Node) -> None:
+    graph = gm.graph
+    first.kwargs = {**first.kwargs, "link_groups": conv.args[13]}  # groups = the conv's input channels = A's
+    with graph.inserting_after(first):
+        link = graph.call_function(operator.getitem, (first, 5))
+    if following.target is bn_act_stash:
+        following.kwargs = {**following.kwargs, "link": link}
+        source = following.meta[DECISION_KEY]["unit"]
+    else:  # a BatchNorm left exact: stock's kernels and saved tensors in a Function that also returns R
+        module, source = modules[following.target], following.name
+        with graph.inserting_before(following):
+            attrs = [_attr(graph, following.target, module, n)
+                     for n in ("weight", "bias", "running_mean", "running_var", "num_batches_tracked")]
+            exact = graph.call_function(bn_exact_link, (conv, *attrs, module.momentum, module.eps, link))
+        why = following.meta.get(DECISION_KEY, {}).get("reason", "left exact")
+        exact.meta[DECISION_KEY] = {"technique": "exact", "reason": f"{why}; stock's BatchNorm kernels, its weight "
+                                                                    f"gradient also passed to {first.name} (scale "
+                                                                    f"identity)"}
+        following.replace_all_uses_with(exact)
+        graph.erase_node(following)
+    note = f"BN weight gradient solved by the scale identity from {source}"
+    first.meta[DECISION_KEY] = {**first.meta[DECISION_KEY], "reason": f"{first.meta[DECISION_KEY]['reason']}; {note}"}
+
+
 def _attr(graph: fx.Graph, path: str, module: nn.Module, name: str) -> Optional[fx.Node]:
     return graph.get_attr(f"{path}.{name}") if getattr(module, name, None) is not None else None
 
 
 def _rewrite(gm: fx.GraphModule, modules, bn: fx.Node, add: Optional[fx.Node], act: fx.Node, kind: str,
-             bits: int, second: Optional[fx.Node] = None) -> None:
+             bits: int, second: Optional[fx.Node] = None, level: Optional[int] = None) -> None:
     """``act`` is the chain's last node: the activation, or the BatchNorm / add for "identity"; ``second``:
-    the residual's BatchNorm when it joins the chain."""
+    the residual's BatchNorm when it joins the chain; ``level``: the bits asked for the unit (``bits`` are
+    those its codes use)."""
     graph, module = gm.graph, modules[bn.target]
     residual = None if add is None else next(a for a in add.args if isinstance(a, fx.Node) and a is not bn)
     params = _act_params(act, kind, modules)
@@ -239,7 +307,8 @@ def _rewrite(gm: fx.GraphModule, modules, bn: fx.Node, add: Optional[fx.Node], a
                                   (bn.args[0], *attrs, residual, module.momentum, module.eps, kind, params, bits,
                                    need_y, bn.format_node(), *extra), name=f"{bn.name}_stash")
         y, codes, mask, affine, zero = (graph.call_function(operator.getitem, (stash, i)) for i in range(5))
-    stash.meta[DECISION_KEY] = {"technique": "stash", "bits": bits, "replaces": replaced, "unit": bn.name,
+    stash.meta[DECISION_KEY] = {"technique": "stash", "bits": bits, "level": bits if level is None else level,
+                                "replaces": replaced, "unit": bn.name,
                                 "reason": f"BN{' + BN ' + second.name if second is not None else ''}"
                                           f"{' + residual' if add is not None and second is None else ''} + {kind}: "
                                           f"exact forward, "

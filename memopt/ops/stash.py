@@ -48,6 +48,7 @@ import torch.nn.functional as F
 from memopt.errors import MemoptError
 from memopt.ops import graph_leaf, native
 from memopt.ops.bitpack import pack_bits, unpack_bits
+from memopt.ops.stash_identity import link_term, solved_weight_grad
 from memopt.ops.stash_grid import (WINDOWS, _act_backward, _activation, _code_, _decode_mask, _from_codes, _grid,
                                    _mask, _per_channel, _xhat_std, batch_slices, channel_std_mean, exact_mask,
                                    keep_where, select_u8, x_code, x_grid_half)
@@ -160,7 +161,7 @@ class BNActStash(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, running_mean, running_var, num_batches_tracked, residual, momentum, eps,
                 act, act_params, bits, need_y, node, x2=None, weight2=None, bias2=None, running_mean2=None,
-                running_var2=None, num_batches_tracked2=None, momentum2=None, eps2=1e-5):
+                running_var2=None, num_batches_tracked2=None, momentum2=None, eps2=1e-5, link=None, link_groups=0):
         out, mean, invstd = _batch_norm(x, weight, bias, running_mean, running_var, num_batches_tracked, momentum, eps)
         if x2 is not None:  # the residual is a second BatchNorm's output (a downsample): its x̂ is split by our mask
             residual, mean2, invstd2 = _batch_norm(x2, weight2, bias2, running_mean2, running_var2,
@@ -237,11 +238,16 @@ class BNActStash(torch.autograd.Function):
         ctx.shape, ctx.bits, ctx.act, ctx.act_params, ctx.node, ctx.eps = x.shape, bits, act, act_params, node, eps
         ctx.has_residual, ctx.has_weight, ctx.has_bias = residual_input, weight is not None, bias is not None
         ctx.second = None if x2 is None else (x2.dtype, eps2, weight2 is not None, bias2 is not None)
+        # the scale identity (memopt/ops/stash_identity.py): as A, a zero per channel whose gradient brings R
+        # from B; as B, the number of A's channels to reduce R to
+        ctx.link_groups, ctx.link_in = link_groups, 0 if link is None else link.numel()
         ctx.mark_non_differentiable(y_codes, mask_packed, affine, zero_code)
+        if link_groups:
+            return y, y_codes, mask_packed, affine, zero_code, torch.zeros(link_groups, device=x.device)
         return y, y_codes, mask_packed, affine, zero_code
 
     @staticmethod
-    def backward(ctx, grad_y, *_):
+    def backward(ctx, grad_y, *rest):
         if torch.is_grad_enabled():
             raise MemoptError(f"double backward (create_graph=True) through the stash node {ctx.node} is not "
                               f"supported; exclude it with memopt.StashConfig(deny=(...)) or set Config(stash=None)")
@@ -251,7 +257,9 @@ class BNActStash(torch.autograd.Function):
         dtype = grad_y.dtype
         # the fused kernels read the mask as its 1-bit stream; g is then a new tensor of ours (the downsample BN's
         # input gradient may overwrite it below)
-        fresh_g = ctx.act != "identity" and native.applies(grad_y, y_codes) and dtype == torch.float32
+        # the identity's solve needs dL/dβ before the BN backward's variance term: the unfused path
+        fresh_g = ctx.act != "identity" and native.applies(grad_y, y_codes) and dtype == torch.float32 and \
+            not ctx.link_groups
         if ctx.act == "identity":
             mask = None
         else:
@@ -268,7 +276,10 @@ class BNActStash(torch.autograd.Function):
             grad_z = _act_backward(grad_y, mask, ctx.act, ctx.act_params)
             g = grad_z.float()
             sum_g = g.sum([d for d in range(nd) if d != 1])
-            grad_x, sum_gx = _bn_backward(g, sum_g, x_codes, mask, grid, weight, invstd, ctx.eps, ctx.bits, shape)
+            exact = None if not ctx.link_groups else solved_weight_grad(
+                rest[4], grad_y, mask, x_codes, grid, weight, bias, xstd, sum_g, ctx.act, ctx.bits, shape)
+            grad_x, sum_gx = _bn_backward(g, sum_g, x_codes, mask, grid, weight, invstd, ctx.eps, ctx.bits, shape,
+                                          exact=exact)
         grads2 = (None,) * 3
         if ctx.second is not None:  # the downsample BN: same output gradient, its own x̂ code split by our mask
             dtype2, eps2, has_w2, has_b2 = ctx.second
@@ -282,9 +293,11 @@ class BNActStash(torch.autograd.Function):
         grad_w = sum_gx if ctx.has_weight else None
         grad_b = sum_g if ctx.has_bias else None
         grad_r = grad_z if ctx.has_residual else None  # the residual input's
+        grad_link = link_term(weight, invstd, sum_gx, ctx.eps, ctx.link_in) if ctx.link_in else None
         return (grad_x.to(dtype), None if grad_w is None else grad_w.to(weight.dtype),
                 None if grad_b is None else grad_b.to(weight.dtype if weight is not None else dtype),
-                None, None, None, grad_r, None, None, None, None, None, None, None, *grads2, None, None, None, None, None)
+                None, None, None, grad_r, None, None, None, None, None, None, None, *grads2, None, None, None, None, None,
+                grad_link, None)
 
 
 class ConvFromStash(torch.autograd.Function):
@@ -407,12 +420,14 @@ def _tuple(v, n):
 def bn_act_stash(x, weight, bias, running_mean, running_var, num_batches_tracked, residual, momentum: Optional[float],
                  eps: float, act: str, act_params: tuple, bits: int, need_y: bool = True, node: str = "", x2=None,
                  weight2=None, bias2=None, running_mean2=None, running_var2=None, num_batches_tracked2=None,
-                 momentum2: Optional[float] = None, eps2: float = 1e-5, pool: Optional[tuple] = None):
+                 momentum2: Optional[float] = None, eps2: float = 1e-5, pool: Optional[tuple] = None, link=None,
+                 link_groups: int = 0):
     """BatchNorm (training) [+ residual] -> activation ("identity" for none) with a K-bit stash; returns
     (y, codes, mask, affine, zero_code). ``need_y=False`` when no consumer rebuilds y. With ``x2`` (and no
     ``residual``) the residual is a second training-mode BatchNorm of ``x2`` (weight2 ... eps2), run here.
     With ``pool`` = (kernel_size, stride, padding, dilation, ceil_mode) (ReLU, no residual) y is
-    max_pool2d(relu(BN(x))) and the rest empty: ``memopt/ops/stash_pool.py``."""
+    max_pool2d(relu(BN(x))) and the rest empty: ``memopt/ops/stash_pool.py``. ``link_groups`` (A) adds a sixth
+    output for ``link`` (B) of the chain that its depthwise conv feeds: ``memopt/ops/stash_identity.py``."""
     if pool is not None:
         from memopt.ops.stash_pool import BNReLUMaxPoolStash
 
@@ -421,7 +436,7 @@ def bn_act_stash(x, weight, bias, running_mean, running_var, num_batches_tracked
         return (pooled, *(torch.zeros(0, device=x.device) for _ in range(4)))
     return BNActStash.apply(x, weight, bias, running_mean, running_var, num_batches_tracked, residual, momentum,
                             eps, act, act_params, bits, need_y, node, x2, weight2, bias2, running_mean2, running_var2,
-                            num_batches_tracked2, momentum2, eps2)
+                            num_batches_tracked2, momentum2, eps2, link, link_groups)
 
 
 @graph_leaf

@@ -41,6 +41,19 @@ class StashConfig:
             TinyViT, docs/results/stash_generic.md); default False: deterministic.
         consumers: which op kinds the generic stash rewrites, a subset of ("conv", "linear",
             "matmul"); a matmul qualifies only with a 2-D parameter as its second operand.
+        scale_identity: solve the BN weight gradient of a chain whose every channel feeds one depthwise conv
+            channel into another rewritten chain's training-mode BN (MobileNetV2's stem and expand BNs) from
+            that BN's weight gradient, by the exact scale identity γ dL/dγ + β dL/dβ = Σ_o γ_o dL/dγ_o eps /
+            (var_o + eps) − 6 Σ_clip dL/dz, instead of summing over its rebuilt x̂ (default True; such weights
+            are nearly scale-invariant, their true gradient tiny beside the code's rounding noise:
+            ``memopt/ops/stash_identity.py``). Forward outputs and every other gradient's formula unchanged.
+        identity_extra_bit: chains without an activation (MobileNetV2's projection BNs) code with K + 1 bits
+            (at most 8; default True). An activation chain's codes get one bit of resolution from its exact
+            1-bit mask (each side of the kink has its own 2^K bins; after a residual z is coded only where
+            z > 0); a chain without an activation has no mask to give it, and at K bits its BN weight and the
+            next conv's weight gradients fell to cosine 0.98-0.99 in MobileNetV2 at 4 bits
+            (docs/results/stash_gradients_models.md). The report shows the bits used; the planner's levels
+            stay K.
         compact_extras: keep training-dropout masks and ``torch.where`` boolean conditions as 1 bit
             per element (default True: exact, same ops and random draws, bit-identical outputs
             and gradients; CPU dropout otherwise keeps a float32 noise tensor).
@@ -57,10 +70,12 @@ class StashConfig:
     stochastic: bool = False
     consumers: Tuple[str, ...] = CONSUMERS
     compact_extras: bool = True
+    scale_identity: bool = True
+    identity_extra_bit: bool = True
 
     def __post_init__(self) -> None:
         check_bits(self.bits, "StashConfig.bits")
-        for name in ("generic", "stochastic", "compact_extras"):
+        for name in ("generic", "stochastic", "compact_extras", "scale_identity", "identity_extra_bit"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"StashConfig.{name} must be True or False, got {getattr(self, name)!r}")
         if not isinstance(self.group_size, int) or isinstance(self.group_size, bool) or self.group_size < 1:
