@@ -1,5 +1,6 @@
 """The scale identity (memopt/ops/stash_identity.py): BN weight gradients of chains that feed a depthwise conv
 into a training-mode BN, solved from that BN's weight gradient; and K+1 bits for chains without an activation."""
+import contextlib
 import copy
 
 import pytest
@@ -8,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import memopt
+from memopt.ops import native
 from memopt.ops.stash_identity import link_term
 from memopt.testing.zoo import build
 
@@ -168,3 +170,18 @@ def test_mobilenet_v2_links_every_expand_chain_and_codes_projections_with_one_mo
 def test_config_flags_must_be_bools(field):
     with pytest.raises(ValueError, match=f"StashConfig.{field} must be True or False, got 1"):
         memopt.StashConfig(**{field: 1})
+
+
+@pytest.mark.parametrize("act, beta", [("relu6", 0.0), ("relu6", 4.0), ("relu6", -1.0), ("leaky_relu", -0.3)])
+def test_fused_and_plain_paths_solve_the_same(act, beta):
+    # the fused backward sums the clipped elements and solves between its two passes; the plain path in PyTorch
+    model, x = _block(act, beta)
+    results = []
+    for use in (True, False):
+        with contextlib.nullcontext() if use else native.disabled():
+            _, out, _, ours, _ = _grads(copy.deepcopy(model), x, _config())
+        results.append((out, ours))
+    (out, grads), (out_p, grads_p) = results
+    assert torch.equal(out, out_p)
+    for name in grads:
+        torch.testing.assert_close(grads[name], grads_p[name], rtol=1e-4, atol=1e-5 * grads_p[name].abs().max().item())

@@ -55,8 +55,8 @@ _SIGNATURES = {
     "mo_rebuild": [_P, _I64, _I, _I64, _I64, _I64, _P, _P, _P, _P, _P, _I, _P, _I, _F, _P, _I],
     "mo_mask_from_codes": [_P, _I64, _I, _I64, _I64, _I64, _P, _P, _I, _I],
     "mo_act_mask": [_P, _I64, _I, _P, _I],
-    "mo_bn_backward": [_P, _I64, _I, _I64, _I64, _I64, _P, _P, _P, _P, _P, _I, _P, _P, _I, _F, _P, _P, _P, _P, _P, _P, _P,
-                       _I],
+    "mo_bn_backward": [_P, _I64, _I, _I64, _I64, _I64, _P, _P, _P, _P, _P, _I, _P, _P, _I, _F, _P, _P, _P, _P, _P, _P, _F,
+                       _P, _P, _I],
     "mo_channel_extremes": [_P, _P, _I64, _I64, _I64, _P, _I],
     "mo_chain_grid": [_I64, _P, _P, _P, _P, _P, _P, _I, _I, _F, _I, _I, _I, _I, _P, _P, _P, _P],
 }
@@ -274,12 +274,16 @@ def mask_from_codes(packed: torch.Tensor, bits: int, shape: torch.Size, zero_cod
 def bn_backward(packed: torch.Tensor, bits: int, shape: torch.Size, grid: torch.Tensor, mask, xstd: torch.Tensor,
                 gamma_invstd: torch.Tensor, *, g: Optional[torch.Tensor] = None, sum_g: Optional[torch.Tensor] = None,
                 grad: Optional[torch.Tensor] = None, act: str = "relu", slope: float = 0.0,
-                exact: Optional[Tuple[torch.Tensor, torch.Tensor]] = None, out: Optional[torch.Tensor] = None
+                exact: Optional[Tuple[torch.Tensor, torch.Tensor]] = None, out: Optional[torch.Tensor] = None,
+                solve: Optional[torch.Tensor] = None, top: float = 0.0
                 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``stash._bn_backward`` in two passes over the code with no full-size x̂ (``mo_bn_backward``): from ``g`` and
     its per-channel ``sum_g``, or from ``grad`` (float32), the gradient arriving at the activation, whose
     backward through ``mask`` (a bool tensor or a ``PackedMask``) gives g and sum_g in the same first pass. The
     input gradient goes to ``out`` (which may be ``g``: each element is read before it is written).
+    ``solve`` (with ``grad``): the scale identity's rows (R, β, γ, threshold, sign, ok) per channel
+    (``stash_identity.solve_rows``): the weight gradient is solved in between the two passes, ``top`` (6 for
+    ReLU6, else 0) times the clipped elements' gradient summed in the first.
     Returns (grad_x, sum of g times centred x̂, g, sum_g)."""
     n, channels, inner = _geometry(shape)
     lo0, w0, lo1, w1 = _rows(grid)
@@ -292,12 +296,14 @@ def bn_backward(packed: torch.Tensor, bits: int, shape: torch.Size, grid: torch.
                                                               exact[1].to(torch.uint8).contiguous())
     sum_gx = torch.empty(channels, dtype=torch.float32)
     out = torch.empty(shape, dtype=torch.float32) if out is None else out
+    solve_rows = None if solve is None else solve.float().contiguous()
     per = [t.float().contiguous() for t in (xstd, gamma_invstd)]
     if _runs(g, packed) and n:
         _library().mo_bn_backward(packed.data_ptr(), packed.numel(), bits, n, channels, inner, _ptr(lo0), _ptr(w0),
                                   _ptr(lo1), _ptr(w1), _ptr(m), _is_bits(mask), per[0].data_ptr(), _ptr(grad),
                                   _ACTS[act], float(slope), g.data_ptr(), sum_g.data_ptr(), per[1].data_ptr(),
-                                  _ptr(exact_val), _ptr(exact_ok), out.data_ptr(), sum_gx.data_ptr(), _threads(n))
+                                  _ptr(exact_val), _ptr(exact_ok), _ptr(solve_rows), float(top), out.data_ptr(),
+                                  sum_gx.data_ptr(), _threads(n))
     return out, sum_gx, g, sum_g
 
 

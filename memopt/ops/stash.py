@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from memopt.errors import MemoptError
 from memopt.ops import graph_leaf, native
 from memopt.ops.bitpack import pack_bits, unpack_bits
-from memopt.ops.stash_identity import link_term, solved_weight_grad
+from memopt.ops.stash_identity import link_term, solve_rows, solved_weight_grad
 from memopt.ops.stash_grid import (WINDOWS, _act_backward, _activation, _code_, _decode_mask, _from_codes, _grid,
                                    _mask, _per_channel, _xhat_std, batch_slices, channel_std_mean, exact_mask,
                                    keep_where, select_u8, x_code, x_grid_half)
@@ -257,9 +257,7 @@ class BNActStash(torch.autograd.Function):
         dtype = grad_y.dtype
         # the fused kernels read the mask as its 1-bit stream; g is then a new tensor of ours (the downsample BN's
         # input gradient may overwrite it below)
-        # the identity's solve needs dL/dβ before the BN backward's variance term: the unfused path
-        fresh_g = ctx.act != "identity" and native.applies(grad_y, y_codes) and dtype == torch.float32 and \
-            not ctx.link_groups
+        fresh_g = ctx.act != "identity" and native.applies(grad_y, y_codes) and dtype == torch.float32
         if ctx.act == "identity":
             mask = None
         else:
@@ -267,17 +265,21 @@ class BNActStash(torch.autograd.Function):
         split = split_by_mask(ctx.act, ctx.has_residual or ctx.second is not None)
         xstd = _xhat_std(invstd, ctx.eps)
         grid = xgrid if xgrid.numel() else _grid(weight, bias, xstd, ctx.bits, ctx.act, split)
+        # the scale identity (A): the weight gradient solved from R (B's, in rest[4]) once dL/dβ is known, and used
+        # in the variance term
+        rows = solve_rows(rest[4], grid, weight, bias, xstd, ctx.act, ctx.bits) if ctx.link_groups else None
         if fresh_g:  # the activation's backward, its sum and the BN backward in two fused passes
             grad_x, sum_gx, g, sum_g = native.bn_backward(
                 x_codes, ctx.bits, shape, grid, mask, xstd, _gamma_invstd(weight, invstd), grad=grad_y,
-                act=ctx.act, slope=ctx.act_params[0] if ctx.act == "leaky_relu" else 0.0)
+                act=ctx.act, slope=ctx.act_params[0] if ctx.act == "leaky_relu" else 0.0, solve=rows,
+                top=6.0 if ctx.act == "relu6" else 0.0)
             grad_z = g
         else:
             grad_z = _act_backward(grad_y, mask, ctx.act, ctx.act_params)
             g = grad_z.float()
             sum_g = g.sum([d for d in range(nd) if d != 1])
-            exact = None if not ctx.link_groups else solved_weight_grad(
-                rest[4], grad_y, mask, x_codes, grid, weight, bias, xstd, sum_g, ctx.act, ctx.bits, shape)
+            exact = None if rows is None else solved_weight_grad(rows, grad_y, mask, x_codes, sum_g, ctx.act,
+                                                                 ctx.bits, shape)
             grad_x, sum_gx = _bn_backward(g, sum_g, x_codes, mask, grid, weight, invstd, ctx.eps, ctx.bits, shape,
                                           exact=exact)
         grads2 = (None,) * 3

@@ -32,6 +32,7 @@ gradients bit for bit, and the same R from its exact weight gradient.
 """
 from __future__ import annotations
 
+import math
 from typing import Optional, Tuple
 
 import torch
@@ -40,7 +41,7 @@ from memopt.ops import graph_leaf
 from memopt.ops.bitpack import unpack_bits
 from memopt.ops.stash_grid import _per_channel, batch_slices
 
-__all__ = ["bn_exact_link", "link_term", "solved_weight_grad"]
+__all__ = ["bn_exact_link", "link_term", "solve_rows", "solved_weight_grad"]
 
 _TINY = torch.finfo(torch.float32).tiny
 
@@ -54,14 +55,14 @@ def link_term(weight: Optional[torch.Tensor], invstd: torch.Tensor, sum_gx: torc
     return per_channel.view(groups, -1).sum(1)
 
 
-def _clip_sums(grad_y: torch.Tensor, mask: torch.Tensor, x_codes: torch.Tensor, grid: torch.Tensor,
-               gamma: torch.Tensor, beta: torch.Tensor, xstd: torch.Tensor, bits: int, shape: torch.Size
-               ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """ReLU6: per channel, Σ g over the elements clipped at 6, and where that sum is exact. Clipped elements
-    (y >= 6) and those below 0 share the code's mask-false side (rows lo0, w0 of ``grid``, in units of x̂'s
-    std), on either side of the kinks τ = -β/(γσ) and τ6 = (6 - β)/(γσ): where their bins are three or
-    more apart the bin says which (a rounding-level slip of one bin either way cannot cross)."""
-    bins, nd = 1 << bits, len(shape)
+def _clip_thresholds(grid: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, xstd: torch.Tensor, bits: int
+                     ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ReLU6: per channel (threshold, sign, exact): a mask-false element was clipped at 6 (y >= 6) iff
+    sign * code >= threshold, wherever ``exact``. Clipped elements and those below 0 share the code's
+    mask-false side (rows lo0, w0 of ``grid``, in units of x̂'s std), on either side of the kinks
+    τ = -β/(γσ) and τ6 = (6 - β)/(γσ); where their bins are three or more apart the bin says which (a
+    rounding-level slip of one bin either way cannot cross): up (γ > 0) codes >= k(τ) + 2, down codes <= k(τ) - 2."""
+    bins = 1 << bits
     scale = gamma * xstd
     ok = scale.abs() > _TINY  # False for NaN too
     safe = torch.where(ok, scale, torch.ones_like(scale))
@@ -72,36 +73,44 @@ def _clip_sums(grad_y: torch.Tensor, mask: torch.Tensor, x_codes: torch.Tensor, 
 
     k0, k6 = bin_of(-beta / safe), bin_of((6 - beta) / safe)
     up = scale > 0
-    exact = ok & torch.where(up, k6 - k0 >= 3, k0 - k6 >= 3)
-    # clipped: beyond k0 + 1 on τ6's side (up: codes >= k0 + 2; down: codes <= k0 - 2)
     sign = torch.where(up, 1.0, -1.0)
-    threshold, sign = _per_channel(sign * (k0 + 2 * sign), nd), _per_channel(sign, nd)
-    codes = unpack_bits(x_codes, bits, shape.numel()).view(shape)
-    dims = [d for d in range(nd) if d != 1]
-    total = torch.zeros_like(gamma)
-    for s in batch_slices(grad_y):
-        clipped = (codes[s].to(torch.float32) * sign >= threshold) & ~mask[s]
-        total += torch.where(clipped, grad_y[s].float(), 0.0).sum(dims)
-    return total, exact
+    return sign * (k0 + 2 * sign), sign, ok & torch.where(up, k6 - k0 >= 3, k0 - k6 >= 3)
 
 
-def solved_weight_grad(grad_link: torch.Tensor, grad_y: torch.Tensor, mask: Optional[torch.Tensor],
-                       x_codes: torch.Tensor, grid: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                       xstd: torch.Tensor, sum_g: torch.Tensor, act: str, bits: int, shape: torch.Size
-                       ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """A's side: (dL/dγ solved from the identity, where it applies) per channel, for ``_bn_backward``'s
-    ``exact``. ``grad_link``: R's B part from B's backward; ``sum_g``: dL/dβ; ``mask``: the exact pass mask."""
+def solve_rows(grad_link: torch.Tensor, grid: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+               xstd: torch.Tensor, act: str, bits: int) -> torch.Tensor:
+    """A's per-channel constants of the solve, rows (R's B part, β, γ, clip threshold, clip sign, where the
+    solve applies as 0/1), for the fused backward (``native.bn_backward(solve=...)``) and the plain one."""
     gamma = weight.float()
     beta = bias.float() if bias is not None else torch.zeros_like(gamma)
-    rhs = grad_link.float().reshape(-1)
     applies = gamma.abs() > _TINY
     if act == "relu6":
-        clipped, exact = _clip_sums(grad_y, mask, x_codes, grid, gamma, beta, xstd, bits, shape)
-        rhs = rhs - 6 * clipped
+        threshold, sign, exact = _clip_thresholds(grid, gamma, beta, xstd, bits)
         applies &= exact
-    safe = torch.where(applies, gamma, torch.ones_like(gamma))
-    solved = (rhs - beta * sum_g.float()) / safe
-    return solved, applies & torch.isfinite(solved)
+    else:
+        threshold, sign = torch.full_like(gamma, math.inf), torch.ones_like(gamma)
+    return torch.stack([grad_link.float().reshape(-1), beta, torch.where(applies, gamma, torch.ones_like(gamma)),
+                        threshold, sign, applies.float()])
+
+
+def solved_weight_grad(rows: torch.Tensor, grad_y: torch.Tensor, mask: Optional[torch.Tensor],
+                       x_codes: torch.Tensor, sum_g: torch.Tensor, act: str, bits: int, shape: torch.Size
+                       ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """A's side on the plain path: (dL/dγ solved from the identity, where it applies) per channel, for
+    ``_bn_backward``'s ``exact``. ``rows``: ``solve_rows``; ``sum_g``: dL/dβ; ``mask``: the exact pass mask."""
+    rhs, beta, gamma, threshold, sign, applies = rows
+    if act == "relu6":
+        nd = len(shape)
+        codes = unpack_bits(x_codes, bits, shape.numel()).view(shape)
+        dims = [d for d in range(nd) if d != 1]
+        clipped = torch.zeros_like(rhs)
+        threshold, sign = _per_channel(threshold, nd), _per_channel(sign, nd)
+        for s in batch_slices(grad_y):
+            where = (codes[s].to(torch.float32) * sign >= threshold) & ~mask[s]
+            clipped += torch.where(where, grad_y[s].float(), 0.0).sum(dims)
+        rhs = rhs - 6 * clipped
+    solved = (rhs - beta * sum_g.float()) / gamma
+    return solved, (applies != 0) & torch.isfinite(solved)
 
 
 class BNExactLink(torch.autograd.Function):

@@ -610,9 +610,13 @@ void mo_bn_backward(const uint8_t *packed, int64_t nbytes, int bits, int64_t n, 
                     const float *lo0, const float *w0, const float *lo1, const float *w1, const uint8_t *mask,
                     int mask_bits, const float *xstd, const float *grad, int act, float slope, float *g,
                     float *sum_g, const float *gamma_invstd, const float *exact_val, const uint8_t *exact_ok,
-                    float *out, float *sum_gx, int nthreads) {
+                    const float *solve, float top, float *out, float *sum_gx, int nthreads) {
+    /* solve (memopt/ops/stash_identity.py, with grad and a mask): rows R, beta, gamma, threshold, sign, ok per
+       channel; the weight gradient becomes (R - top * clip - beta * sum_g) / gamma where ok and finite, clip
+       being the sum of grad over the mask-false elements whose code satisfies sign * code >= threshold */
     int threads = nthreads < 1 ? 1 : nthreads;
-    double *acc = (double *)calloc((size_t)threads * 3 * C, sizeof(double));
+    const int clipping = solve && grad && mask && top != 0.0f;
+    double *acc = (double *)calloc((size_t)threads * 4 * C, sizeof(double));
 #pragma omp parallel num_threads(threads)
     {
         uint8_t *codes = (uint8_t *)malloc(BLOCK), *mbuf = (uint8_t *)malloc(BLOCK);
@@ -620,7 +624,7 @@ void mo_bn_backward(const uint8_t *packed, int64_t nbytes, int bits, int64_t n, 
 #ifdef _OPENMP
         t = omp_get_thread_num();
 #endif
-        double *ax = acc + (size_t)t * 3 * C, *agx = ax + C, *ag = agx + C;
+        double *ax = acc + (size_t)t * 4 * C, *agx = ax + C, *ag = agx + C, *aclip = ag + C;
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < num_blocks(n); b++) {
             int64_t i0 = b * BLOCK, count = n - i0 < BLOCK ? n - i0 : BLOCK;
@@ -630,6 +634,14 @@ void mo_bn_backward(const uint8_t *packed, int64_t nbytes, int bits, int64_t n, 
                 const int64_t c = (s / S) % C;
                 e = segment_end(s, S, i0 + count);
                 if (grad) ag[c] += masked_sum_run(grad + s, mb + (s - i0), g + s, e - s, act == ACT_LEAKY_RELU, slope);
+                if (clipping) {
+                    const float th = solve[3 * C + c], sgn = solve[4 * C + c];
+                    const uint8_t *cr = codes + (s - i0), *mr = mb + (s - i0);
+                    double clip = 0.0;
+                    for (int64_t j = 0; j < e - s; j++)
+                        if (!mr[j] && sgn * (float)cr[j] >= th) clip += grad[s + j];
+                    aclip[c] += clip;
+                }
                 const float l0 = lo0[c], v0 = w0[c], sd = xstd[c];
                 const float l1 = lo1 ? lo1[c] : l0, v1 = w1 ? w1[c] : v0;
                 if (lo1) sums_run(codes + (s - i0), mb + (s - i0), g + s, e - s, 1, l0, v0, l1, v1, sd, ax + c, agx + c);
@@ -643,16 +655,22 @@ void mo_bn_backward(const uint8_t *packed, int64_t nbytes, int bits, int64_t n, 
     float *xmean = (float *)malloc(4 * (size_t)C * sizeof(float));
     float *a = xmean + C, *bsub = a + C, *scale = bsub + C;
     for (int64_t c = 0; c < C; c++) {
-        double sx = 0.0, sgx = 0.0, sg = 0.0;
+        double sx = 0.0, sgx = 0.0, sg = 0.0, sclip = 0.0;
         for (int t = 0; t < threads; t++) {
-            sx += acc[(size_t)t * 3 * C + c];
-            sgx += acc[(size_t)t * 3 * C + C + c];
-            sg += acc[(size_t)t * 3 * C + 2 * C + c];
+            sx += acc[(size_t)t * 4 * C + c];
+            sgx += acc[(size_t)t * 4 * C + C + c];
+            sg += acc[(size_t)t * 4 * C + 2 * C + c];
+            sclip += acc[(size_t)t * 4 * C + 3 * C + c];
         }
         if (grad) sum_g[c] = (float)sg;
         double m = sx / count;
         float centred = (float)(sgx - m * (double)sum_g[c]);  /* m is about 0: nothing cancels */
         if (exact_ok && exact_ok[c]) centred = exact_val[c];
+        if (solve && solve[5 * C + c] != 0.0f) {
+            const float rhs = solve[c] - top * (float)sclip;
+            const float solved = (rhs - solve[C + c] * sum_g[c]) / solve[2 * C + c];
+            if (isfinite(solved)) centred = solved;
+        }
         sum_gx[c] = centred;
         xmean[c] = (float)m;
         a[c] = -centred / (float)count;
