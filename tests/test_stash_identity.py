@@ -185,3 +185,25 @@ def test_fused_and_plain_paths_solve_the_same(act, beta):
     assert torch.equal(out, out_p)
     for name in grads:
         torch.testing.assert_close(grads[name], grads_p[name], rtol=1e-4, atol=1e-5 * grads_p[name].abs().max().item())
+
+
+def test_planner_levels_of_chains_without_an_activation_round_trip(tmp_path):
+    # the planner's options carry the asked bits (the level); the codes of an identity chain use one more, and a
+    # saved plan re-applies to the same graph
+    pytest.importorskip("torchvision")
+    model, x = build("mobilenet_v2")
+    config = memopt.Config(fewbit=None)
+    full = memopt.optimize(copy.deepcopy(model), example_inputs=x, config=config).plan
+    budget = full.estimated_peak_bytes / 2 ** 20  # tight enough that the small projection chains are rewritten
+    om = memopt.optimize(model, budget, example_inputs=x, config=config)
+    levels = {u["chosen"]["unit"]: u["chosen"]["bits"] for u in om.plan.units if u["chosen"]["technique"] == "stash"}
+    identity = [n for n in om.plan.nodes if n.op == "bn_act_stash" and "+ identity:" in n.reason]
+    assert identity
+    for node in identity:
+        level = levels[node.name[:-len("_stash")]]
+        assert level in memopt.StashConfig().plan_bits and node.bits == min(level + 1, 8)
+    path = tmp_path / "plan.json"
+    om.plan.save(path)
+    again = memopt.optimize(model, example_inputs=x, plan=path)
+    assert again.graph_module.code == om.graph_module.code
+    assert again.plan.estimated_peak_bytes == om.plan.estimated_peak_bytes
