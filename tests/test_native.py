@@ -39,12 +39,16 @@ def test_pack_and_unpack_write_the_plain_paths_bytes(bits):
             assert torch.equal(unpack_bits(fused, bits, n), codes)
 
 
-def _chain(act, residual, bits, shape, dtype=torch.float32):
-    """One BN -> [+ r | + BN2(x2)] -> act chain: (outputs, saved tensors, gradients, rebuilt consumer input)."""
+def _chain(act, residual, bits, shape, dtype=torch.float32, tails=False):
+    """One BN -> [+ r | + BN2(x2)] -> act chain: (outputs, saved tensors, gradients, rebuilt consumer input);
+    ``tails``: heavy-tailed inputs (a log-normal scale per element), whose extremes lie far past the window."""
     def run():
         torch.manual_seed(1)
         c = shape[1]
-        x = (torch.randn(shape) * 2 + 0.5).to(dtype).requires_grad_()
+        x = torch.randn(shape) * 2 + 0.5
+        if tails:
+            x = x * torch.randn(shape).exp()
+        x = x.to(dtype).requires_grad_()
         bn, bn2 = nn.BatchNorm2d(c), nn.BatchNorm2d(c)
         with torch.no_grad():
             for b in (bn, bn2):
@@ -53,7 +57,7 @@ def _chain(act, residual, bits, shape, dtype=torch.float32):
         extra = {}
         r = None
         if residual == "tensor":
-            r = torch.relu(torch.randn(shape)).requires_grad_()
+            r = torch.relu(torch.randn(shape) * (torch.randn(shape).exp() * 3 if tails else 1)).requires_grad_()
         elif residual == "bn":
             x2 = torch.randn(shape).requires_grad_()
             extra = dict(x2=x2, weight2=bn2.weight, bias2=bn2.bias, running_mean2=bn2.running_mean,
@@ -90,6 +94,19 @@ def test_chain_codes_and_rebuilt_inputs_are_bit_identical_and_gradients_agree(ac
     assert torch.equal(rebuilt, rebuilt_p)
     for a, b in zip(grads, grads_p):
         # only the per-channel sums of the BN backward run in another order (double there)
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-5 * b.abs().max().item()), (a - b).abs().max()
+
+
+@pytest.mark.parametrize("act, residual", [(act, residual) for act in ("relu", "relu6", "leaky_relu", "identity")
+                                           for residual in (None, "tensor", "bn") if (act, residual) != ("identity", "bn")])
+def test_grids_that_reach_out_to_heavy_tails_are_bit_identical(act, residual):
+    # at 8 bits the outer ends follow the data past the window (stash_grid.REACH): the same grids on both paths
+    fused, plain = _chain(act, residual, 8, (8, 6, 33, 35), tails=True)
+    (y, outs, saved, grads, rebuilt, stats), (y_p, outs_p, saved_p, grads_p, rebuilt_p, stats_p) = fused, plain
+    assert torch.equal(y, y_p) and torch.equal(rebuilt, rebuilt_p)
+    for a, b in zip(outs + saved + stats, outs_p + saved_p + stats_p):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    for a, b in zip(grads, grads_p):
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-5 * b.abs().max().item()), (a - b).abs().max()
 
 

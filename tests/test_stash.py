@@ -446,3 +446,37 @@ def test_cpu_selects_and_gpu_selects_give_identical_gradients(name, monkeypatch)
         grads.append([p.grad for p in model.parameters()])
     errors = [((a - b).norm() / b.norm()).item() for a, b in zip(*grads) if b.norm() > 0]
     assert max(errors) < 1e-5, max(errors)
+
+
+@pytest.mark.parametrize("residual", [False, True])
+def test_8_bit_grids_reach_out_to_heavy_tails(residual, monkeypatch):
+    # trained activations grow tails far past the ±4 std window; at 8 bits the outer ends (and the z code's top)
+    # follow the data out (stash_grid.REACH), where the window alone clipped them
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv1, self.bn, self.conv2 = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.Conv2d(8, 4, 3)
+
+        def forward(self, x):
+            h = self.conv1(x)
+            return self.conv2(torch.relu(self.bn(h) + h if residual else self.bn(h)))
+
+    torch.manual_seed(0)
+    model, x = Net(), torch.randn(4, 3, 16, 16) * torch.randn(4, 3, 16, 16).mul(1.5).exp()
+    reference = copy.deepcopy(model)
+    ref = reference(x)
+    g = torch.randn_like(ref)
+    ref.backward(g)
+
+    def cosines():
+        m = copy.deepcopy(model)
+        om = memopt.optimize(m, example_inputs=x, config=stash_config(8, min_per_channel=1))
+        assert len(_chain_nodes(om)) == 1
+        om(x).backward(g)
+        return {n: F.cosine_similarity(p.grad.flatten(), q.grad.flatten(), 0).item()
+                for (n, p), q in zip(m.named_parameters(), reference.parameters()) if n != "conv1.bias" or residual}
+
+    reaching = cosines()
+    monkeypatch.delitem(memopt.ops.stash_grid.REACH, 8)
+    clipped = cosines()
+    assert min(reaching.values()) > 0.999 and min(reaching.values()) > min(clipped.values())

@@ -32,13 +32,16 @@ class DepthwiseBlock(nn.Module):
         return self.proj(self.act_b(self.bn_b(self.dw(y if self.act is None else self.act(y)))))
 
 
-def _block(act="relu6", beta=0.0, gamma=1.0, seed=0, **kw):
+def _block(act="relu6", beta=0.0, gamma=1.0, seed=0, tails=False, **kw):
+    """The block and an input; ``tails``: heavy-tailed (a log-normal scale per element), so A's BN output
+    reaches far past the code's window."""
     torch.manual_seed(seed)
     model = DepthwiseBlock(act, **kw).train()
     with torch.no_grad():
         model.bn_a.bias.fill_(beta)
         model.bn_a.weight.uniform_(0.5 * gamma, 1.5 * gamma)
-    return model, torch.randn(4, 3, 16, 16)
+    x = torch.randn(4, 3, 16, 16)
+    return model, x * torch.randn(4, 3, 16, 16).mul(1.5).exp() if tails else x
 
 
 def _grads(model, x, config, seed=1):
@@ -87,10 +90,12 @@ def test_the_identity_holds_for_exact_float64_gradients(act, beta, mult):
     torch.testing.assert_close(lhs, rhs, rtol=1e-6, atol=1e-9 * lhs.abs().max().item())
 
 
-@pytest.mark.parametrize("act, beta, mult", [("relu6", 0.0, 1), ("relu6", 4.0, 1), ("relu", 0.5, 2),
-                                             ("leaky_relu", -0.3, 1), ("identity", 0.2, 1)])
-def test_solved_bn_weight_gradient_is_accurate_and_nothing_downstream_changes(act, beta, mult):
-    model, x = _block(act, beta, mult=mult)
+@pytest.mark.parametrize("act, beta, mult, tails", [("relu6", 0.0, 1, False), ("relu6", 4.0, 1, False),
+                                                    ("relu6", 0.0, 1, True), ("relu", 0.5, 2, False),
+                                                    ("leaky_relu", -0.3, 1, False), ("identity", 0.2, 1, False)])
+def test_solved_bn_weight_gradient_is_accurate_and_nothing_downstream_changes(act, beta, mult, tails):
+    # tails: clipped values lie past the code's window, whose end then is not the data's (no channel skipped)
+    model, x = _block(act, beta, mult=mult, tails=tails)
     om, out, ref, ours, exact = _grads(copy.deepcopy(model), x, _config())
     assert torch.equal(out, ref)
     assert om.graph_module.code.count("link_groups") == 1
@@ -99,8 +104,9 @@ def test_solved_bn_weight_gradient_is_accurate_and_nothing_downstream_changes(ac
     _, _, _, plain, _ = _grads(copy.deepcopy(model), x, _config(scale_identity=False))
     # the rebuilt-x̂ sum is noise against this nearly scale-invariant gradient; the solve inherits B's weight
     # gradient's error (and β times dL/dβ's): measured 0.968-1.0 here (0.716-0.97 without), 0.9979-0.9997 at β = 0
+    # with Gaussian inputs, 0.990 with heavy tails (0.49 without)
     solved, summed = _cos(ours["bn_a.weight"], exact["bn_a.weight"]), _cos(plain["bn_a.weight"], exact["bn_a.weight"])
-    assert solved > summed and solved > (0.995 if beta == 0 else 0.96)
+    assert solved > summed and solved > (0.995 if beta == 0 and not tails else 0.96)
     for name in ("dw.weight", "bn_b.weight", "bn_b.bias", "proj.weight", "proj.bias"):
         assert torch.equal(ours[name], plain[name]), name  # computed before A's backward
     # dL/dβ is not solved (the unfused path sums it in another order)

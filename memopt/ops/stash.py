@@ -18,7 +18,10 @@ updated once), and backward keeps, through ``ctx.save_for_backward``, only:
   (0, mean + WINDOWS[K+1] std]; LeakyReLU and identity keep a grid of 2h std around the mean. The
   x̂ code of a residual chain is split by that mask too, each side's window ending where its values
   end. In every split code each side's outer end is also where its values end when that is inside
-  ±h (finer bins; a per-channel reduction, ``_ends``, kept as 4 floats per channel);
+  ±h (finer bins; a per-channel reduction, ``_ends``, kept as 4 floats per channel). At K = 8 the
+  outer ends (and a one-window grid's edges, and the top of a z code) also follow the data out past
+  the window, at most 4 times as far (``stash_grid.REACH``: trained activations grow tails the window
+  would clip);
 - when the residual is itself a training-mode BatchNorm's output (a ResNet downsample), that BN runs
   in the same Function (``x2`` ...): its gradient is the chain's, zero wherever the mask is 0, so its
   x̂ code is split by the same exact mask (the weight gradient reads only the mask-1 side), instead of
@@ -49,9 +52,9 @@ from memopt.errors import MemoptError
 from memopt.ops import graph_leaf, native
 from memopt.ops.bitpack import pack_bits, unpack_bits
 from memopt.ops.stash_identity import link_term, solve_rows, solved_weight_grad
-from memopt.ops.stash_grid import (WINDOWS, _act_backward, _activation, _code_, _decode_mask, _from_codes, _grid,
-                                   _mask, _per_channel, _xhat_std, batch_slices, channel_std_mean, exact_mask,
-                                   keep_where, select_u8, x_code, x_grid_half)
+from memopt.ops.stash_grid import (REACH, WINDOWS, _act_backward, _activation, _code_, _decode_mask, _from_codes,
+                                   _grid, _mask, _per_channel, _xhat_std, batch_slices, channel_std_mean, exact_mask,
+                                   keep_where, select_u8, x_code, x_grid_half, x_grid_reach)
 
 __all__ = ["WINDOWS", "BNActStash", "bn_act_stash", "conv_from_stash", "conv_grads", "linear_from_stash",
            "linear_grads", "max_pool2d_indices_only", "positive_z_grid", "split_by_mask", "x_grid_half"]
@@ -119,6 +122,13 @@ def _split_x_codes(x, weight, bias, mean, invstd, eps, mask, bits: int, act: str
     (packed codes, the data-dependent grid: 4 rows per channel, saved)."""
     codes, grid, _, _ = x_code(x, weight, bias, mean, invstd, eps, mask, bits, act, True, True)
     return codes, grid
+
+
+def _channel_max(z: torch.Tensor) -> torch.Tensor:
+    """Per-channel greatest value (float32; NaN where the channel has one), in one pass on the CPU."""
+    if native.applies(z, float_dtype=True):
+        return native.channel_extremes(z)[3]
+    return z.amax([d for d in range(z.dim()) if d != 1]).float()
 
 
 def _gamma_invstd(weight, invstd):
@@ -202,6 +212,8 @@ class BNActStash(torch.autograd.Function):
                 # code 0 is "z <= 0" (rebuilt as exactly 0); bins 1..2^K-1 cover (0, top], the positive part of a
                 # (K+1)-bit grid over mu ± h' std (h' = WINDOWS[K+1]); ReLU6 stops at 6
                 top = (mu + WINDOWS[min(bits + 1, 8)] * std).clamp_min(half * std / bins)
+                if bits in REACH:  # the top follows the data out, at most to mu + reach std (stash_grid.REACH)
+                    top = torch.maximum(top, torch.minimum(_channel_max(z), mu + x_grid_reach(bits, True) * std))
                 zwidth = (top.clamp_max(6.0) if act == "relu6" else top) / (bins - 1)
                 j = torch.ones_like(mu)
             else:

@@ -21,6 +21,14 @@ DATA_ENDS = True
 
 WINDOWS = {1: 1.5, 2: 2.0, 3: 2.5, 4: 3.0, 5: 3.25, 6: 3.5, 7: 3.75, 8: 4.0}
 
+# How far past its window an outer end may follow the data, as a multiple of the window, per K. Trained
+# activations grow tails far beyond ±WINDOWS: ResNet-18 at 224x224 after 100 SGD steps had 44 of 62 parameters
+# >= 0.99 at 8 bits with the window as it is and 62 of 62 with it doubled (docs/results/stash_trained_224.md);
+# at 8 bits the bins stay fine when the window reaches out to the data (256 bins over 16 std: 1/16 std), at 4
+# bits they do not (a doubled window lost parameters there), so only K = 8 reaches out. The ends are each
+# channel's extremes, already computed for the split grids.
+REACH = {8: 4.0}
+
 
 def _per_channel(t: torch.Tensor, ndim: int) -> torch.Tensor:
     return t.view(1, -1, *([1] * (ndim - 2)))
@@ -98,6 +106,17 @@ def x_grid_half(bits: int, split: bool) -> float:
     return WINDOWS[min(bits + 1, 8)] if split else WINDOWS[bits]
 
 
+def x_grid_reach(bits: int, split: bool) -> float:
+    """How far an outer end may move out to the data's end (``REACH``; the window's own edge where K has none)."""
+    return x_grid_half(bits, split) * REACH.get(bits, 1.0)
+
+
+def reaches(bits: int, split: bool) -> bool:
+    """Whether the x̂ grid depends on the data (``_ends``, kept with the codes): split grids (``DATA_ENDS``) and,
+    where K reaches out (``REACH``), grids over one window too."""
+    return (split and DATA_ENDS) or bits in REACH
+
+
 def _ends(x, mean, invstd, xstd, mask, inner: bool) -> torch.Tensor:
     """Per channel, where the sides' values of x̂/std end: rows (lo0, hi0, lo1, hi1), side 0 where the mask is
     false. Without ``inner`` every end is the channel's extreme (one cheap reduction over ``x``: each side's
@@ -141,10 +160,16 @@ def _grid(weight, bias, xstd: torch.Tensor, bits: int, act: str, split: bool,
     (-h or h) is instead where that side's values end when that lies inside the window, so a side whose
     values stop short of ±h gets finer bins; values beyond ±h still clip (a window widened to the data's
     extremes had coarser bins at 128x128x4 than the clipping cost: ResNet-50 bn3 weights 0.9904 -> 0.9889,
-    docs/results/stash_gradients.md)."""
-    bins, half = 1 << bits, x_grid_half(bits, split)
+    docs/results/stash_gradients.md), except where K reaches out (``REACH``: K = 8), whose outer ends, and the
+    edges of a grid over one window, follow the data out to ±reach."""
+    bins, half, reach = 1 << bits, x_grid_half(bits, split), x_grid_reach(bits, split)
     lo, hi = torch.full_like(xstd, -half), torch.full_like(xstd, half)
     if not split:
+        if ends is not None and reach > half:  # each edge moves out to the data's end, at most to ±reach
+            e = ends.clamp(-reach, reach)  # NaN stays NaN: not finite, the window's edge is kept
+            fin = torch.isfinite(e)
+            lo = torch.where(fin[0] & (e[0] < lo), e[0], lo)
+            hi = torch.where(fin[3] & (e[3] > hi), e[3], hi)
         return torch.stack([lo, (hi - lo) / bins])
     if residual:
         lo0, hi0, lo1, hi1 = lo, ends[1].clamp(-half, half), ends[2].clamp(-half, half), hi
@@ -164,7 +189,7 @@ def _grid(weight, bias, xstd: torch.Tensor, bits: int, act: str, split: bool,
             lo0, hi0 = torch.where(pos, lo, tau), torch.where(pos, tau, hi)
         lo1, hi1, lo0, hi0 = (torch.where(ok, v, d) for v, d in ((lo1, lo), (hi1, hi), (lo0, lo), (hi0, hi)))
     if ends is not None and DATA_ENDS:
-        ends = ends.clamp(-half, half)  # NaN stays NaN: not finite, the window's end is kept
+        ends = ends.clamp(-reach, reach)  # NaN stays NaN: not finite, the window's end is kept
         fin = torch.isfinite(ends)
         lo0 = torch.where((lo0 <= -half) & fin[0], ends[0], lo0)
         hi0 = torch.where((hi0 >= half) & fin[1], ends[1], hi0)
@@ -247,13 +272,13 @@ def x_code(x, weight, bias, mean, invstd, eps: float, mask, bits: int, act: str,
     On a contiguous float32 CPU tensor: two fused passes (extremes, codes) and one call for the per-channel
     constants (``memopt/ops/native.py``: the extremes of x map to those of x̂ because x -> (x - mean) * scale is
     monotonic in float32), the same values as the plain path below."""
-    data = residual or (split and DATA_ENDS)
+    data = residual or reaches(bits, split)
     xstd = _xhat_std(invstd, eps)
     if native.applies(x, float_dtype=True) and (mask is None or mask.is_contiguous()):
         raw = native.channel_extremes(x, mask if residual else None) if data else None
         scale, grid, enc, rows = native.chain_grid(invstd, xstd, weight, bias, mean, raw, residual, bits,
-                                                   x_grid_half(bits, split), split, act == "relu6", residual,
-                                                   DATA_ENDS, affine)
+                                                   x_grid_half(bits, split), x_grid_reach(bits, split), split,
+                                                   act == "relu6", residual, DATA_ENDS, affine)
         return native.encode(x, enc, bits, mean=mean, scale=scale, mask=mask), grid, data, rows
     ends = _ends(x, mean, invstd, xstd, mask, residual) if data else None
     grid = _grid(weight, bias, xstd, bits, act, split, ends, residual=residual)

@@ -37,9 +37,9 @@ from typing import Optional, Tuple
 
 import torch
 
-from memopt.ops import graph_leaf
+from memopt.ops import graph_leaf, stash_grid
 from memopt.ops.bitpack import unpack_bits
-from memopt.ops.stash_grid import _per_channel, batch_slices
+from memopt.ops.stash_grid import _per_channel, batch_slices, x_grid_half, x_grid_reach
 
 __all__ = ["bn_exact_link", "link_term", "solve_rows", "solved_weight_grad"]
 
@@ -61,7 +61,9 @@ def _clip_thresholds(grid: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor
     sign * code >= threshold, wherever ``exact``. Clipped elements and those below 0 share the code's
     mask-false side (rows lo0, w0 of ``grid``, in units of x̂'s std), on either side of the kinks
     τ = -β/(γσ) and τ6 = (6 - β)/(γσ); where their bins are three or more apart the bin says which (a
-    rounding-level slip of one bin either way cannot cross): up (γ > 0) codes >= k(τ) + 2, down codes <= k(τ) - 2."""
+    rounding-level slip of one bin either way cannot cross): up (γ > 0) codes >= k(τ) + 2, down codes <= k(τ) - 2.
+    Where that side's window ends at the data's extreme (inside ±reach, so ``_grid`` moved it there) more than a
+    bin short of τ6 nothing was clipped: the threshold is +inf there, and the fused backward skips the channel."""
     bins = 1 << bits
     scale = gamma * xstd
     ok = scale.abs() > _TINY  # False for NaN too
@@ -71,10 +73,16 @@ def _clip_thresholds(grid: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor
     def bin_of(v):
         return (((v - lo0) / w0).ceil() - 1).clamp(0, bins - 1)
 
-    k0, k6 = bin_of(-beta / safe), bin_of((6 - beta) / safe)
+    tau6 = (6 - beta) / safe
+    k0, k6 = bin_of(-beta / safe), bin_of(tau6)
     up = scale > 0
     sign = torch.where(up, 1.0, -1.0)
-    return sign * (k0 + 2 * sign), sign, ok & torch.where(up, k6 - k0 >= 3, k0 - k6 >= 3)
+    # the window's outer end is the data's own only where it lies strictly inside ±reach
+    reach = (x_grid_reach(bits, True) if stash_grid.DATA_ENDS else x_grid_half(bits, True)) * (1 - 1e-6)
+    top, bottom = lo0 + bins * w0, lo0
+    none = torch.where(up, (top < reach) & (top < tau6 - w0), (bottom > -reach) & (bottom > tau6 + w0))
+    threshold = (sign * (k0 + 2 * sign)).masked_fill(none, math.inf)
+    return threshold, sign, ok & (none | torch.where(up, k6 - k0 >= 3, k0 - k6 >= 3))
 
 
 def solve_rows(grad_link: torch.Tensor, grid: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],

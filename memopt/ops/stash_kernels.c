@@ -414,6 +414,25 @@ static inline double masked_sum_run(const float *restrict gr, const uint8_t *res
     return total;
 }
 
+/* The scale identity's clip term over a run: the sum of gr where the mask is 0 and sign * code >= th, in LANES
+ * independent lanes (a select the compiler vectorises). */
+static inline double clip_sum_run(const float *restrict gr, const uint8_t *restrict cd, const uint8_t *restrict mk,
+                                  int64_t count, float th, float sgn) {
+    float lane[LANES];
+    for (int j = 0; j < LANES; j++) lane[j] = 0.0f;
+    int64_t i = 0;
+    for (; i + LANES <= count; i += LANES)
+        for (int j = 0; j < LANES; j++) {
+            int hit = (mk[i + j] == 0) & (sgn * (float)cd[i + j] >= th);
+            lane[j] += hit ? gr[i + j] : 0.0f;
+        }
+    double total = 0.0;
+    for (; i < count; i++)
+        if (mk[i] == 0 && sgn * (float)cd[i] >= th) total += gr[i];
+    for (int j = 0; j < LANES; j++) total += lane[j];
+    return total;
+}
+
 /* Least / greatest of a run into a[0..4] = (lo, hi0, lo1, hi, any NaN), in LANES independent lanes: a plain
  * loop the compiler turns into vector min / max (each lane's `u < lo ? u : lo` is exactly the instruction's
  * semantics). No `omp simd` min/max reduction: GCC 12 vectorised the masked one wrongly (a greatest value
@@ -516,14 +535,16 @@ static inline float maxf_nan(float a, float b) { return (a != a || b != b) ? NAN
 /* Inputs: invstd and xstd (stash_grid._xhat_std, from PyTorch: its sqrt is not always the correctly rounded
  * one that sqrtf gives, so computing it here changed the last bit); weight / bias (NULL: 1 / 0); mean; raw (4 x C extremes of x from mo_channel_extremes,
  * NULL without data ends); inner (raw holds each side's inner extremes: a residual chain); bits; half (the
- * window's half-width); split; relu6; residual (the sides' inner ends from the data, not the kink);
- * data_ends (stash_grid.DATA_ENDS: an outer end at the window's edge moves to where the data end).
+ * window's half-width); reach (how far an outer end may follow the data: stash_grid.x_grid_reach; past half
+ * only at K = 8, where a grid over one window follows it too); split; relu6; residual (the sides' inner ends
+ * from the data, not the kink); data_ends (stash_grid.DATA_ENDS: an outer end at the window's edge moves to
+ * where the data end).
  * Outputs: scale = invstd / max(xstd, 1e-12), grid (rows lo0, w0[, lo1, w1]: 2 or 4 x C), enc (grid with
  * widths at least FLT_MIN, as the encoder takes them) and, when affine is not NULL, the consumers' rows
  * beta + gamma xstd lo, gamma xstd w per side. */
 void mo_chain_grid(int64_t C, const float *invstd, const float *xstd, const float *weight, const float *bias,
-                   const float *mean, const float *raw, int inner, int bits, float half, int split, int relu6,
-                   int residual, int data_ends, float *scale, float *grid, float *enc, float *affine) {
+                   const float *mean, const float *raw, int inner, int bits, float half, float reach, int split,
+                   int relu6, int residual, int data_ends, float *scale, float *grid, float *enc, float *affine) {
     const float bins = (float)(1 << bits), tiny = FLT_MIN;
     for (int64_t c = 0; c < C; c++) {
         const float sd = xstd[c];
@@ -542,6 +563,11 @@ void mo_chain_grid(int64_t C, const float *invstd, const float *xstd, const floa
         }
         float lo = -half, hi = half;
         if (!split) {
+            if (raw && reach > half) {  /* each edge moves out to the data's end, at most to +-reach */
+                float e0 = clampf_nan(ends[0], -reach, reach), e3 = clampf_nan(ends[3], -reach, reach);
+                if (isfinite(e0) && e0 < lo) lo = e0;
+                if (isfinite(e3) && e3 > hi) hi = e3;
+            }
             grid[c] = lo;
             grid[C + c] = (hi - lo) / bins;
             enc[c] = grid[c];
@@ -576,7 +602,7 @@ void mo_chain_grid(int64_t C, const float *invstd, const float *xstd, const floa
             float e[4];
             int fin[4];
             for (int r = 0; r < 4; r++) {
-                e[r] = clampf_nan(ends[r], -half, half);
+                e[r] = clampf_nan(ends[r], -reach, reach);
                 fin[r] = isfinite(e[r]);
             }
             if (lo0 <= -half && fin[0]) lo0 = e[0];
@@ -634,14 +660,9 @@ void mo_bn_backward(const uint8_t *packed, int64_t nbytes, int bits, int64_t n, 
                 const int64_t c = (s / S) % C;
                 e = segment_end(s, S, i0 + count);
                 if (grad) ag[c] += masked_sum_run(grad + s, mb + (s - i0), g + s, e - s, act == ACT_LEAKY_RELU, slope);
-                if (clipping) {
-                    const float th = solve[3 * C + c], sgn = solve[4 * C + c];
-                    const uint8_t *cr = codes + (s - i0), *mr = mb + (s - i0);
-                    double clip = 0.0;
-                    for (int64_t j = 0; j < e - s; j++)
-                        if (!mr[j] && sgn * (float)cr[j] >= th) clip += grad[s + j];
-                    aclip[c] += clip;
-                }
+                if (clipping && isfinite(solve[3 * C + c]))  /* an infinite threshold: nothing can be clipped */
+                    aclip[c] += clip_sum_run(grad + s, codes + (s - i0), mb + (s - i0), e - s, solve[3 * C + c],
+                                             solve[4 * C + c]);
                 const float l0 = lo0[c], v0 = w0[c], sd = xstd[c];
                 const float l1 = lo1 ? lo1[c] : l0, v1 = w1 ? w1[c] : v0;
                 if (lo1) sums_run(codes + (s - i0), mb + (s - i0), g + s, e - s, 1, l0, v0, l1, v1, sd, ax + c, agx + c);
