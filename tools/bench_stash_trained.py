@@ -6,7 +6,8 @@ scikit-learn's digits (8x8, upsampled to SIZE x SIZE, 3 channels, labels 0-9, st
 batch the cross-entropy gradient of each parameter with the stash (few-bit off) against exact autograd on
 a copy of the same trained model. Parameters whose exact gradient norm is below 1e-3 x the median are left
 out (as in bench_stash_gradients.py). ``--window-scale`` multiplies every grid's half-width (stash_grid.WINDOWS,
-±4σ at 8 bits) to show what clipping at the window costs once activations have heavy tails. Writes
+±4σ at 8 bits) to show what clipping at the window costs once activations have heavy tails (at 8 bits the
+outer ends also follow the data out to stash_grid.REACH times the window, which scales with it). Writes
 docs/results/stash_trained.md.
 Run: python tools/bench_stash_trained.py  (about 15 minutes on 2 CPU threads)
 """
