@@ -16,7 +16,9 @@ class StashConfig:
     -> ReLU/ReLU6/LeakyReLU chains whose outputs feed conv, linear, pooling or add consumers.
 
     Attributes:
-        bits: K, bits per element of each code, 1..8 (default 4; the paper uses 4 and 8).
+        bits: K, bits per element of each code, 1..8 (default 4; the paper uses 4 and 8; chains without an
+            activation use K + 1, see ``identity_extra_bit``; at 8 bits the grids reach out to the data's
+            extremes, ``memopt/ops/stash_grid.py`` REACH).
         allow: if given, only chains whose BatchNorm node is named here are rewritten.
         deny: BatchNorm node names whose chains stay exact.
         min_per_channel: BatchNorms that normalise fewer elements per channel than this (batch x
