@@ -154,8 +154,7 @@ def _fusable_pool(bn: fx.Node, add, act: fx.Node, kind: str, modules, cfg: Stash
 def _rewrite_pool(gm: fx.GraphModule, modules, bn: fx.Node, act: fx.Node, pool: fx.Node, bits: int) -> None:
     graph, module, pm = gm.graph, modules[bn.target], modules[pool.target]
     with graph.inserting_before(pool):
-        attrs = [_attr(graph, bn.target, module, n) for n in
-                 ("weight", "bias", "running_mean", "running_var", "num_batches_tracked")]
+        attrs = _bn_attrs(graph, bn.target, module)
         stash = graph.create_node("call_function", bn_act_stash,
                                   (bn.args[0], *attrs, None, module.momentum, module.eps, "relu", (), bits, False,
                                    bn.format_node()),
@@ -266,8 +265,7 @@ def _link(gm: fx.GraphModule, modules, first: fx.Node, conv: fx.Node, following:
     else:  # a BatchNorm left exact: stock's kernels and saved tensors in a Function that also returns R
         module, source = modules[following.target], following.name
         with graph.inserting_before(following):
-            attrs = [_attr(graph, following.target, module, n)
-                     for n in ("weight", "bias", "running_mean", "running_var", "num_batches_tracked")]
+            attrs = _bn_attrs(graph, following.target, module)
             exact = graph.call_function(bn_exact_link, (conv, *attrs, module.momentum, module.eps, link))
         why = following.meta.get(DECISION_KEY, {}).get("reason", "left exact")
         exact.meta[DECISION_KEY] = {"technique": "exact", "reason": f"{why}; stock's BatchNorm kernels, its weight "
@@ -283,6 +281,12 @@ def _attr(graph: fx.Graph, path: str, module: nn.Module, name: str) -> Optional[
     return graph.get_attr(f"{path}.{name}") if getattr(module, name, None) is not None else None
 
 
+def _bn_attrs(graph: fx.Graph, path: str, module: nn.Module) -> List[Optional[fx.Node]]:
+    """A BatchNorm's weight, bias, running mean, running variance and batch count as graph nodes (None if absent)."""
+    return [_attr(graph, path, module, n) for n in ("weight", "bias", "running_mean", "running_var",
+                                                   "num_batches_tracked")]
+
+
 def _rewrite(gm: fx.GraphModule, modules, bn: fx.Node, add: Optional[fx.Node], act: fx.Node, kind: str,
              bits: int, second: Optional[fx.Node] = None, level: Optional[int] = None) -> None:
     """``act`` is the chain's last node: the activation, or the BatchNorm / add for "identity"; ``second``:
@@ -294,13 +298,12 @@ def _rewrite(gm: fx.GraphModule, modules, bn: fx.Node, add: Optional[fx.Node], a
     replaced: List[str] = list(dict.fromkeys([bn.name] + ([second.name] if second is not None else []) +
                                              ([add.name] if add is not None else []) + [act.name]))
     need_y = any(_needs_rebuild(u, modules) for u in act.users)
-    names = ("weight", "bias", "running_mean", "running_var", "num_batches_tracked")
     with graph.inserting_before(act):
-        attrs = [_attr(graph, bn.target, module, n) for n in names]
+        attrs = _bn_attrs(graph, bn.target, module)
         extra = ()
         if second is not None:
             module2 = modules[second.target]
-            extra = (second.args[0], *[_attr(graph, second.target, module2, n) for n in names], module2.momentum,
+            extra = (second.args[0], *_bn_attrs(graph, second.target, module2), module2.momentum,
                      module2.eps)
             residual = None
         stash = graph.create_node("call_function", bn_act_stash,

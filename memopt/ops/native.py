@@ -296,13 +296,13 @@ def bn_backward(packed: torch.Tensor, bits: int, shape: torch.Size, grid: torch.
                                                               exact[1].to(torch.uint8).contiguous())
     sum_gx = torch.empty(channels, dtype=torch.float32)
     out = torch.empty(shape, dtype=torch.float32) if out is None else out
-    solve_rows = None if solve is None else solve.float().contiguous()
+    solve_c = None if solve is None else solve.float().contiguous()
     per = [t.float().contiguous() for t in (xstd, gamma_invstd)]
     if _runs(g, packed) and n:
         _library().mo_bn_backward(packed.data_ptr(), packed.numel(), bits, n, channels, inner, _ptr(lo0), _ptr(w0),
                                   _ptr(lo1), _ptr(w1), _ptr(m), _is_bits(mask), per[0].data_ptr(), _ptr(grad),
                                   _ACTS[act], float(slope), g.data_ptr(), sum_g.data_ptr(), per[1].data_ptr(),
-                                  _ptr(exact_val), _ptr(exact_ok), _ptr(solve_rows), float(top), out.data_ptr(),
+                                  _ptr(exact_val), _ptr(exact_ok), _ptr(solve_c), float(top), out.data_ptr(),
                                   sum_gx.data_ptr(), _threads(n))
     return out, sum_gx, g, sum_g
 

@@ -53,7 +53,8 @@ from memopt.ops import graph_leaf, native
 from memopt.ops.bitpack import pack_bits, unpack_bits
 from memopt.ops.stash_identity import link_term, solve_rows, solved_weight_grad
 from memopt.ops.stash_grid import (REACH, WINDOWS, _act_backward, _activation, _code_, _decode_mask, _from_codes,
-                                   _grid, _mask, _per_channel, _xhat_std, batch_slices, channel_std_mean, exact_mask,
+                                   _grid, _mask, _per_channel, _xhat_std, batch_norm_train, batch_slices,
+                                   channel_std_mean, exact_mask,
                                    keep_where, select_u8, x_code, x_grid_half, x_grid_reach)
 
 __all__ = ["WINDOWS", "BNActStash", "bn_act_stash", "conv_from_stash", "conv_grads", "linear_from_stash",
@@ -104,17 +105,6 @@ class _Stash:
         if act == "leaky_relu":
             return torch.where(mask, z.clamp_min(0), z.clamp_max_(0).mul_(params[0]))
         return keep_where(z.clamp_min_(0), mask, out=z)
-
-
-def _batch_norm(x, weight, bias, running_mean, running_var, num_batches_tracked, momentum, eps):
-    """Training-mode BatchNorm as ``nn.BatchNorm*d`` runs it (same kernel; running statistics updated once):
-    (output, batch mean, inverse std)."""
-    if num_batches_tracked is not None:
-        num_batches_tracked.add_(1)
-    factor = momentum if momentum is not None else 1.0 / float(num_batches_tracked)
-    out, mean, invstd, _, _ = torch.ops.aten._batch_norm_impl_index(
-        x, weight, bias, running_mean, running_var, True, factor, eps, torch.backends.cudnn.enabled)
-    return out, mean, invstd
 
 
 def _split_x_codes(x, weight, bias, mean, invstd, eps, mask, bits: int, act: str):
@@ -172,10 +162,11 @@ class BNActStash(torch.autograd.Function):
     def forward(ctx, x, weight, bias, running_mean, running_var, num_batches_tracked, residual, momentum, eps,
                 act, act_params, bits, need_y, node, x2=None, weight2=None, bias2=None, running_mean2=None,
                 running_var2=None, num_batches_tracked2=None, momentum2=None, eps2=1e-5, link=None, link_groups=0):
-        out, mean, invstd = _batch_norm(x, weight, bias, running_mean, running_var, num_batches_tracked, momentum, eps)
+        out, mean, invstd, _, _ = batch_norm_train(x, weight, bias, running_mean, running_var, num_batches_tracked,
+                                                   momentum, eps)
         if x2 is not None:  # the residual is a second BatchNorm's output (a downsample): its x̂ is split by our mask
-            residual, mean2, invstd2 = _batch_norm(x2, weight2, bias2, running_mean2, running_var2,
-                                                   num_batches_tracked2, momentum2, eps2)
+            residual, mean2, invstd2, _, _ = batch_norm_train(x2, weight2, bias2, running_mean2, running_var2,
+                                                              num_batches_tracked2, momentum2, eps2)
         residual_input, has_residual = residual is not None and x2 is None, residual is not None
         # out is our own temporary: the residual add and (where z is not coded afterwards) the activation
         # overwrite it, one full-size tensor fewer at the forward peak, same kernels and values

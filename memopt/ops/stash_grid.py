@@ -30,6 +30,27 @@ WINDOWS = {1: 1.5, 2: 2.0, 3: 2.5, 4: 3.0, 5: 3.25, 6: 3.5, 7: 3.75, 8: 4.0}
 REACH = {8: 4.0}
 
 
+def batch_norm_train(x, weight, bias, running_mean, running_var, num_batches_tracked, momentum, eps):
+    """Training-mode BatchNorm as ``nn.BatchNorm*d`` runs it (same kernel; running statistics updated once):
+    (output, batch mean, inverse std, reserve, backend index), the last two for its stock backward."""
+    if num_batches_tracked is not None:
+        num_batches_tracked.add_(1)
+    factor = momentum if momentum is not None else 1.0 / float(num_batches_tracked)
+    return torch.ops.aten._batch_norm_impl_index(x, weight, bias, running_mean, running_var, True, factor, eps,
+                                                 torch.backends.cudnn.enabled)
+
+
+def kinks(weight: Optional[torch.Tensor], bias: Optional[torch.Tensor], xstd: torch.Tensor):
+    """Where a chain's activation kinks lie on x̂ / std: (γσ, where it is nonzero (False for NaN), τ = -β/(γσ),
+    τ6 = (6 - β)/(γσ)); τ and τ6 are finite placeholders where γσ = 0."""
+    gamma = weight.float() if weight is not None else torch.ones_like(xstd)
+    beta = bias.float() if bias is not None else torch.zeros_like(xstd)
+    scale = gamma * xstd
+    ok = scale.abs() > torch.finfo(torch.float32).tiny  # False for NaN too
+    safe = torch.where(ok, scale, torch.ones_like(scale))
+    return scale, ok, -beta / safe, (6 - beta) / safe
+
+
 def _per_channel(t: torch.Tensor, ndim: int) -> torch.Tensor:
     return t.view(1, -1, *([1] * (ndim - 2)))
 
@@ -174,14 +195,10 @@ def _grid(weight, bias, xstd: torch.Tensor, bits: int, act: str, split: bool,
     if residual:
         lo0, hi0, lo1, hi1 = lo, ends[1].clamp(-half, half), ends[2].clamp(-half, half), hi
     else:
-        gamma = weight.float() if weight is not None else torch.ones_like(xstd)
-        beta = bias.float() if bias is not None else torch.zeros_like(xstd)
-        scale = gamma * xstd
-        ok = scale.abs() > torch.finfo(torch.float32).tiny  # False for NaN too
-        safe = torch.where(ok, scale, torch.ones_like(scale))
-        tau = torch.where(ok, -beta / safe, lo).clamp(-half, half)
+        scale, ok, tau, tau6 = kinks(weight, bias, xstd)
+        tau = torch.where(ok, tau, lo).clamp(-half, half)
         if act == "relu6":
-            tau6 = torch.where(ok, (6 - beta) / safe, hi).clamp(-half, half)
+            tau6 = torch.where(ok, tau6, hi).clamp(-half, half)
             lo1, hi1, lo0, hi0 = torch.minimum(tau, tau6), torch.maximum(tau, tau6), lo, hi
         else:
             pos = scale > 0

@@ -39,7 +39,7 @@ import torch
 
 from memopt.ops import graph_leaf, stash_grid
 from memopt.ops.bitpack import unpack_bits
-from memopt.ops.stash_grid import _per_channel, batch_slices, x_grid_half, x_grid_reach
+from memopt.ops.stash_grid import _per_channel, batch_norm_train, batch_slices, kinks, x_grid_half, x_grid_reach
 
 __all__ = ["bn_exact_link", "link_term", "solve_rows", "solved_weight_grad"]
 
@@ -55,8 +55,8 @@ def link_term(weight: Optional[torch.Tensor], invstd: torch.Tensor, sum_gx: torc
     return per_channel.view(groups, -1).sum(1)
 
 
-def _clip_thresholds(grid: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, xstd: torch.Tensor, bits: int
-                     ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _clip_thresholds(grid: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], xstd: torch.Tensor,
+                     bits: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """ReLU6: per channel (threshold, sign, exact): a mask-false element was clipped at 6 (y >= 6) iff
     sign * code >= threshold, wherever ``exact``. Clipped elements and those below 0 share the code's
     mask-false side (rows lo0, w0 of ``grid``, in units of x̂'s std), on either side of the kinks
@@ -65,16 +65,13 @@ def _clip_thresholds(grid: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor
     Where that side's window ends at the data's extreme (inside ±reach, so ``_grid`` moved it there) more than a
     bin short of τ6 nothing was clipped: the threshold is +inf there, and the fused backward skips the channel."""
     bins = 1 << bits
-    scale = gamma * xstd
-    ok = scale.abs() > _TINY  # False for NaN too
-    safe = torch.where(ok, scale, torch.ones_like(scale))
+    scale, ok, tau, tau6 = kinks(weight, bias, xstd)
     lo0, w0 = grid[0], grid[1].clamp_min(_TINY)
 
     def bin_of(v):
         return (((v - lo0) / w0).ceil() - 1).clamp(0, bins - 1)
 
-    tau6 = (6 - beta) / safe
-    k0, k6 = bin_of(-beta / safe), bin_of(tau6)
+    k0, k6 = bin_of(tau), bin_of(tau6)
     up = scale > 0
     sign = torch.where(up, 1.0, -1.0)
     # the window's outer end is the data's own only where it lies strictly inside ±reach
@@ -93,7 +90,7 @@ def solve_rows(grad_link: torch.Tensor, grid: torch.Tensor, weight: torch.Tensor
     beta = bias.float() if bias is not None else torch.zeros_like(gamma)
     applies = gamma.abs() > _TINY
     if act == "relu6":
-        threshold, sign, exact = _clip_thresholds(grid, gamma, beta, xstd, bits)
+        threshold, sign, exact = _clip_thresholds(grid, weight, bias, xstd, bits)
         applies &= exact
     else:
         threshold, sign = torch.full_like(gamma, math.inf), torch.ones_like(gamma)
@@ -128,11 +125,8 @@ class BNExactLink(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, running_mean, running_var, num_batches_tracked, momentum, eps, link):
-        if num_batches_tracked is not None:
-            num_batches_tracked.add_(1)
-        factor = momentum if momentum is not None else 1.0 / float(num_batches_tracked)
-        out, mean, invstd, reserve, index = torch.ops.aten._batch_norm_impl_index(
-            x, weight, bias, running_mean, running_var, True, factor, eps, torch.backends.cudnn.enabled)
+        out, mean, invstd, reserve, index = batch_norm_train(x, weight, bias, running_mean, running_var,
+                                                             num_batches_tracked, momentum, eps)
         ctx.save_for_backward(x, weight, running_mean, running_var, mean, invstd, reserve)
         ctx.eps, ctx.index, ctx.groups, ctx.has_bias = eps, index, link.numel(), bias is not None
         return out

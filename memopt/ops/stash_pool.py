@@ -16,15 +16,16 @@ import torch.nn.functional as F
 
 from memopt.errors import MemoptError
 from memopt.ops.bitpack import pack_bits, unpack_bits
-from memopt.ops.stash import _batch_norm, _bn_backward, pool_backward, pool_offsets
-from memopt.ops.stash_grid import _per_channel, keep_where, x_code
+from memopt.ops.stash import _bn_backward, pool_backward, pool_offsets
+from memopt.ops.stash_grid import _per_channel, batch_norm_train, keep_where, x_code
 
 
 class BNReLUMaxPoolStash(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, running_mean, running_var, num_batches_tracked, momentum, eps, bits,
                 kernel_size, stride, padding, dilation, ceil_mode, node):
-        out, mean, invstd = _batch_norm(x, weight, bias, running_mean, running_var, num_batches_tracked, momentum, eps)
+        out, mean, invstd, _, _ = batch_norm_train(x, weight, bias, running_mean, running_var, num_batches_tracked,
+                                                   momentum, eps)
         mask = ~(out <= 0)
         y = torch.relu_(out)
         pooled, indices = F.max_pool2d(y, kernel_size, stride, padding, dilation, ceil_mode=ceil_mode,
