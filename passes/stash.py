@@ -27,6 +27,7 @@ from cost_model.analysis import META_KEY
 from cost_model.op_registry import op_kind
 from memopt.capture import has_hooks
 from memopt.ops.stash import bn_act_stash, conv_from_stash, linear_from_stash, max_pool2d_indices_only
+from memopt.ops.stash_grid import MEAN_BITS, wants_means
 from memopt.ops.stash_identity import bn_exact_link
 from memopt.plan import DECISION_KEY
 from memopt.stash.config import StashConfig
@@ -151,20 +152,37 @@ def _fusable_pool(bn: fx.Node, add, act: fx.Node, kind: str, modules, cfg: Stash
     return pool
 
 
-def _rewrite_pool(gm: fx.GraphModule, modules, bn: fx.Node, act: fx.Node, pool: fx.Node, bits: int) -> None:
+def _means(bits: int, cfg: StashConfig) -> bool:
+    """Whether a chain asks for its bins' means (``StashConfig.bin_means``); the op gives them to each code whose
+    channels are large enough (``stash_grid.wants_means``)."""
+    return cfg.bin_means and bits <= MEAN_BITS
+
+
+def _codes_note(bits: int, means: bool, bn: fx.Node) -> str:
+    """What the report says of a chain's codes: their bits and, where its x̂ code gets them, the bins' means."""
+    cost = bn.meta.get(META_KEY)
+    shape = cost.shapes[0] if cost is not None and cost.shapes else None
+    per_channel = math.prod(shape) // max(1, shape[1]) if shape is not None and len(shape) > 1 else 0
+    at_means = shape is not None and wants_means(means, bits, 2, per_channel)
+    return f"{bits}-bit codes{' (bins rebuilt at their means)' if at_means else ''} for backward"
+
+
+def _rewrite_pool(gm: fx.GraphModule, modules, bn: fx.Node, act: fx.Node, pool: fx.Node, bits: int,
+                  means: bool) -> None:
     graph, module, pm = gm.graph, modules[bn.target], modules[pool.target]
     with graph.inserting_before(pool):
         attrs = _bn_attrs(graph, bn.target, module)
         stash = graph.create_node("call_function", bn_act_stash,
                                   (bn.args[0], *attrs, None, module.momentum, module.eps, "relu", (), bits, False,
                                    bn.format_node()),
-                                  {"pool": (pm.kernel_size, pm.stride, pm.padding, pm.dilation, pm.ceil_mode)},
+                                  {"pool": (pm.kernel_size, pm.stride, pm.padding, pm.dilation, pm.ceil_mode),
+                                   "means": means},
                                   name=f"{bn.name}_stash")
         new = graph.call_function(operator.getitem, (stash, 0))
     stash.meta[DECISION_KEY] = {"technique": "stash", "bits": bits, "replaces": [bn.name, act.name, pool.name],
-                                "unit": bn.name, "reason": f"BN + relu + max-pool: exact forward, {bits}-bit codes "
-                                                           f"for backward, exact BN weight gradient from the pooled "
-                                                           f"output"}
+                                "unit": bn.name, "reason": f"BN + relu + max-pool: exact forward, "
+                                                           f"{_codes_note(bits, means, bn)}, exact BN weight gradient "
+                                                           f"from the pooled output"}
     pool.replace_all_uses_with(new)
     for node in (pool, act, bn):
         graph.erase_node(node)
@@ -197,7 +215,7 @@ def stash_pass(gm: fx.GraphModule, cfg: StashConfig) -> PassResult:
         add, end, kind = found
         pool = _fusable_pool(bn, add, end, kind, modules, cfg)
         if pool is not None:
-            _rewrite_pool(gm, modules, bn, end, pool, cfg.bits_for(bn.name))
+            _rewrite_pool(gm, modules, bn, end, pool, cfg.bits_for(bn.name), _means(cfg.bits_for(bn.name), cfg))
             modified = True
             continue
         second = _second_bn(bn, add, kind, modules, cfg, order)
@@ -206,7 +224,7 @@ def stash_pass(gm: fx.GraphModule, cfg: StashConfig) -> PassResult:
         level = cfg.bits_for(bn.name)
         # no activation, no mask: its codes get the bit an activation chain's mask gives (StashConfig.identity_extra_bit)
         bits = min(level + 1, 8) if kind == "identity" and cfg.identity_extra_bit else level
-        _rewrite(gm, modules, bn, add, end, kind, bits, second, level)
+        _rewrite(gm, modules, bn, add, end, kind, bits, second, level, _means(bits, cfg))
         modified = True
     if cfg.scale_identity:
         for first, conv, following in _identity_links(gm, modules):
@@ -288,7 +306,7 @@ def _bn_attrs(graph: fx.Graph, path: str, module: nn.Module) -> List[Optional[fx
 
 
 def _rewrite(gm: fx.GraphModule, modules, bn: fx.Node, add: Optional[fx.Node], act: fx.Node, kind: str,
-             bits: int, second: Optional[fx.Node] = None, level: Optional[int] = None) -> None:
+             bits: int, second: Optional[fx.Node] = None, level: Optional[int] = None, means: bool = False) -> None:
     """``act`` is the chain's last node: the activation, or the BatchNorm / add for "identity"; ``second``:
     the residual's BatchNorm when it joins the chain; ``level``: the bits asked for the unit (``bits`` are
     those its codes use)."""
@@ -308,14 +326,14 @@ def _rewrite(gm: fx.GraphModule, modules, bn: fx.Node, add: Optional[fx.Node], a
             residual = None
         stash = graph.create_node("call_function", bn_act_stash,
                                   (bn.args[0], *attrs, residual, module.momentum, module.eps, kind, params, bits,
-                                   need_y, bn.format_node(), *extra), name=f"{bn.name}_stash")
+                                   need_y, bn.format_node(), *extra), {"means": means} if means else {},
+                                  name=f"{bn.name}_stash")
         y, codes, mask, affine, zero = (graph.call_function(operator.getitem, (stash, i)) for i in range(5))
     stash.meta[DECISION_KEY] = {"technique": "stash", "bits": bits, "level": bits if level is None else level,
                                 "replaces": replaced, "unit": bn.name,
                                 "reason": f"BN{' + BN ' + second.name if second is not None else ''}"
                                           f"{' + residual' if add is not None and second is None else ''} + {kind}: "
-                                          f"exact forward, "
-                                          f"{bits}-bit codes for backward"}
+                                          f"exact forward, {_codes_note(bits, means, bn)}"}
     act.replace_all_uses_with(y)
     for user in list(y.users):
         _rewrite_consumer(gm, modules, user, y, (codes, mask, affine, zero), bits, kind, params, bn.name)

@@ -39,9 +39,10 @@ def test_pack_and_unpack_write_the_plain_paths_bytes(bits):
             assert torch.equal(unpack_bits(fused, bits, n), codes)
 
 
-def _chain(act, residual, bits, shape, dtype=torch.float32, tails=False):
+def _chain(act, residual, bits, shape, dtype=torch.float32, tails=False, means=False):
     """One BN -> [+ r | + BN2(x2)] -> act chain: (outputs, saved tensors, gradients, rebuilt consumer input);
-    ``tails``: heavy-tailed inputs (a log-normal scale per element), whose extremes lie far past the window."""
+    ``tails``: heavy-tailed inputs (a log-normal scale per element), whose extremes lie far past the window;
+    ``means``: bins rebuilt at their means (``StashConfig.bin_means``)."""
     def run():
         torch.manual_seed(1)
         c = shape[1]
@@ -64,7 +65,8 @@ def _chain(act, residual, bits, shape, dtype=torch.float32, tails=False):
                          running_var2=bn2.running_var, num_batches_tracked2=bn2.num_batches_tracked, momentum2=0.1)
         params = (0.1,) if act == "leaky_relu" else ()
         y, codes, mask, affine, zero = bn_act_stash(x, bn.weight, bn.bias, bn.running_mean, bn.running_var,
-                                                    bn.num_batches_tracked, r, 0.1, 1e-5, act, params, bits, **extra)
+                                                    bn.num_batches_tracked, r, 0.1, 1e-5, act, params, bits,
+                                                    means=means, **extra)
         saved = [t.detach().clone() for t in y.grad_fn.saved_tensors if t is not None]
         rebuilt = _Stash.rebuild(codes, mask, affine, zero, bits, torch.Size(shape), act, params) \
             if codes.numel() else torch.zeros(0)
@@ -110,15 +112,35 @@ def test_grids_that_reach_out_to_heavy_tails_are_bit_identical(act, residual):
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-5 * b.abs().max().item()), (a - b).abs().max()
 
 
-def test_nan_and_inf_inputs_give_stocks_non_finite_gradients():
+@pytest.mark.parametrize("act, residual, bits", [case for case in CASES if case[2] <= 4])
+@pytest.mark.parametrize("tails", [False, True], ids=["normal", "tails"])
+def test_bin_means_are_bit_identical_on_both_paths(act, residual, bits, tails):
+    # the means come from integer sums (stash_grid.add_bin_sums, mo_encode): the same code books on both paths,
+    # for every code a chain keeps (x̂, the downsample's x̂, z), with clipped tails too
+    fused, plain = _chain(act, residual, bits, (8, 6, 33, 35), tails=tails, means=True)
+    (y, outs, saved, grads, rebuilt, stats), (y_p, outs_p, saved_p, grads_p, rebuilt_p, stats_p) = fused, plain
+    assert torch.equal(y, y_p) and torch.equal(rebuilt, rebuilt_p)
+    for a, b in zip(outs + saved + stats, outs_p + saved_p + stats_p):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    books = [t for t in saved if t.dim() == 3]  # (C, sides, 2^K): the means were taken
+    assert books and all(t.shape[0] == 6 and t.shape[2] == 1 << bits for t in books)
+    if residual is not None:  # z's code book goes to the consumers
+        assert outs[2].shape == (6, 1, 1 << bits)
+    for a, b in zip(grads, grads_p):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-5 * b.abs().max().item()), (a - b).abs().max()
+
+
+@pytest.mark.parametrize("means", [False, True], ids=["midpoints", "means"])
+def test_nan_and_inf_inputs_give_stocks_non_finite_gradients(means):
     def run():
-        x = torch.randn(4, 3, 5, 5)
+        x = torch.randn(16, 3, 16, 16) if means else torch.randn(4, 3, 5, 5)  # the means need large channels
         x[0, 1, 2, 2] = float("nan")
         x[1, 2, 0, 0] = float("inf")
         x.requires_grad_()
         bn = nn.BatchNorm2d(3)
         y = bn_act_stash(x, bn.weight, bn.bias, bn.running_mean, bn.running_var, bn.num_batches_tracked, None, 0.1,
-                         1e-5, "relu", (), 4)[0]
+                         1e-5, "relu", (), 4, means=means)[0]
+        assert any(t is not None and t.dim() == 3 for t in y.grad_fn.saved_tensors) == means
         y.backward(torch.ones_like(y))
         return x.grad, bn.weight.grad
     (gx, gw), (gx_p, gw_p) = _both(run)

@@ -365,7 +365,7 @@ def test_downsample_bn_joins_the_chain_and_splits_its_xhat_by_the_mask(bits):
     params = 3 * c * 4  # γ, β and γ2 (parameters, not saved activation bytes; β2 is not needed)
     # mean, invstd, zero bin, x̂ grid (4 rows); BN2: invstd, x̂2 grid (4 rows)
     assert sum(s.nbytes for s in rec.saved) - params == 3 * codes + 4 * c * (1 + 1 + 1 + 4 + 1 + 4)
-    assert y.grad_fn.saved_tensors[11].shape == (4, c)  # BN2's grid: split by the mask
+    assert y.grad_fn.saved_tensors[12].shape == (4, c)  # BN2's grid: split by the mask
     g = torch.randn_like(y)
     y.backward(g)
     ref.backward(g)

@@ -51,12 +51,12 @@ _P, _I64, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 _SIGNATURES = {
     "mo_pack": [_P, _I64, _I, _P, _I64, _I],
     "mo_unpack": [_P, _I64, _I64, _I, _P, _I],
-    "mo_encode": [_P, _I64, _I64, _I64, _P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _P, _I64, _I],
-    "mo_rebuild": [_P, _I64, _I, _I64, _I64, _I64, _P, _P, _P, _P, _P, _I, _P, _I, _F, _P, _I],
+    "mo_encode": [_P, _I64, _I64, _I64, _P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _P, _I64, _P, _I],
+    "mo_rebuild": [_P, _I64, _I, _I64, _I64, _I64, _P, _I, _P, _I, _P, _I, _F, _P, _I],
     "mo_mask_from_codes": [_P, _I64, _I, _I64, _I64, _I64, _P, _P, _I, _I],
     "mo_act_mask": [_P, _I64, _I, _P, _I],
-    "mo_bn_backward": [_P, _I64, _I, _I64, _I64, _I64, _P, _P, _P, _P, _P, _I, _P, _P, _I, _F, _P, _P, _P, _P, _P, _P, _F,
-                       _P, _P, _I],
+    "mo_bn_backward": [_P, _I64, _I, _I64, _I64, _I64, _P, _I, _P, _I, _P, _P, _I, _F, _P, _P, _P, _P, _P, _P, _F, _P, _P,
+                       _I],
     "mo_channel_extremes": [_P, _P, _I64, _I64, _I64, _P, _I],
     "mo_chain_grid": [_I64, _P, _P, _P, _P, _P, _P, _I, _I, _F, _F, _I, _I, _I, _I, _P, _P, _P, _P],
 }
@@ -174,6 +174,11 @@ def _geometry(shape: Sequence[int]) -> Tuple[int, int, int]:
     return math.prod(shape), shape[1] if len(shape) > 1 else 1, math.prod(shape[2:])
 
 
+def _book(book: torch.Tensor) -> Tuple[torch.Tensor, int]:
+    """A code book (``stash_grid.code_book``: C x sides x 2^K) as the kernels read it, and whether it is split."""
+    return book.float().contiguous(), int(book.shape[1] == 2)
+
+
 def _rows(grid: torch.Tensor) -> list:
     """A grid's rows (lo0, w0[, lo1, w1]) as contiguous float32, the missing side as None."""
     rows = [r.float().contiguous() for r in grid]
@@ -225,9 +230,12 @@ def unpack(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
 
 def encode(x: torch.Tensor, grid: torch.Tensor, bits: int, *, mean: Optional[torch.Tensor] = None,
            scale: Optional[torch.Tensor] = None, mask: Optional[torch.Tensor] = None,
-           zero_code: Optional[torch.Tensor] = None, positive_not_le: bool = False) -> torch.Tensor:
+           zero_code: Optional[torch.Tensor] = None, positive_not_le: bool = False,
+           sums: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Packed codes of ``(x - mean) * scale`` (or of ``x``) on ``grid`` (rows lo0, w0[, lo1, w1], widths already
-    clamped), split by ``mask``; with ``zero_code`` the sign fix of a z code (``stash.BNActStash``)."""
+    clamped), split by ``mask``; with ``zero_code`` the sign fix of a z code (``stash.BNActStash``); with ``sums``
+    (``stash_grid.new_bin_sums``) each element's fixed-point offset in its bin and the counts are added there
+    (``stash_grid.add_bin_sums``, the same integers)."""
     n, channels, inner = _geometry(x.shape)
     nbytes = (n * bits + 7) // 8
     out = torch.empty(nbytes, dtype=torch.uint8)
@@ -238,22 +246,21 @@ def encode(x: torch.Tensor, grid: torch.Tensor, bits: int, *, mean: Optional[tor
     if _runs(x) and n:
         _library().mo_encode(x.data_ptr(), n, channels, inner, _ptr(per[0]), _ptr(per[1]), _ptr(lo0), _ptr(w0),
                              _ptr(lo1), _ptr(w1), _ptr(m), _ptr(zc), int(positive_not_le), bits, out.data_ptr(),
-                             nbytes, _threads(n))
+                             nbytes, _ptr(sums), _threads(n))
     return out
 
 
-def rebuild(packed: torch.Tensor, bits: int, shape: torch.Size, grid: torch.Tensor, act: str, slope: float = 0.0,
+def rebuild(packed: torch.Tensor, bits: int, shape: torch.Size, book: torch.Tensor, act: str, slope: float = 0.0,
             *, mask: Optional[torch.Tensor] = None, zero_code: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """act(z) at the bin midpoints (``stash._Stash.rebuild``) as a new float32 tensor of ``shape``: the side
+    """act(z) from the code book of z (``stash._Stash.rebuild``) as a new float32 tensor of ``shape``: the side
     and the activation's branch from ``mask``, else from the code (``k >= zero_code``)."""
     n, channels, inner = _geometry(shape)
     out = torch.empty(shape, dtype=torch.float32)
-    lo0, w0, lo1, w1 = _rows(grid)
+    table, split = _book(book)
     m, zc = _u8(mask), None if zero_code is None else zero_code.to(torch.int32).contiguous()
     if _runs(packed) and n:
-        _library().mo_rebuild(packed.data_ptr(), packed.numel(), bits, n, channels, inner, _ptr(lo0), _ptr(w0),
-                              _ptr(lo1), _ptr(w1), _ptr(m), _is_bits(mask), _ptr(zc), _ACTS[act], float(slope),
-                              out.data_ptr(),
+        _library().mo_rebuild(packed.data_ptr(), packed.numel(), bits, n, channels, inner, table.data_ptr(), split,
+                              _ptr(m), _is_bits(mask), _ptr(zc), _ACTS[act], float(slope), out.data_ptr(),
                               _threads(n))
     return out
 
@@ -271,13 +278,14 @@ def mask_from_codes(packed: torch.Tensor, bits: int, shape: torch.Size, zero_cod
     return PackedMask(out) if as_bits else out.view(torch.bool)
 
 
-def bn_backward(packed: torch.Tensor, bits: int, shape: torch.Size, grid: torch.Tensor, mask, xstd: torch.Tensor,
+def bn_backward(packed: torch.Tensor, bits: int, shape: torch.Size, book: torch.Tensor, mask, xstd: torch.Tensor,
                 gamma_invstd: torch.Tensor, *, g: Optional[torch.Tensor] = None, sum_g: Optional[torch.Tensor] = None,
                 grad: Optional[torch.Tensor] = None, act: str = "relu", slope: float = 0.0,
                 exact: Optional[Tuple[torch.Tensor, torch.Tensor]] = None, out: Optional[torch.Tensor] = None,
                 solve: Optional[torch.Tensor] = None, top: float = 0.0
                 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``stash._bn_backward`` in two passes over the code with no full-size x̂ (``mo_bn_backward``): from ``g`` and
+    """``stash._bn_backward`` in two passes over the code with no full-size x̂ (``mo_bn_backward``; x̂ / std from the
+    code ``book``, ``stash_grid.code_book``): from ``g`` and
     its per-channel ``sum_g``, or from ``grad`` (float32), the gradient arriving at the activation, whose
     backward through ``mask`` (a bool tensor or a ``PackedMask``) gives g and sum_g in the same first pass. The
     input gradient goes to ``out`` (which may be ``g``: each element is read before it is written).
@@ -286,7 +294,7 @@ def bn_backward(packed: torch.Tensor, bits: int, shape: torch.Size, grid: torch.
     ReLU6, else 0) times the clipped elements' gradient summed in the first.
     Returns (grad_x, sum of g times centred x̂, g, sum_g)."""
     n, channels, inner = _geometry(shape)
-    lo0, w0, lo1, w1 = _rows(grid)
+    table, split = _book(book)
     m = _u8(mask)
     if grad is not None:
         g, sum_g = torch.empty(shape, dtype=torch.float32), torch.empty(channels, dtype=torch.float32)
@@ -299,8 +307,8 @@ def bn_backward(packed: torch.Tensor, bits: int, shape: torch.Size, grid: torch.
     solve_c = None if solve is None else solve.float().contiguous()
     per = [t.float().contiguous() for t in (xstd, gamma_invstd)]
     if _runs(g, packed) and n:
-        _library().mo_bn_backward(packed.data_ptr(), packed.numel(), bits, n, channels, inner, _ptr(lo0), _ptr(w0),
-                                  _ptr(lo1), _ptr(w1), _ptr(m), _is_bits(mask), per[0].data_ptr(), _ptr(grad),
+        _library().mo_bn_backward(packed.data_ptr(), packed.numel(), bits, n, channels, inner, table.data_ptr(), split,
+                                  _ptr(m), _is_bits(mask), per[0].data_ptr(), _ptr(grad),
                                   _ACTS[act], float(slope), g.data_ptr(), sum_g.data_ptr(), per[1].data_ptr(),
                                   _ptr(exact_val), _ptr(exact_ok), _ptr(solve_c), float(top), out.data_ptr(),
                                   sum_gx.data_ptr(), _threads(n))

@@ -52,10 +52,11 @@ from memopt.errors import MemoptError
 from memopt.ops import graph_leaf, native
 from memopt.ops.bitpack import pack_bits, unpack_bits
 from memopt.ops.stash_identity import link_term, solve_rows, solved_weight_grad
-from memopt.ops.stash_grid import (REACH, WINDOWS, _act_backward, _activation, _code_, _decode_mask, _from_codes,
-                                   _grid, _mask, _per_channel, _xhat_std, batch_norm_train, batch_slices,
-                                   channel_std_mean, exact_mask,
-                                   keep_where, select_u8, x_code, x_grid_half, x_grid_reach)
+from memopt.ops.stash_grid import (REACH, WINDOWS, _act_backward, _activation, _code_, _decode_mask,
+                                   _from_codes, _grid, _mask, _per_channel, _xhat_std, add_bin_sums, as_book,
+                                   batch_norm_train, batch_slices, channel_std_mean, code_book, exact_mask,
+                                   keep_where, new_bin_sums, select_u8, wants_means, x_code, x_grid_half,
+                                   x_grid_reach)
 
 __all__ = ["WINDOWS", "BNActStash", "bn_act_stash", "conv_from_stash", "conv_grads", "linear_from_stash",
            "linear_grads", "max_pool2d_indices_only", "positive_z_grid", "split_by_mask", "x_grid_half"]
@@ -84,12 +85,14 @@ class _Stash:
     @staticmethod
     def rebuild(packed: torch.Tensor, mask_packed: torch.Tensor, affine: torch.Tensor, zero_code: torch.Tensor,
                 bits: int, shape: torch.Size, act: str, params: Tuple[float, ...]) -> torch.Tensor:
-        """act(z) at the bin midpoints, built in place in one float buffer (backward peaks matter)."""
+        """act(z) from ``affine`` (rows of z's grid: the bin midpoints, or a code book of z: ``stash_grid.code_book``),
+        built in place in one float buffer (backward peaks matter)."""
         if native.applies(packed):  # one fused pass, the same values
             has_mask = act != "identity" and mask_packed.numel()
             mask = native.PackedMask(mask_packed) if has_mask else None  # read a block at a time
             zero = zero_code if act != "identity" and not has_mask else None
-            return native.rebuild(packed, bits, shape, affine, act, params[0] if act == "leaky_relu" else 0.0,
+            return native.rebuild(packed, bits, shape, as_book(affine, bits), act,
+                                  params[0] if act == "leaky_relu" else 0.0,
                                   mask=mask, zero_code=zero)
         codes = unpack_bits(packed, bits, shape.numel()).view(shape)
         if act == "identity":
@@ -107,11 +110,16 @@ class _Stash:
         return keep_where(z.clamp_min_(0), mask, out=z)
 
 
-def _split_x_codes(x, weight, bias, mean, invstd, eps, mask, bits: int, act: str):
+def _split_x_codes(x, weight, bias, mean, invstd, eps, mask, bits: int, act: str, means: bool):
     """A residual chain's x̂ code split by the exact mask, each side's window ending where its values end:
-    (packed codes, the data-dependent grid: 4 rows per channel, saved)."""
-    codes, grid, _, _ = x_code(x, weight, bias, mean, invstd, eps, mask, bits, act, True, True)
-    return codes, grid
+    (packed codes, the data-dependent grid: 4 rows per channel, saved; the code book with the bins' means, else
+    an empty tensor)."""
+    codes, grid, _, _, book = x_code(x, weight, bias, mean, invstd, eps, mask, bits, act, True, True, means=means)
+    return codes, grid, _or_empty(book)
+
+
+def _or_empty(t: Optional[torch.Tensor]) -> torch.Tensor:
+    return t if t is not None else torch.zeros(0)
 
 
 def _channel_max(z: torch.Tensor) -> torch.Tensor:
@@ -127,7 +135,8 @@ def _gamma_invstd(weight, invstd):
 
 
 def _bn_backward(g, sum_g, x_codes, mask, grid, weight, invstd, eps, bits: int, shape, exact=None, out=None):
-    """BN input and weight gradients from the output gradient ``g`` (float32) and the x̂ code: the mean term
+    """BN input and weight gradients from the output gradient ``g`` (float32) and the x̂ code, rebuilt from
+    ``grid`` (rows, the bin midpoints, or a code book: ``stash_grid.code_book``): the mean term
     (``sum_g``) and σ are exact; x̂ enters only through the variance term and the weight gradient
     sum(g x̂) (``exact``: (values, where to use them) instead). At most two full-size temporaries. The rebuilt x̂ is centred per
     channel as the true one is, so the input gradient sums to zero per channel exactly as stock's does
@@ -139,7 +148,8 @@ def _bn_backward(g, sum_g, x_codes, mask, grid, weight, invstd, eps, bits: int, 
     if native.applies(g, float_dtype=True) and native.applies(x_codes) and (
             mask is None or packed_mask or mask.is_contiguous()):
         # two fused passes over the code, no full-size x̂ at all
-        return native.bn_backward(x_codes, bits, shape, grid, mask, xstd, scale, g=g, sum_g=sum_g, exact=exact,
+        return native.bn_backward(x_codes, bits, shape, as_book(grid, bits), mask, xstd, scale, g=g, sum_g=sum_g,
+                                  exact=exact,
                                   out=out)[:2]
     if packed_mask:
         mask = mask.unpacked(shape)
@@ -161,7 +171,8 @@ class BNActStash(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, running_mean, running_var, num_batches_tracked, residual, momentum, eps,
                 act, act_params, bits, need_y, node, x2=None, weight2=None, bias2=None, running_mean2=None,
-                running_var2=None, num_batches_tracked2=None, momentum2=None, eps2=1e-5, link=None, link_groups=0):
+                running_var2=None, num_batches_tracked2=None, momentum2=None, eps2=1e-5, link=None, link_groups=0,
+                means=False):
         out, mean, invstd, _, _ = batch_norm_train(x, weight, bias, running_mean, running_var, num_batches_tracked,
                                                    momentum, eps)
         if x2 is not None:  # the residual is a second BatchNorm's output (a downsample): its x̂ is split by our mask
@@ -182,12 +193,13 @@ class BNActStash(torch.autograd.Function):
         y = None if has_residual and need_y else _activation(z, act, act_params, inplace=True)
         nd, bins, half = x.dim(), 1 << bits, WINDOWS[bits]
         split = split_by_mask(act, has_residual)
-        x_codes, grid, data, affine = x_code(x, weight, bias, mean, invstd, eps, mask, bits, act, split,
-                                             split and has_residual, affine=not has_residual)
+        x_codes, grid, data, affine, xbook = x_code(x, weight, bias, mean, invstd, eps, mask, bits, act, split,
+                                                    split and has_residual, affine=not has_residual, means=means)
         xgrid = grid if data else torch.zeros(0, device=x.device)  # a data-dependent grid is kept
         none = torch.zeros(0, device=x.device)
-        x2_codes, grid2, mean2, invstd2 = (*_split_x_codes(x2, weight2, bias2, mean2, invstd2, eps2, mask, bits, act),
-                                           mean2, invstd2) if x2 is not None else (none, none, none, none)
+        x2_codes, grid2, book2, mean2, invstd2 = (
+            *_split_x_codes(x2, weight2, bias2, mean2, invstd2, eps2, mask, bits, act, means), mean2, invstd2) \
+            if x2 is not None else (none, none, none, none, none)
         empty_u8 = torch.zeros(0, dtype=torch.uint8, device=x.device)
         zero_code = torch.zeros(0, dtype=torch.int32, device=x.device)
         mask_packed = pack_bits(mask, 1) if mask is not None else empty_u8
@@ -215,29 +227,34 @@ class BNActStash(torch.autograd.Function):
             # the sign as the activation's backward reads it: after ReLU / ReLU6 a NaN z passes the gradient, as in stock
             zero_code = j.to(torch.int32)
             relu_like = act in ("relu", "relu6")
+            zsums = new_bin_sums(z.shape[1], 1, bits, z.device) \
+                if wants_means(means, bits, 1, z.numel() // max(1, z.shape[1])) else None
             if native.applies(z, float_dtype=True):  # one fused pass, the same codes
                 y_codes = native.encode(z, torch.stack([origin, zwidth]), bits, zero_code=zero_code,
-                                        positive_not_le=relu_like)
-                y = _activation(z, act, act_params, inplace=True)
+                                        positive_not_le=relu_like, sums=zsums)
             else:
-                positive = ~(z <= 0) if relu_like else z > 0
                 # coded a batch slice at a time from float32 copies: no full-size temporary, z kept for the activation
                 codes = torch.empty_like(z, dtype=torch.uint8)
-                for s in batch_slices(z):
-                    codes[s] = _code_(z[s].to(torch.float32, copy=True), _per_channel(origin, nd),
-                                      _per_channel(zwidth, nd), bins)
-                y = _activation(z, act, act_params, inplace=True)
                 zc = _per_channel(zero_code, nd).to(torch.uint8)
-                # rounding must never flip a sign: positive z go to bins >= j, the rest below
-                codes = select_u8(positive, torch.maximum(codes, zc), torch.minimum(codes, zc - 1))
+                for s in batch_slices(z):
+                    positive = ~(z[s] <= 0) if relu_like else z[s] > 0
+                    code, r = _code_(z[s].to(torch.float32, copy=True), _per_channel(origin, nd),
+                                     _per_channel(zwidth, nd), bins, keep_r=True)
+                    # rounding must never flip a sign: positive z go to bins >= j, the rest below
+                    codes[s] = select_u8(positive, torch.maximum(code, zc), torch.minimum(code, zc - 1))
+                    if zsums is not None:
+                        add_bin_sums(zsums, r, codes[s], None, bits)
                 y_codes = pack_bits(codes, bits)
+            y = _activation(z, act, act_params, inplace=True)
             del z
             affine = torch.stack([origin, zwidth])
+            if zsums is not None:  # consumers rebuild z from its bins' means
+                affine = code_book(affine, bits, zsums)
             if act != "relu6":  # the code knows the sign of z exactly (not where ReLU6 clips at 6)
                 mask_packed = empty_u8
         del mask
         ctx.save_for_backward(x_codes, y_codes, mask_packed, zero_code, weight, bias, mean, invstd, xgrid,
-                              x2_codes, weight2, grid2, invstd2)
+                              _or_empty(xbook), x2_codes, weight2, grid2, book2, invstd2)
         ctx.shape, ctx.bits, ctx.act, ctx.act_params, ctx.node, ctx.eps = x.shape, bits, act, act_params, node, eps
         ctx.has_residual, ctx.has_weight, ctx.has_bias = residual_input, weight is not None, bias is not None
         ctx.second = None if x2 is None else (x2.dtype, eps2, weight2 is not None, bias2 is not None)
@@ -254,8 +271,8 @@ class BNActStash(torch.autograd.Function):
         if torch.is_grad_enabled():
             raise MemoptError(f"double backward (create_graph=True) through the stash node {ctx.node} is not "
                               f"supported; exclude it with memopt.StashConfig(deny=(...)) or set Config(stash=None)")
-        x_codes, y_codes, mask_packed, zero_code, weight, bias, mean, invstd, xgrid, x2_codes, weight2, grid2, \
-            invstd2 = ctx.saved_tensors
+        x_codes, y_codes, mask_packed, zero_code, weight, bias, mean, invstd, xgrid, xbook, x2_codes, weight2, grid2, \
+            book2, invstd2 = ctx.saved_tensors
         shape, nd = ctx.shape, len(ctx.shape)
         dtype = grad_y.dtype
         # the fused kernels read the mask as its 1-bit stream; g is then a new tensor of ours (the downsample BN's
@@ -268,12 +285,13 @@ class BNActStash(torch.autograd.Function):
         split = split_by_mask(ctx.act, ctx.has_residual or ctx.second is not None)
         xstd = _xhat_std(invstd, ctx.eps)
         grid = xgrid if xgrid.numel() else _grid(weight, bias, xstd, ctx.bits, ctx.act, split)
+        book = xbook if xbook.numel() else as_book(grid, ctx.bits)  # x̂ / std of each code
         # the scale identity (A): the weight gradient solved from R (B's, in rest[4]) once dL/dβ is known, and used
         # in the variance term
         rows = solve_rows(rest[4], grid, weight, bias, xstd, ctx.act, ctx.bits) if ctx.link_groups else None
         if fresh_g:  # the activation's backward, its sum and the BN backward in two fused passes
             grad_x, sum_gx, g, sum_g = native.bn_backward(
-                x_codes, ctx.bits, shape, grid, mask, xstd, _gamma_invstd(weight, invstd), grad=grad_y,
+                x_codes, ctx.bits, shape, book, mask, xstd, _gamma_invstd(weight, invstd), grad=grad_y,
                 act=ctx.act, slope=ctx.act_params[0] if ctx.act == "leaky_relu" else 0.0, solve=rows,
                 top=6.0 if ctx.act == "relu6" else 0.0)
             grad_z = g
@@ -283,14 +301,15 @@ class BNActStash(torch.autograd.Function):
             sum_g = g.sum([d for d in range(nd) if d != 1])
             exact = None if rows is None else solved_weight_grad(rows, grad_y, mask, x_codes, sum_g, ctx.act,
                                                                  ctx.bits, shape)
-            grad_x, sum_gx = _bn_backward(g, sum_g, x_codes, mask, grid, weight, invstd, ctx.eps, ctx.bits, shape,
+            grad_x, sum_gx = _bn_backward(g, sum_g, x_codes, mask, book, weight, invstd, ctx.eps, ctx.bits, shape,
                                           exact=exact)
         grads2 = (None,) * 3
         if ctx.second is not None:  # the downsample BN: same output gradient, its own x̂ code split by our mask
             dtype2, eps2, has_w2, has_b2 = ctx.second
             # g is read for the last time here: the fused kernel writes grad_x2 over it (elementwise), one full-size
             # tensor fewer at the backward peak (ResNet-50's downsample blocks hold it)
-            grad_x2, sum_gx2 = _bn_backward(g, sum_g, x2_codes, mask, grid2, weight2, invstd2, eps2, ctx.bits, shape,
+            grad_x2, sum_gx2 = _bn_backward(g, sum_g, x2_codes, mask, book2 if book2.numel() else grid2, weight2,
+                                            invstd2, eps2, ctx.bits, shape,
                                             out=g if fresh_g and not ctx.has_residual else None)
             grads2 = (grad_x2.to(dtype2), sum_gx2.to(weight2.dtype) if has_w2 else None,
                       sum_g.to(weight2.dtype if weight2 is not None else dtype) if has_b2 else None)
@@ -302,7 +321,7 @@ class BNActStash(torch.autograd.Function):
         return (grad_x.to(dtype), None if grad_w is None else grad_w.to(weight.dtype),
                 None if grad_b is None else grad_b.to(weight.dtype if weight is not None else dtype),
                 None, None, None, grad_r, None, None, None, None, None, None, None, *grads2, None, None, None, None, None,
-                grad_link, None)
+                grad_link, None, None)
 
 
 class ConvFromStash(torch.autograd.Function):
@@ -426,22 +445,24 @@ def bn_act_stash(x, weight, bias, running_mean, running_var, num_batches_tracked
                  eps: float, act: str, act_params: tuple, bits: int, need_y: bool = True, node: str = "", x2=None,
                  weight2=None, bias2=None, running_mean2=None, running_var2=None, num_batches_tracked2=None,
                  momentum2: Optional[float] = None, eps2: float = 1e-5, pool: Optional[tuple] = None, link=None,
-                 link_groups: int = 0):
+                 link_groups: int = 0, means: bool = False):
     """BatchNorm (training) [+ residual] -> activation ("identity" for none) with a K-bit stash; returns
     (y, codes, mask, affine, zero_code). ``need_y=False`` when no consumer rebuilds y. With ``x2`` (and no
     ``residual``) the residual is a second training-mode BatchNorm of ``x2`` (weight2 ... eps2), run here.
     With ``pool`` = (kernel_size, stride, padding, dilation, ceil_mode) (ReLU, no residual) y is
     max_pool2d(relu(BN(x))) and the rest empty: ``memopt/ops/stash_pool.py``. ``link_groups`` (A) adds a sixth
-    output for ``link`` (B) of the chain that its depthwise conv feeds: ``memopt/ops/stash_identity.py``."""
+    output for ``link`` (B) of the chain that its depthwise conv feeds: ``memopt/ops/stash_identity.py``.
+    ``means``: rebuild each bin at the mean of the values it coded (at K <= ``stash_grid.MEAN_BITS``;
+    ``StashConfig.bin_means``)."""
     if pool is not None:
         from memopt.ops.stash_pool import BNReLUMaxPoolStash
 
         pooled = BNReLUMaxPoolStash.apply(x, weight, bias, running_mean, running_var, num_batches_tracked, momentum,
-                                          eps, bits, *pool, node)
+                                          eps, bits, *pool, node, means)
         return (pooled, *(torch.zeros(0, device=x.device) for _ in range(4)))
     return BNActStash.apply(x, weight, bias, running_mean, running_var, num_batches_tracked, residual, momentum,
                             eps, act, act_params, bits, need_y, node, x2, weight2, bias2, running_mean2, running_var2,
-                            num_batches_tracked2, momentum2, eps2, link, link_groups)
+                            num_batches_tracked2, momentum2, eps2, link, link_groups, means)
 
 
 @graph_leaf

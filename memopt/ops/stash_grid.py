@@ -1,5 +1,6 @@
 """The stash's per-channel grids and codecs (``memopt/ops/stash.py``): where each x̂ / z code's bins lie,
-coding in place, rebuilding at bin midpoints, and the activations' exact masks."""
+coding in place, the code books a code is rebuilt from (bin midpoints, or at K <= ``MEAN_BITS`` the mean of the
+values each bin coded), and the activations' exact masks."""
 from __future__ import annotations
 
 import math
@@ -28,6 +29,23 @@ WINDOWS = {1: 1.5, 2: 2.0, 3: 2.5, 4: 3.0, 5: 3.25, 6: 3.5, 7: 3.75, 8: 4.0}
 # bits they do not (a doubled window lost parameters there), so only K = 8 reaches out. The ends are each
 # channel's extremes, already computed for the split grids.
 REACH = {8: 4.0}
+
+# Up to this K each bin rebuilds at the mean of the values it coded (``StashConfig.bin_means``), not at its
+# midpoint: the best value for the bin's elements in squared error, exact for a bin holding one repeated value
+# (real images' flat backgrounds), and the mean of a clipped outer bin's tail instead of its edge. ResNet-18 on
+# digits at 224x224, 4 bits, parameters with gradient cosine >= 0.99: 42 -> 59 of 62 at init and 17 -> 56 after
+# 100 SGD steps (docs/results/stash_trained_224.md). The means cost 2^K floats per side and channel (128 bytes
+# per channel for a split 4-bit code); at K = 8, 2 KiB per channel, where the bins are fine enough without them.
+# A code gets them only where they cost at most MEAN_SHARE of its packed bytes (at 4 bits split: channels of at
+# least 1024 elements): on small feature maps the means would cost more than the codes (DenseNet-121 at 32x32,
+# batch 2, kept 0.76 of stock's saved bytes with them everywhere against 0.42 without).
+MEAN_BITS = 4
+MEAN_SHARE = 0.25
+# A value's offset inside its bin, t = (v - lo) / w - k, is summed as the integer round(2^20 t): integers add
+# exactly in any order, so the means are the same on the fused and plain paths and on any thread count. t is
+# clamped to +-2^16 bins (a value that far outside the window is counted as if it lay there).
+OFFSET_ONE = float(1 << 20)
+OFFSET_MAX = float(1 << 16)
 
 
 def batch_norm_train(x, weight, bias, running_mean, running_var, num_batches_tracked, momentum, eps):
@@ -215,11 +233,71 @@ def _grid(weight, bias, xstd: torch.Tensor, bits: int, act: str, split: bool,
     return torch.stack([lo0, (hi0 - lo0) / bins, lo1, (hi1 - lo1) / bins])
 
 
+def code_book(grid: torch.Tensor, bits: int, sums: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The values a code rebuilds as, per channel and side: shape (C, sides, 2^K) from ``grid``'s rows (lo, w per
+    side, as in ``_grid``): the midpoint lo + (k + ½)·w, or with ``sums`` (``new_bin_sums`` after coding) the
+    mean of the values bin k coded, lo + (k + t̄)·w, t̄ their mean offset (½ for an empty bin). The float32
+    arithmetic of the midpoints is the one the kernels used before code books (the same values)."""
+    sides = grid.shape[0] // 2
+    lo, width = grid[0::2].t().unsqueeze(-1), grid[1::2].t().unsqueeze(-1)
+    k = torch.arange(1 << bits, dtype=torch.float32, device=grid.device)
+    if sums is None:
+        return (k + 0.5) * width + lo
+    total, count = (v.view(-1, sides, 1 << bits) for v in sums)
+    mean = (total.double() / (count.double() * OFFSET_ONE)).float()
+    return (k + torch.where(count > 0, mean, 0.5)) * width + lo
+
+
+def wants_means(means: bool, bits: int, sides: int, per_channel: int) -> bool:
+    """Whether a code of ``per_channel`` elements per channel gets its bins' means: asked for, K <= MEAN_BITS and
+    the means' float32 (sides x 2^K per channel) at most MEAN_SHARE of the packed codes."""
+    return means and bits <= MEAN_BITS and sides * (4 << bits) <= MEAN_SHARE * per_channel * bits / 8
+
+
+def as_book(table: torch.Tensor, bits: int) -> torch.Tensor:
+    """A code book: ``table`` itself (3-D), or the midpoints of a grid's rows (2-D)."""
+    return table if table.dim() == 3 else code_book(table, bits)
+
+
+def new_bin_sums(channels: int, sides: int, bits: int, device) -> torch.Tensor:
+    """Zeroed accumulators for ``add_bin_sums`` / ``native.encode``: (2, C, sides * 2^K) int64, the fixed-point
+    offsets' sums, then the counts."""
+    return torch.zeros(2, channels, sides << bits, dtype=torch.int64, device=device)
+
+
+def add_bin_sums(sums: torch.Tensor, r: torch.Tensor, codes: torch.Tensor, side: Optional[torch.Tensor],
+                 bits: int) -> None:
+    """Adds to ``sums`` each element's offset t = r - k (r = (v - lo) / w before rounding up, k its final code) as
+    round(2^20 t) (t clamped to ±2^16; not finite: not counted), at its channel, side and code: what
+    ``mo_encode`` adds (``OFFSET_ONE``)."""
+    nd, channels, width = r.dim(), sums.shape[1], sums.shape[2]
+    t = r - codes.to(torch.float32)
+    finite = torch.isfinite(t)
+    fixed = torch.round(t.clamp_(-OFFSET_MAX, OFFSET_MAX).mul_(OFFSET_ONE)).masked_fill_(~finite, 0).to(torch.int64)
+    at = codes.to(torch.int64) + _per_channel(torch.arange(channels, device=r.device) * width, nd)
+    if side is not None:
+        at += side.to(torch.int64) << bits
+    sums[0].view(-1).index_add_(0, at.view(-1), fixed.view(-1))
+    sums[1].view(-1).index_add_(0, at.view(-1), finite.view(-1).to(torch.int64))
+
+
 def _from_codes(codes: torch.Tensor, mask: Optional[torch.Tensor], grid: torch.Tensor) -> torch.Tensor:
-    """Bin midpoints lo + (k + ½)·width, per channel (rows of ``grid`` as in ``_grid``), in one float
-    buffer; with four rows each element takes its side's grid by ``mask``, a slice of the batch at a
-    time (so the per-element grids never cost a full-size temporary)."""
+    """The rebuilt values in one float buffer: from a code book (3-D, ``code_book``: each element its channel's,
+    and with two sides its side's by ``mask``), or bin midpoints lo + (k + ½)·width per channel (rows of
+    ``grid`` as in ``_grid``); with four rows each element takes its side's grid by ``mask``. A slice of the
+    batch at a time (so the per-element indices and grids never cost a full-size temporary)."""
     nd = codes.dim()
+    if grid.dim() == 3:
+        channels, sides, bins = grid.shape
+        flat = grid.reshape(-1)
+        base = _per_channel(torch.arange(channels, device=codes.device) * (sides * bins), nd)
+        out = torch.empty(codes.shape, dtype=torch.float32, device=codes.device)
+        for s in batch_slices(codes):
+            at = codes[s].to(torch.int64) + base
+            if sides == 2:
+                at += mask[s].to(torch.int64) * bins
+            out[s] = flat[at]
+        return out
     out = codes.to(torch.float32).add_(0.5)
     if grid.shape[0] == 2:
         return out.mul_(_per_channel(grid[1], nd)).add_(_per_channel(grid[0], nd))
@@ -234,10 +312,14 @@ def _from_codes(codes: torch.Tensor, mask: Optional[torch.Tensor], grid: torch.T
     return out
 
 
-def _code_(v: torch.Tensor, origin, width, bins: int) -> torch.Tensor:
+def _code_(v: torch.Tensor, origin, width, bins: int, keep_r: bool = False):
     """Bin k covers (origin + k*width, origin + (k+1)*width]; values beyond the window clip.
-    Works in place on ``v`` (a float32 temporary of the caller's): forward peaks matter too."""
-    return v.sub_(origin).div_(width).ceil_().sub_(1).clamp_(0, bins - 1).to(torch.uint8)
+    Works in place on ``v`` (a float32 temporary of the caller's): forward peaks matter too. With ``keep_r``
+    (codes, r): ``v`` holds r = (v - origin) / width afterwards, for ``add_bin_sums``."""
+    r = v.sub_(origin).div_(width)
+    if keep_r:
+        return r.ceil().sub_(1).clamp_(0, bins - 1).to(torch.uint8), r
+    return r.ceil_().sub_(1).clamp_(0, bins - 1).to(torch.uint8)
 
 
 def _mask(z: torch.Tensor, act: str, params: Tuple[float, ...]) -> Optional[torch.Tensor]:
@@ -281,32 +363,48 @@ def _decode_mask(mask_packed: torch.Tensor, codes: Optional[torch.Tensor], zero_
 
 
 def x_code(x, weight, bias, mean, invstd, eps: float, mask, bits: int, act: str, split: bool, residual: bool,
-           affine: bool = False):
+           affine: bool = False, means: bool = False):
     """A chain's x̂ code and what goes with it: (packed codes, grid (rows lo0, w0[, lo1, w1]), whether the grid
-    depends on the data (then it is saved, else backward rebuilds it), the consumers' affine rows per side
-    (β + γσ·lo, γσ·w; only with ``affine``)). A residual chain's grid ends where each side's values end
-    (``_ends`` inner); otherwise an outer end at the window's edge moves to the data's end (``DATA_ENDS``).
-    On a contiguous float32 CPU tensor: two fused passes (extremes, codes) and one call for the per-channel
-    constants (``memopt/ops/native.py``: the extremes of x map to those of x̂ because x -> (x - mean) * scale is
-    monotonic in float32), the same values as the plain path below."""
+    depends on the data (then it is saved, else backward rebuilds it), what consumers rebuild z = β + γσ·x̂ from
+    (only with ``affine``): rows per side (β + γσ·lo, γσ·w) or, with the means, a code book of z, and the x̂
+    code book (``code_book``: with ``means`` and K <= MEAN_BITS the bins' means, else None: the midpoints)).
+    A residual chain's grid ends where each side's values end (``_ends`` inner); otherwise an outer end at the
+    window's edge moves to the data's end (``DATA_ENDS``). On a contiguous float32 CPU tensor: two fused passes
+    (extremes, codes and bin sums) and one call for the per-channel constants (``memopt/ops/native.py``: the
+    extremes of x map to those of x̂ because x -> (x - mean) * scale is monotonic in float32), the same values as
+    the plain path below."""
     data = residual or reaches(bits, split)
     xstd = _xhat_std(invstd, eps)
+    sides = 2 if split else 1
+    per_channel = x.numel() // max(1, x.shape[1])
+    sums = new_bin_sums(x.shape[1], sides, bits, x.device) if wants_means(means, bits, sides, per_channel) else None
     if native.applies(x, float_dtype=True) and (mask is None or mask.is_contiguous()):
         raw = native.channel_extremes(x, mask if residual else None) if data else None
         scale, grid, enc, rows = native.chain_grid(invstd, xstd, weight, bias, mean, raw, residual, bits,
                                                    x_grid_half(bits, split), x_grid_reach(bits, split), split,
-                                                   act == "relu6", residual, DATA_ENDS, affine)
-        return native.encode(x, enc, bits, mean=mean, scale=scale, mask=mask), grid, data, rows
-    ends = _ends(x, mean, invstd, xstd, mask, residual) if data else None
-    grid = _grid(weight, bias, xstd, bits, act, split, ends, residual=residual)
-    rows = None
-    if affine:
-        # consumers rebuild z = γ σ x̂ + β from the x̂ code (σ = xstd): per side lo_z = β + γσ·lo, w_z = γσ·w
-        gs = (weight.float() if weight is not None else torch.ones_like(xstd)) * xstd
-        b = bias.float() if bias is not None else torch.zeros_like(xstd)
-        rows = torch.stack([b + gs * grid[0], gs * grid[1]] + ([b + gs * grid[2], gs * grid[3]] if len(grid) == 4
-                                                               else []))
-    return pack_bits(_x_codes(x, mean, invstd, xstd, grid, mask, 1 << bits), bits), grid, data, rows
+                                                   act == "relu6", residual, DATA_ENDS, affine and sums is None)
+        codes = native.encode(x, enc, bits, mean=mean, scale=scale, mask=mask, sums=sums)
+    else:
+        ends = _ends(x, mean, invstd, xstd, mask, residual) if data else None
+        grid = _grid(weight, bias, xstd, bits, act, split, ends, residual=residual)
+        rows = None
+        if affine and sums is None:
+            # consumers rebuild z = γ σ x̂ + β from the x̂ code (σ = xstd): per side lo_z = β + γσ·lo, w_z = γσ·w
+            gs, b = _z_affine(weight, bias, xstd)
+            rows = torch.stack([b + gs * grid[0], gs * grid[1]] + ([b + gs * grid[2], gs * grid[3]]
+                                                                   if len(grid) == 4 else []))
+        codes = pack_bits(_x_codes(x, mean, invstd, xstd, grid, mask, 1 << bits, sums), bits)
+    book = None if sums is None else code_book(grid, bits, sums)
+    if affine and book is not None:
+        gs, b = _z_affine(weight, bias, xstd)
+        rows = b.view(-1, 1, 1) + gs.view(-1, 1, 1) * book
+    return codes, grid, data, rows, book
+
+
+def _z_affine(weight, bias, xstd):
+    """(γσ, β) per channel: z = β + γσ·(x̂ / σ), σ = x̂'s std (γ = 1, β = 0 without affine parameters)."""
+    gs = (weight.float() if weight is not None else torch.ones_like(xstd)) * xstd
+    return gs, (bias.float() if bias is not None else torch.zeros_like(xstd))
 
 
 def exact_mask(mask_packed: torch.Tensor, codes_packed: torch.Tensor, zero_code: torch.Tensor, bits: int,
@@ -324,23 +422,32 @@ def exact_mask(mask_packed: torch.Tensor, codes_packed: torch.Tensor, zero_code:
     return _decode_mask(mask_packed, codes, zero_code, shape)
 
 
-def _x_codes(x, mean, invstd, xstd, grid, mask, bins: int) -> torch.Tensor:
+def _x_codes(x, mean, invstd, xstd, grid, mask, bins: int, sums: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Codes of x̂ / its std (float32, as the statistics are) on ``grid``; a constant channel codes noise
-    that rebuilds times 0. A split grid codes each side and keeps the side the mask says."""
+    that rebuilds times 0. A split grid codes each side and keeps the side the mask says. With ``sums``
+    (``new_bin_sums``) each element's offset in its bin is added there (``add_bin_sums``)."""
     nd = x.dim()
     scale = _per_channel(invstd / xstd.clamp_min(1e-12), nd)
     tiny = torch.finfo(torch.float32).tiny
+    keep = sums is not None
 
     def code(s, lo, width):
         return _code_((x[s] - _per_channel(mean, nd)).mul_(scale), _per_channel(lo, nd),
-                      _per_channel(width.clamp_min(tiny), nd), bins)
+                      _per_channel(width.clamp_min(tiny), nd), bins, keep_r=keep)
 
     # a batch slice at a time: the float temporaries stay slice-sized (a full-size one set ResNet-50's forward
     # peak at batch 32 before; tools/peak_location.py finds such places)
     codes = torch.empty_like(x, dtype=torch.uint8)
     for s in batch_slices(x):
         if grid.shape[0] == 2:
-            codes[s] = code(s, grid[0], grid[1])
+            out = code(s, grid[0], grid[1])
+            codes[s], r = out if keep else (out, None)
+        elif keep:
+            (c1, r1), (c0, r0) = code(s, grid[2], grid[3]), code(s, grid[0], grid[1])
+            r = torch.where(mask[s], r1, r0)
+            codes[s] = select_u8(mask[s], c1, c0)
         else:
             codes[s] = select_u8(mask[s], code(s, grid[2], grid[3]), code(s, grid[0], grid[1]))
+        if keep:
+            add_bin_sums(sums, r, codes[s], mask[s] if grid.shape[0] == 4 else None, int(bins).bit_length() - 1)
     return codes

@@ -118,11 +118,6 @@ void mo_unpack(const uint8_t *packed, int64_t nbytes, int64_t n, int bits, uint8
     }
 }
 
-/* Per-channel grid of a code: bins of width w from lo; split codes take side 1 where the mask is set. */
-typedef struct {
-    const float *lo0, *w0, *lo1, *w1; /* lo1 / w1 NULL: one grid */
-} grid_t;
-
 /* A block's mask as 0/1 bytes, element i at [i - i0]: `mask` itself, or with `bits1` its 1-bit stream
  * (stash's saved mask, never unpacked to full size) unpacked into buf; NULL without a mask. */
 static void unpack_block(const uint8_t *packed, int64_t nbytes, int bits, int64_t i0, int64_t count, uint8_t *dst);
@@ -161,18 +156,50 @@ static inline void encode_run(const float *restrict x, const uint8_t *restrict m
     }
 }
 
+/* Where a value lies inside its bin, for the bin means (stash_grid.bin_means): t = (v - lo) / w - k, in
+ * (0, 1] inside the window (beyond it, how far out), as a fixed-point integer 2^20 t (t clamped to
+ * +-2^16 bins). Integers add exactly in any order, so the means are the same on every path and thread
+ * count. Not finite (a NaN or inf channel, whose statistics are NaN anyway): not counted. */
+#define OFFSET_ONE 1048576.0f
+static inline void bin_sums_run(const float *restrict x, const uint8_t *restrict mask, const uint8_t *restrict k,
+                                int64_t count, int centre, int split, float m, float sc, float l0, float v0,
+                                float l1, float v1, int bins, int64_t *restrict sum, int64_t *restrict cnt) {
+    for (int64_t i = 0; i < count; i++) {
+        float v = centre ? (x[i] - m) * sc : x[i];
+        int side = split ? mask[i] != 0 : 0;
+        float t = (v - (side ? l1 : l0)) / (side ? v1 : v0) - (float)k[i];
+        if (!isfinite(t)) continue;
+        t = t < -65536.0f ? -65536.0f : (t > 65536.0f ? 65536.0f : t);
+        const int at = side * bins + k[i];
+        sum[at] += (int64_t)nearbyintf(t * OFFSET_ONE);
+        cnt[at] += 1;
+    }
+}
+
 /* Codes of v = (x - mean) * scale (mean NULL: v = x) on the grid (lo1 NULL: one grid, else side 1 where
  * the mask is set), as stash_grid._code_. With zero_code (a z code whose zero is the bin edge
  * j = zero_code[c]) positive values go to bins >= j and the rest below; positive means !(v <= 0) when
- * positive_not_le (ReLU / ReLU6: a NaN passes the gradient), else v > 0. Packed straight into out. */
+ * positive_not_le (ReLU / ReLU6: a NaN passes the gradient), else v > 0. Packed straight into out. With
+ * bin_sums (2 x C x T int64, T = sides x 2^bits, zeroed by the caller): per channel, side and code the sum of
+ * the fixed-point offsets (bin_sums_run), then the counts. */
 void mo_encode(const float *x, int64_t n, int64_t C, int64_t S, const float *mean, const float *scale,
                const float *lo0, const float *w0, const float *lo1, const float *w1, const uint8_t *mask,
                const int32_t *zero_code, int positive_not_le, int bits, uint8_t *out, int64_t nbytes,
-               int nthreads) {
+               int64_t *bin_sums, int nthreads) {
     const float top = (float)((1 << bits) - 1);
-#pragma omp parallel num_threads(nthreads)
+    const int bins = 1 << bits;
+    const int64_t T = (lo1 ? 2 : 1) * (int64_t)bins, per = 2 * C * T;
+    const int threads = nthreads < 1 ? 1 : nthreads;
+    /* each thread its own sums (a bin is hit by every block of its channel), added up after */
+    int64_t *acc = bin_sums ? (int64_t *)calloc((size_t)threads * per, sizeof(int64_t)) : NULL;
+#pragma omp parallel num_threads(threads)
     {
         uint8_t *codes = (uint8_t *)malloc(BLOCK);
+        int t = 0;
+#ifdef _OPENMP
+        t = omp_get_thread_num();
+#endif
+        int64_t *mine = acc ? acc + (size_t)t * per : NULL;
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < num_blocks(n); b++) {
             int64_t i0 = b * BLOCK, count = n - i0 < BLOCK ? n - i0 : BLOCK;
@@ -197,15 +224,24 @@ void mo_encode(const float *x, int64_t n, int64_t C, int64_t S, const float *mea
                         dst[i] = positive ? (k > j ? k : j) : (k < below ? k : below);
                     }
                 }
+                if (mine)
+                    bin_sums_run(x + s, mk, dst, e - s, mean != NULL, lo1 != NULL, m, sc, l0, v0, l1, v1, bins,
+                                 mine + c * T, mine + C * T + c * T);
             }
             pack_block(codes, count, bits, i0, out, nbytes);
         }
         free(codes);
     }
+    if (acc) {
+        for (int t = 0; t < threads; t++)
+            for (int64_t i = 0; i < per; i++) bin_sums[i] += acc[(size_t)t * per + i];
+        free(acc);
+    }
 }
 
-/* The rebuilt value of code k: (k + 1/2) w + lo, as stash_grid._from_codes (float32, same order). */
-static inline float midpoint(uint8_t k, float lo, float w) { return ((float)k + 0.5f) * w + lo; }
+/* Decoding reads a per-channel code book (stash_grid.code_book): C x T floats, T = 2^bits, or 2 x 2^bits for a
+ * split code (side 1 where the mask is set): the value of code k on side s is book[c T + s 2^bits + k], the
+ * bin's midpoint or the mean of the values it coded. */
 
 enum { ACT_IDENTITY = 0, ACT_RELU = 1, ACT_RELU6 = 2, ACT_LEAKY_RELU = 3 };
 enum { MASK_NONE = 0, MASK_BYTES = 1, MASK_FROM_CODE = 2 };
@@ -219,29 +255,31 @@ static inline float activation_at(float z, int on, int act, float slope) {
 
 /* One channel's run of act(z); `act`, `source` and `split` are constants at every call. */
 static inline void rebuild_run(const uint8_t *restrict k, const uint8_t *restrict mask, float *restrict out,
-                               int64_t count, int act, int source, int split, uint8_t zc, float l0, float v0,
-                               float l1, float v1, float slope) {
+                               int64_t count, int act, int source, int split, uint8_t zc,
+                               const float *restrict book, int bins, float slope) {
     for (int64_t i = 0; i < count; i++) {
         int on = source == MASK_BYTES ? mask[i] != 0 : (source == MASK_FROM_CODE ? k[i] >= zc : 1);
         int side = split ? on : 0;
-        out[i] = activation_at(midpoint(k[i], side ? l1 : l0, side ? v1 : v0), on, act, slope);
+        out[i] = activation_at(book[side * bins + k[i]], on, act, slope);
     }
 }
 
 #define REBUILD_CASE(ACT)                                                                                    \
-    if (source == MASK_BYTES && split) rebuild_run(k, mk, o, len, ACT, MASK_BYTES, 1, zc, l0, v0, l1, v1, slope); \
-    else if (source == MASK_BYTES) rebuild_run(k, mk, o, len, ACT, MASK_BYTES, 0, zc, l0, v0, l1, v1, slope);    \
-    else if (source == MASK_FROM_CODE) rebuild_run(k, mk, o, len, ACT, MASK_FROM_CODE, 0, zc, l0, v0, l1, v1, slope); \
-    else rebuild_run(k, mk, o, len, ACT, MASK_NONE, 0, zc, l0, v0, l1, v1, slope);
+    if (source == MASK_BYTES && split) rebuild_run(k, mk, o, len, ACT, MASK_BYTES, 1, zc, bk, bins, slope); \
+    else if (source == MASK_BYTES) rebuild_run(k, mk, o, len, ACT, MASK_BYTES, 0, zc, bk, bins, slope);    \
+    else if (source == MASK_FROM_CODE) rebuild_run(k, mk, o, len, ACT, MASK_FROM_CODE, 0, zc, bk, bins, slope); \
+    else rebuild_run(k, mk, o, len, ACT, MASK_NONE, 0, zc, bk, bins, slope);
 
-/* act(z) at the bin midpoints, the exact mask deciding each element's side of the kink (stash._Stash.rebuild):
- * mask from `mask` (0/1 bytes), else from the code (k >= zero_code[c]), else none (identity). A split grid
- * (lo1 set) needs the mask bytes. */
+/* act(z) from the code book, the exact mask deciding each element's side of the kink (stash._Stash.rebuild):
+ * mask from `mask` (0/1 bytes), else from the code (k >= zero_code[c]), else none (identity). A split book
+ * (split set: 2 sides per channel) needs the mask. */
 void mo_rebuild(const uint8_t *packed, int64_t nbytes, int bits, int64_t n, int64_t C, int64_t S,
-                const float *lo0, const float *w0, const float *lo1, const float *w1, const uint8_t *mask,
-                int mask_bits, const int32_t *zero_code, int act, float slope, float *out, int nthreads) {
+                const float *book, int split_book, const uint8_t *mask, int mask_bits, const int32_t *zero_code,
+                int act, float slope, float *out, int nthreads) {
     const int source = mask ? MASK_BYTES : (zero_code ? MASK_FROM_CODE : MASK_NONE);
-    const int split = lo1 != NULL && mask != NULL;
+    const int split = split_book && mask != NULL;
+    const int bins = 1 << bits;
+    const int64_t T = (split_book ? 2 : 1) * (int64_t)bins;
 #pragma omp parallel num_threads(nthreads)
     {
         uint8_t *codes = (uint8_t *)malloc(BLOCK), *mbuf = (uint8_t *)malloc(BLOCK);
@@ -253,8 +291,7 @@ void mo_rebuild(const uint8_t *packed, int64_t nbytes, int bits, int64_t n, int6
             for (int64_t s = i0, e; s < i0 + count; s = e) {  /* runs of one channel c */
                 const int64_t c = (s / S) % C;
                 e = segment_end(s, S, i0 + count);
-                const float l0 = lo0[c], v0 = w0[c];
-                const float l1 = lo1 ? lo1[c] : l0, v1 = w1 ? w1[c] : v0;
+                const float *bk = book + c * T;
                 const uint8_t zc = zero_code ? (uint8_t)zero_code[c] : 0;
                 const uint8_t *k = codes + (s - i0), *mk = mb ? mb + (s - i0) : NULL;
                 float *o = out + s;
@@ -295,28 +332,28 @@ void mo_mask_from_codes(const uint8_t *packed, int64_t nbytes, int bits, int64_t
     }
 }
 
-/* x̂ of code k on its side's grid, times the channel's std of x̂ (stash._bn_backward before centring). */
-static inline float xhat_at(uint8_t k, int side, float l0, float v0, float l1, float v1, float sd) {
-    return midpoint(k, side ? l1 : l0, side ? v1 : v0) * sd;
+/* x̂ of code k from its side's code book, times the channel's std of x̂ (stash._bn_backward before centring). */
+static inline float xhat_at(uint8_t k, int side, const float *book, int bins, float sd) {
+    return book[side * bins + k] * sd;
 }
 
 /* Sums of x̂ and g x̂ over a run of at most BLOCK elements: float partial sums in LANES lanes (vectorised),
  * added in double. */
 static inline void sums_run(const uint8_t *restrict k, const uint8_t *restrict mask, const float *restrict g,
-                            int64_t count, int split, float l0, float v0, float l1, float v1, float sd,
+                            int64_t count, int split, const float *restrict book, int bins, float sd,
                             double *sum_x, double *sum_gx) {
     float lx[LANES], lgx[LANES];
     for (int j = 0; j < LANES; j++) lx[j] = lgx[j] = 0.0f;
     int64_t i = 0;
     for (; i + LANES <= count; i += LANES)
         for (int j = 0; j < LANES; j++) {
-            float xh = xhat_at(k[i + j], split ? mask[i + j] != 0 : 0, l0, v0, l1, v1, sd);
+            float xh = xhat_at(k[i + j], split ? mask[i + j] != 0 : 0, book, bins, sd);
             lx[j] += xh;
             lgx[j] += g[i + j] * xh;
         }
     double sx = 0.0, sgx = 0.0;
     for (; i < count; i++) {
-        float xh = xhat_at(k[i], split ? mask[i] != 0 : 0, l0, v0, l1, v1, sd);
+        float xh = xhat_at(k[i], split ? mask[i] != 0 : 0, book, bins, sd);
         sx += xh;
         sgx += (double)(g[i] * xh);
     }
@@ -331,16 +368,16 @@ static inline void sums_run(const uint8_t *restrict k, const uint8_t *restrict m
 /* One channel's run of the input gradient; `io` is g on entry and the gradient on exit when `out` is NULL
  * (the caller's g is not needed afterwards), so both forms stay free of aliasing and vectorise. */
 static inline void grad_run(const uint8_t *restrict k, const uint8_t *restrict mask, float *restrict io,
-                            float *restrict out, int64_t count, int split, float l0, float v0, float l1, float v1,
+                            float *restrict out, int64_t count, int split, const float *restrict book, int bins,
                             float sd, float xm, float a, float bsub, float scale) {
     if (out) {
         for (int64_t i = 0; i < count; i++) {
-            float xh = xhat_at(k[i], split ? mask[i] != 0 : 0, l0, v0, l1, v1, sd);
+            float xh = xhat_at(k[i], split ? mask[i] != 0 : 0, book, bins, sd);
             out[i] = (((xh - xm) * a + io[i]) - bsub) * scale;
         }
     } else {
         for (int64_t i = 0; i < count; i++) {
-            float xh = xhat_at(k[i], split ? mask[i] != 0 : 0, l0, v0, l1, v1, sd);
+            float xh = xhat_at(k[i], split ? mask[i] != 0 : 0, book, bins, sd);
             io[i] = (((xh - xm) * a + io[i]) - bsub) * scale;
         }
     }
@@ -349,9 +386,11 @@ static inline void grad_run(const uint8_t *restrict k, const uint8_t *restrict m
 /* BN backward, pass 2: grad_x = (((x̂ - xmean) a + g) - b) s per channel, x̂ rebuilt again from its code
  * (the order of stash._bn_backward's in-place ops); no full-size x̂ is ever stored. out may be g (in place). */
 static void mo_bn_grad(const uint8_t *packed, int64_t nbytes, int bits, int64_t n, int64_t C, int64_t S,
-                const float *lo0, const float *w0, const float *lo1, const float *w1, const uint8_t *mask,
-                int mask_bits, const float *xstd, const float *g, const float *xmean, const float *a,
-                const float *bsub, const float *scale, float *out, int nthreads) {
+                const float *book, int split, const uint8_t *mask, int mask_bits, const float *xstd,
+                const float *g, const float *xmean, const float *a, const float *bsub, const float *scale, float *out,
+                int nthreads) {
+    const int bins = 1 << bits;
+    const int64_t T = (split ? 2 : 1) * (int64_t)bins;
 #pragma omp parallel num_threads(nthreads)
     {
         uint8_t *codes = (uint8_t *)malloc(BLOCK), *mbuf = (uint8_t *)malloc(BLOCK);
@@ -359,19 +398,18 @@ static void mo_bn_grad(const uint8_t *packed, int64_t nbytes, int bits, int64_t 
         for (int64_t b = 0; b < num_blocks(n); b++) {
             int64_t i0 = b * BLOCK, count = n - i0 < BLOCK ? n - i0 : BLOCK;
             unpack_block(packed, nbytes, bits, i0, count, codes);
-            const uint8_t *mb = block_mask(lo1 ? mask : NULL, mask_bits, n, i0, count, mbuf);
+            const uint8_t *mb = block_mask(split ? mask : NULL, mask_bits, n, i0, count, mbuf);
             for (int64_t s = i0, e; s < i0 + count; s = e) {  /* runs of one channel c */
                 const int64_t c = (s / S) % C;
                 e = segment_end(s, S, i0 + count);
-                const float l0 = lo0[c], v0 = w0[c], sd = xstd[c];
-                const float l1 = lo1 ? lo1[c] : l0, v1 = w1 ? w1[c] : v0;
+                const float sd = xstd[c], *bk = book + c * T;
                 float *io = (float *)g + s, *o = out == g ? NULL : out + s;
-                if (lo1)
-                    grad_run(codes + (s - i0), mb + (s - i0), io, o, e - s, 1, l0, v0, l1, v1, sd, xmean[c], a[c],
+                if (split)
+                    grad_run(codes + (s - i0), mb + (s - i0), io, o, e - s, 1, bk, bins, sd, xmean[c], a[c],
                              bsub[c], scale[c]);
                 else
-                    grad_run(codes + (s - i0), NULL, io, o, e - s, 0, l0, v0, l1, v1, sd, xmean[c], a[c],
-                             bsub[c], scale[c]);
+                    grad_run(codes + (s - i0), NULL, io, o, e - s, 0, bk, bins, sd, xmean[c], a[c], bsub[c],
+                             scale[c]);
             }
         }
         free(codes);
@@ -633,14 +671,15 @@ void mo_chain_grid(int64_t C, const float *invstd, const float *xstd, const floa
  * pass 2 writes grad_x = (((x̂ - m) a + g) - b) s into out (which may be g). sum_g is read (no grad) or written
  * (float), sum_gx written (float). */
 void mo_bn_backward(const uint8_t *packed, int64_t nbytes, int bits, int64_t n, int64_t C, int64_t S,
-                    const float *lo0, const float *w0, const float *lo1, const float *w1, const uint8_t *mask,
-                    int mask_bits, const float *xstd, const float *grad, int act, float slope, float *g,
+                    const float *book, int split, const uint8_t *mask, int mask_bits, const float *xstd, const float *grad, int act, float slope, float *g,
                     float *sum_g, const float *gamma_invstd, const float *exact_val, const uint8_t *exact_ok,
                     const float *solve, float top, float *out, float *sum_gx, int nthreads) {
     /* solve (memopt/ops/stash_identity.py, with grad and a mask): rows R, beta, gamma, threshold, sign, ok per
        channel; the weight gradient becomes (R - top * clip - beta * sum_g) / gamma where ok and finite, clip
        being the sum of grad over the mask-false elements whose code satisfies sign * code >= threshold */
     int threads = nthreads < 1 ? 1 : nthreads;
+    const int bins = 1 << bits;
+    const int64_t T = (split ? 2 : 1) * (int64_t)bins;
     const int clipping = solve && grad && mask && top != 0.0f;
     double *acc = (double *)calloc((size_t)threads * 4 * C, sizeof(double));
 #pragma omp parallel num_threads(threads)
@@ -663,10 +702,9 @@ void mo_bn_backward(const uint8_t *packed, int64_t nbytes, int bits, int64_t n, 
                 if (clipping && isfinite(solve[3 * C + c]))  /* an infinite threshold: nothing can be clipped */
                     aclip[c] += clip_sum_run(grad + s, codes + (s - i0), mb + (s - i0), e - s, solve[3 * C + c],
                                              solve[4 * C + c]);
-                const float l0 = lo0[c], v0 = w0[c], sd = xstd[c];
-                const float l1 = lo1 ? lo1[c] : l0, v1 = w1 ? w1[c] : v0;
-                if (lo1) sums_run(codes + (s - i0), mb + (s - i0), g + s, e - s, 1, l0, v0, l1, v1, sd, ax + c, agx + c);
-                else sums_run(codes + (s - i0), NULL, g + s, e - s, 0, l0, v0, l1, v1, sd, ax + c, agx + c);
+                const float sd = xstd[c], *bk = book + c * T;
+                if (split) sums_run(codes + (s - i0), mb + (s - i0), g + s, e - s, 1, bk, bins, sd, ax + c, agx + c);
+                else sums_run(codes + (s - i0), NULL, g + s, e - s, 0, bk, bins, sd, ax + c, agx + c);
             }
         }
         free(codes);
@@ -699,7 +737,7 @@ void mo_bn_backward(const uint8_t *packed, int64_t nbytes, int bits, int64_t n, 
         scale[c] = gamma_invstd[c];
     }
     free(acc);
-    mo_bn_grad(packed, nbytes, bits, n, C, S, lo0, w0, lo1, w1, mask, mask_bits, xstd, g, xmean, a, bsub, scale,
-               out, nthreads);
+    mo_bn_grad(packed, nbytes, bits, n, C, S, book, split, mask, mask_bits, xstd, g, xmean, a, bsub, scale, out,
+               nthreads);
     free(xmean);
 }

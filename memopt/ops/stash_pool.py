@@ -23,7 +23,7 @@ from memopt.ops.stash_grid import _per_channel, batch_norm_train, keep_where, x_
 class BNReLUMaxPoolStash(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, running_mean, running_var, num_batches_tracked, momentum, eps, bits,
-                kernel_size, stride, padding, dilation, ceil_mode, node):
+                kernel_size, stride, padding, dilation, ceil_mode, node, means=False):
         out, mean, invstd, _, _ = batch_norm_train(x, weight, bias, running_mean, running_var, num_batches_tracked,
                                                    momentum, eps)
         mask = ~(out <= 0)
@@ -33,7 +33,9 @@ class BNReLUMaxPoolStash(torch.autograd.Function):
         del y, out
         offsets, ctx.pool = pool_offsets(x.shape, pooled, indices, kernel_size, stride, padding, dilation)
         del indices
-        x_codes, grid, _, _ = x_code(x, weight, bias, mean, invstd, eps, mask, bits, "relu", True, False)
+        x_codes, grid, _, _, book = x_code(x, weight, bias, mean, invstd, eps, mask, bits, "relu", True, False,
+                                           means=means)
+        grid = grid if book is None else book  # what backward rebuilds x̂ from: rows or the bins' means
         mask_packed = pack_bits(mask, 1)
         del mask
         ctx.save_for_backward(x_codes, mask_packed, offsets, pooled, weight, bias, invstd, grid)
@@ -68,4 +70,4 @@ class BNReLUMaxPoolStash(torch.autograd.Function):
         grad_b = sum_g if ctx.has_bias else None
         return (grad_x.to(grad_pool.dtype), None if grad_w is None else grad_w.to(weight.dtype),
                 None if grad_b is None else grad_b.to(weight.dtype if weight is not None else grad_pool.dtype),
-                None, None, None, None, None, None, None, None, None, None, None, None)
+                None, None, None, None, None, None, None, None, None, None, None, None, None)
