@@ -10,8 +10,9 @@ side's window ending where its values end, and code z only where z > 0; a downsa
 its own), "merged" (a downsample BN joins the residual chain it is added to, so its x̂ is split by that
 chain's exact mask too), "ends" (merged, and every split window's outer end is where that side's
 values end when that is inside ±WINDOWS[K+1], and the stem BN -> ReLU -> max-pool is one Function whose BN
-weight gradient is exact from the pooled output), "current" (ends, and the scale identity for BN weights
-before a depthwise conv, K+1 bits for chains without an activation: ``memopt/ops/stash_identity.py``).
+weight gradient is exact from the pooled output), "identity" (ends, and the scale identity for BN weights
+before a depthwise conv, K+1 bits for chains without an activation: ``memopt/ops/stash_identity.py``),
+"current" (identity, and each bin rebuilt at the mean of the values it coded: StashConfig.bin_means).
 
 Parameters whose exact gradient is (numerically) zero have no meaningful cosine: a conv bias followed
 by a training-mode BN (the BN removes any per-channel shift), a BN bias whose every path passes a
@@ -47,13 +48,13 @@ MOBILENET_NOTE = (
     "their exact gradient is small: each channel feeds one depthwise channel and then a training-mode BN, so it "
     "is only the eps and ReLU6-clip terms of the scale identity (the 'least kept exact norm / median' column; "
     "docs/results/stash_invariance.md). Summed over a rebuilt x̂ ('ends') they carry the code's rounding noise at "
-    "the natural scale; 'current' solves them from the next BN's weight gradient by the identity "
+    "the natural scale; 'identity' and 'current' solve them from the next BN's weight gradient by the identity "
     "(memopt/ops/stash_identity.py), so they inherit that gradient's error, weighted toward its channels of "
-    "small variance. 'current' also codes chains without an activation (the projection BNs) with K+1 bits: "
+    "small variance. Both also code chains without an activation (the projection BNs) with K+1 bits: "
     "their BN weights and the next expand convs' weights were the rows between 0.98 and 0.99 in 'ends'.")
 
 
-def gradients(name, bits, size, batch, seed, identity=True):
+def gradients(name, bits, size, batch, seed, identity=True, means=True):
     """{parameter: (cosine, exact-gradient norm, our gradient norm, whether it is a BatchNorm weight)}."""
     import torchvision
 
@@ -62,7 +63,8 @@ def gradients(name, bits, size, batch, seed, identity=True):
     x = torch.randn(batch, 3, size, size)
     reference = copy.deepcopy(model)
     om = memopt.optimize(model, example_inputs=x, config=memopt.Config(
-        stash=memopt.StashConfig(bits=bits, scale_identity=identity, identity_extra_bit=identity), fewbit=None))
+        stash=memopt.StashConfig(bits=bits, scale_identity=identity, identity_extra_bit=identity, bin_means=means),
+        fewbit=None))
     torch.manual_seed(seed + 1000)
     out = om(x)
     torch.manual_seed(seed + 1000)
@@ -82,9 +84,10 @@ def _grid_patches(grid):
     split = {"single": lambda act, has_residual: False,
              "split": lambda act, has_residual: act != "identity" and not has_residual}.get(grid, stash_ops.split_by_mask)
     positive = (lambda act: False) if grid in ("single", "split") else stash_ops.positive_z_grid
-    current = grid in ("ends", "current")
+    current = grid in ("ends", "identity", "current")
     return (mock.patch.object(stash_ops, "split_by_mask", split), mock.patch.object(stash_ops, "positive_z_grid", positive),
-            mock.patch.object(stash_pass, "_second_bn", stash_pass._second_bn if grid in ("merged", "ends", "current")
+            mock.patch.object(stash_pass, "_second_bn", stash_pass._second_bn if grid in ("merged", "ends", "identity",
+                                                                                          "current")
                               else (lambda *args: None)),
             mock.patch.object(stash_grid, "DATA_ENDS", current),
             mock.patch.object(stash_pass, "_fusable_pool", stash_pass._fusable_pool if current else (lambda *a: None)))
@@ -97,7 +100,7 @@ def main() -> None:
     parser.add_argument("--cases", default="64x2,128x4", help="SIZExBATCH,... (64x2 is tests/test_stash.py's)")
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--grids", default="split+residual,merged,current",
-                        help="single,split,split+residual,merged,ends,current")
+                        help="single,split,split+residual,merged,ends,identity,current")
     parser.add_argument("--zero", type=float, default=1e-3,
                         help="exact gradient norm below this times the median parameter-gradient norm: excluded")
     parser.add_argument("--threads", type=int, default=2)
@@ -114,7 +117,8 @@ def main() -> None:
                         with contextlib.ExitStack() as stack:
                             for patch in _grid_patches(grid):
                                 stack.enter_context(patch)
-                            grads = gradients(name, bits, size, batch, seed, identity=grid == "current")
+                            grads = gradients(name, bits, size, batch, seed, identity=grid in ("identity", "current"),
+                                              means=grid == "current")
                         median = statistics.median(v[1] for v in grads.values())
                         zero = {n for n, v in grads.items() if v[1] < args.zero * median}
                         for n in sorted(zero):
@@ -148,9 +152,11 @@ def main() -> None:
         f"z > 0; a downsample BN is an identity chain of its own); 'merged' = + the downsample BN joins the "
         f"residual chain it is added to, its x̂ split by that chain's mask; 'ends' = merged + each split "
         f"window's outer end where that side's values end if inside ±WINDOWS[K+1] + the stem BN -> ReLU -> max-pool in one "
-        f"Function with its BN weight gradient exact from the pooled output; 'current' = ends + the scale identity "
+        f"Function with its BN weight gradient exact from the pooled output; 'identity' = ends + the scale identity "
         f"for BN weights before a depthwise conv and K+1 bits for chains without an activation (StashConfig."
-        f"scale_identity, identity_extra_bit; the same as 'ends' in models without either). Older grids: "
+        f"scale_identity, identity_extra_bit; the same as 'ends' in models without either); 'current' = identity + "
+        f"each bin rebuilt at the mean of the values it coded where a code's means cost at most half of its "
+        f"bytes (StashConfig.bin_means; K <= 4). Older grids: "
         f"`--grids single,split`.", "",
         f"**Exclusion rule.** A parameter whose exact gradient norm is below {args.zero:g} x the model's median "
         f"per-parameter exact-gradient norm has a (numerically) zero true gradient, so its cosine compares two "

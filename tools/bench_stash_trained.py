@@ -7,8 +7,9 @@ batch the cross-entropy gradient of each parameter with the stash (few-bit off) 
 a copy of the same trained model. Parameters whose exact gradient norm is below 1e-3 x the median are left
 out (as in bench_stash_gradients.py). ``--window-scale`` multiplies every grid's half-width (stash_grid.WINDOWS,
 ±4σ at 8 bits) to show what clipping at the window costs once activations have heavy tails (at 8 bits the
-outer ends also follow the data out to stash_grid.REACH times the window, which scales with it). Writes
-docs/results/stash_trained.md.
+outer ends also follow the data out to stash_grid.REACH times the window, which scales with it). ``--means``
+runs each case with the bins rebuilt at their means (1, StashConfig.bin_means, the default) and at their
+midpoints (0); K > stash_grid.MEAN_BITS has no means ('-'). Writes docs/results/stash_trained.md.
 Run: python tools/bench_stash_trained.py  (about 15 minutes on 2 CPU threads)
 """
 from __future__ import annotations
@@ -47,11 +48,11 @@ def train(model, x, y, steps: int, batch: int, generator) -> float:
     return loss.item()
 
 
-def cosines(model, x, y, bits: int):
+def cosines(model, x, y, bits: int, means: bool = True):
     """{parameter: (cosine, exact norm)} of the stash's gradient against exact autograd at ``model``'s state."""
     reference, ours = copy.deepcopy(model), copy.deepcopy(model)
     om = memopt.optimize(ours, example_inputs=x,
-                         config=memopt.Config(stash=memopt.StashConfig(bits=bits), fewbit=None))
+                         config=memopt.Config(stash=memopt.StashConfig(bits=bits, bin_means=means), fewbit=None))
     torch.manual_seed(5)
     F.cross_entropy(om(x), y).backward()
     torch.manual_seed(5)
@@ -68,6 +69,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, nargs="+", default=[0, 100])
     parser.add_argument("--bits", type=int, nargs="+", default=[4, 8])
     parser.add_argument("--window-scale", type=float, nargs="+", default=[1.0])
+    parser.add_argument("--means", type=int, nargs="+", default=[1], choices=[0, 1])
     parser.add_argument("--size", type=int, default=64)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--threads", type=int, default=2)
@@ -84,37 +86,44 @@ def main() -> None:
             loss = train(model, data_x, data_y, steps, args.batch, generator)
             idx = torch.randint(0, len(data_x), (args.batch,), generator=generator)
             x, y = data_x[idx], data_y[idx]
-            for bits, scale in [(b, s) for b in args.bits for s in args.window_scale]:
+            runs = [(b, s, m) for b in args.bits for s in args.window_scale for m in args.means
+                    if b <= stash_grid.MEAN_BITS or m == args.means[0]]
+            for bits, scale, means in runs:
                 original = dict(stash_grid.WINDOWS)
                 stash_grid.WINDOWS.update({k: v * scale for k, v in original.items()})
                 try:
-                    cos = cosines(model, x, y, bits)
+                    cos = cosines(model, x, y, bits, bool(means))
                 finally:
                     stash_grid.WINDOWS.update(original)
+                means_col = ("on" if means else "off") if bits <= stash_grid.MEAN_BITS else "-"
                 median = statistics.median(v[1] for v in cos.values())
                 kept = {n: c for n, (c, norm) in cos.items() if norm >= 1e-3 * median}
                 ranked = sorted(kept.items(), key=lambda t: t[1])
                 bn = sorted(c for n, c in kept.items() if n.endswith(".weight") and _is_bn(model, n))
-                rows.append([name, steps, f"{loss:.3f}" if steps else "", bits, f"{scale:g}", f"{ranked[0][1]:.4f}",
+                rows.append([name, steps, f"{loss:.3f}" if steps else "", bits, f"{scale:g}", means_col,
+                             f"{ranked[0][1]:.4f}",
                              f"{sum(c >= 0.99 for c in kept.values())}/{len(kept)}",
                              f"{statistics.median(kept.values()):.4f}",
                              f"{bn[len(bn) // 2]:.4f}" if bn else "", len(cos) - len(kept)])
-                worst_rows += [[name, steps, bits, f"{scale:g}", n, f"{c:.4f}", f"{cos[n][1] / median:.1e}"]
+                worst_rows += [[name, steps, bits, f"{scale:g}", means_col, n, f"{c:.4f}", f"{cos[n][1] / median:.1e}"]
                                for n, c in ranked[:3]]
                 print(rows[-1], flush=True)
     command = (f"python tools/bench_stash_trained.py --models {args.models} --steps {' '.join(map(str, args.steps))} "
                f"--bits {' '.join(map(str, args.bits))} --window-scale {' '.join(f'{v:g}' for v in args.window_scale)} "
+               f"--means {' '.join(map(str, args.means))} "
                f"--size {args.size} --batch {args.batch} --threads {args.threads}"
                f"{' --out ' + args.out if args.out != 'docs/results/stash_trained.md' else ''}")
     write_results_file(args.out, "\n".join([
         "# Stash: per-parameter gradient cosine after training steps", "",
         f"Command: `{command}` (torch {torch.__version__}, CPU). "
         + " ".join(__doc__.split("\n\n", 1)[1].split("Writes")[0].split()), "",
-        tabulate(rows, ["model", "stock SGD steps", "training loss at the last step", "bits", "window x", "worst cos",
+        tabulate(rows, ["model", "stock SGD steps", "training loss at the last step", "bits", "window x", "bin means",
+                        "worst cos",
                         "params >= 0.99", "median cos", "median BN weight cos", "excluded (exact grad ~ 0)"],
                  tablefmt="github"), "",
         "## The three worst parameters of each run", "",
-        tabulate(worst_rows, ["model", "steps", "bits", "window x", "parameter", "cos", "exact norm / median"],
+        tabulate(worst_rows, ["model", "steps", "bits", "window x", "bin means", "parameter", "cos",
+                              "exact norm / median"],
                  tablefmt="github"), ""]))
 
 

@@ -52,11 +52,11 @@ _SIGNATURES = {
     "mo_pack": [_P, _I64, _I, _P, _I64, _I],
     "mo_unpack": [_P, _I64, _I64, _I, _P, _I],
     "mo_encode": [_P, _I64, _I64, _I64, _P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _P, _I64, _P, _I],
-    "mo_rebuild": [_P, _I64, _I, _I64, _I64, _I64, _P, _I, _P, _I, _P, _I, _F, _P, _I],
+    "mo_rebuild": [_P, _I64, _I, _I64, _I64, _I64, _P, _I, _I, _P, _I, _P, _I, _F, _P, _I],
     "mo_mask_from_codes": [_P, _I64, _I, _I64, _I64, _I64, _P, _P, _I, _I],
     "mo_act_mask": [_P, _I64, _I, _P, _I],
-    "mo_bn_backward": [_P, _I64, _I, _I64, _I64, _I64, _P, _I, _P, _I, _P, _P, _I, _F, _P, _P, _P, _P, _P, _P, _F, _P, _P,
-                       _I],
+    "mo_bn_backward": [_P, _I64, _I, _I64, _I64, _I64, _P, _I, _I, _P, _I, _P, _P, _I, _F, _P, _P, _P, _P, _P, _P, _F, _P,
+                       _P, _I],
     "mo_channel_extremes": [_P, _P, _I64, _I64, _I64, _P, _I],
     "mo_chain_grid": [_I64, _P, _P, _P, _P, _P, _P, _I, _I, _F, _F, _I, _I, _I, _I, _P, _P, _P, _P],
 }
@@ -174,9 +174,13 @@ def _geometry(shape: Sequence[int]) -> Tuple[int, int, int]:
     return math.prod(shape), shape[1] if len(shape) > 1 else 1, math.prod(shape[2:])
 
 
-def _book(book: torch.Tensor) -> Tuple[torch.Tensor, int]:
-    """A code book (``stash_grid.code_book``: C x sides x 2^K) as the kernels read it, and whether it is split."""
-    return book.float().contiguous(), int(book.shape[1] == 2)
+def _book(book: torch.Tensor) -> Tuple[torch.Tensor, int, int]:
+    """What the kernels decode from, per channel: a code book (``stash_grid.code_book``: C x sides x 2^K), or a
+    grid's rows (2 x sides, C: lo, w per side; the midpoints, computed in the kernel), transposed to C x rows.
+    Returns (table, whether it is a book, whether it has two sides)."""
+    if book.dim() == 3:
+        return book.float().contiguous(), 1, int(book.shape[1] == 2)
+    return book.float().t().contiguous(), 0, int(book.shape[0] == 4)
 
 
 def _rows(grid: torch.Tensor) -> list:
@@ -252,15 +256,16 @@ def encode(x: torch.Tensor, grid: torch.Tensor, bits: int, *, mean: Optional[tor
 
 def rebuild(packed: torch.Tensor, bits: int, shape: torch.Size, book: torch.Tensor, act: str, slope: float = 0.0,
             *, mask: Optional[torch.Tensor] = None, zero_code: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """act(z) from the code book of z (``stash._Stash.rebuild``) as a new float32 tensor of ``shape``: the side
+    """act(z) from z's code book or grid rows (``_book``; ``stash._Stash.rebuild``) as a new float32 tensor of
+    ``shape``: the side
     and the activation's branch from ``mask``, else from the code (``k >= zero_code``)."""
     n, channels, inner = _geometry(shape)
     out = torch.empty(shape, dtype=torch.float32)
-    table, split = _book(book)
+    table, is_book, split = _book(book)
     m, zc = _u8(mask), None if zero_code is None else zero_code.to(torch.int32).contiguous()
     if _runs(packed) and n:
-        _library().mo_rebuild(packed.data_ptr(), packed.numel(), bits, n, channels, inner, table.data_ptr(), split,
-                              _ptr(m), _is_bits(mask), _ptr(zc), _ACTS[act], float(slope), out.data_ptr(),
+        _library().mo_rebuild(packed.data_ptr(), packed.numel(), bits, n, channels, inner, table.data_ptr(), is_book,
+                              split, _ptr(m), _is_bits(mask), _ptr(zc), _ACTS[act], float(slope), out.data_ptr(),
                               _threads(n))
     return out
 
@@ -285,7 +290,7 @@ def bn_backward(packed: torch.Tensor, bits: int, shape: torch.Size, book: torch.
                 solve: Optional[torch.Tensor] = None, top: float = 0.0
                 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``stash._bn_backward`` in two passes over the code with no full-size x̂ (``mo_bn_backward``; x̂ / std from the
-    code ``book``, ``stash_grid.code_book``): from ``g`` and
+    code ``book`` or grid rows: ``_book``): from ``g`` and
     its per-channel ``sum_g``, or from ``grad`` (float32), the gradient arriving at the activation, whose
     backward through ``mask`` (a bool tensor or a ``PackedMask``) gives g and sum_g in the same first pass. The
     input gradient goes to ``out`` (which may be ``g``: each element is read before it is written).
@@ -294,7 +299,7 @@ def bn_backward(packed: torch.Tensor, bits: int, shape: torch.Size, book: torch.
     ReLU6, else 0) times the clipped elements' gradient summed in the first.
     Returns (grad_x, sum of g times centred x̂, g, sum_g)."""
     n, channels, inner = _geometry(shape)
-    table, split = _book(book)
+    table, is_book, split = _book(book)
     m = _u8(mask)
     if grad is not None:
         g, sum_g = torch.empty(shape, dtype=torch.float32), torch.empty(channels, dtype=torch.float32)
@@ -307,8 +312,8 @@ def bn_backward(packed: torch.Tensor, bits: int, shape: torch.Size, book: torch.
     solve_c = None if solve is None else solve.float().contiguous()
     per = [t.float().contiguous() for t in (xstd, gamma_invstd)]
     if _runs(g, packed) and n:
-        _library().mo_bn_backward(packed.data_ptr(), packed.numel(), bits, n, channels, inner, table.data_ptr(), split,
-                                  _ptr(m), _is_bits(mask), per[0].data_ptr(), _ptr(grad),
+        _library().mo_bn_backward(packed.data_ptr(), packed.numel(), bits, n, channels, inner, table.data_ptr(), is_book,
+                                  split, _ptr(m), _is_bits(mask), per[0].data_ptr(), _ptr(grad),
                                   _ACTS[act], float(slope), g.data_ptr(), sum_g.data_ptr(), per[1].data_ptr(),
                                   _ptr(exact_val), _ptr(exact_ok), _ptr(solve_c), float(top), out.data_ptr(),
                                   sum_gx.data_ptr(), _threads(n))

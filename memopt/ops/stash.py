@@ -53,7 +53,7 @@ from memopt.ops import graph_leaf, native
 from memopt.ops.bitpack import pack_bits, unpack_bits
 from memopt.ops.stash_identity import link_term, solve_rows, solved_weight_grad
 from memopt.ops.stash_grid import (REACH, WINDOWS, _act_backward, _activation, _code_, _decode_mask,
-                                   _from_codes, _grid, _mask, _per_channel, _xhat_std, add_bin_sums, as_book,
+                                   _from_codes, _grid, _mask, _per_channel, _xhat_std, add_bin_sums,
                                    batch_norm_train, batch_slices, channel_std_mean, code_book, exact_mask,
                                    keep_where, new_bin_sums, select_u8, wants_means, x_code, x_grid_half,
                                    x_grid_reach)
@@ -91,7 +91,7 @@ class _Stash:
             has_mask = act != "identity" and mask_packed.numel()
             mask = native.PackedMask(mask_packed) if has_mask else None  # read a block at a time
             zero = zero_code if act != "identity" and not has_mask else None
-            return native.rebuild(packed, bits, shape, as_book(affine, bits), act,
+            return native.rebuild(packed, bits, shape, affine, act,
                                   params[0] if act == "leaky_relu" else 0.0,
                                   mask=mask, zero_code=zero)
         codes = unpack_bits(packed, bits, shape.numel()).view(shape)
@@ -148,7 +148,7 @@ def _bn_backward(g, sum_g, x_codes, mask, grid, weight, invstd, eps, bits: int, 
     if native.applies(g, float_dtype=True) and native.applies(x_codes) and (
             mask is None or packed_mask or mask.is_contiguous()):
         # two fused passes over the code, no full-size x̂ at all
-        return native.bn_backward(x_codes, bits, shape, as_book(grid, bits), mask, xstd, scale, g=g, sum_g=sum_g,
+        return native.bn_backward(x_codes, bits, shape, grid, mask, xstd, scale, g=g, sum_g=sum_g,
                                   exact=exact,
                                   out=out)[:2]
     if packed_mask:
@@ -285,7 +285,7 @@ class BNActStash(torch.autograd.Function):
         split = split_by_mask(ctx.act, ctx.has_residual or ctx.second is not None)
         xstd = _xhat_std(invstd, ctx.eps)
         grid = xgrid if xgrid.numel() else _grid(weight, bias, xstd, ctx.bits, ctx.act, split)
-        book = xbook if xbook.numel() else as_book(grid, ctx.bits)  # x̂ / std of each code
+        book = xbook if xbook.numel() else grid  # x̂ / std of each code: the bins' means, else the midpoints
         # the scale identity (A): the weight gradient solved from R (B's, in rest[4]) once dL/dβ is known, and used
         # in the variance term
         rows = solve_rows(rest[4], grid, weight, bias, xstd, ctx.act, ctx.bits) if ctx.link_groups else None

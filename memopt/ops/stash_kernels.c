@@ -21,6 +21,9 @@
 #ifdef _OPENMP
 #include <omp.h>
 #endif
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 
 #define BLOCK 16384
 #define LANES 16 /* independent accumulators of a reduction: what the compiler vectorises */
@@ -137,43 +140,69 @@ static inline int64_t segment_end(int64_t start, int64_t S, int64_t stop) {
 }
 
 /* Bin k covers (lo + k w, lo + (k+1) w]; clipped to [0, top] (a NaN gives 0). */
-static inline uint8_t code_of(float v, float lo, float w, float top) {
-    float q = ceilf((v - lo) / w) - 1.0f;
+static inline uint8_t code_of_r(float r, float top) {
+    float q = ceilf(r) - 1.0f;
     q = q > 0.0f ? q : 0.0f;
     q = q < top ? q : top;
     return (uint8_t)(int32_t)q;
 }
 
 /* One channel's run of codes; `centre` and `split` are constants at every call, so each variant is its
- * own branch-free loop the compiler vectorises. */
+ * own branch-free loop the compiler vectorises. With `r_out` each value's r = (v - lo) / w is kept there too
+ * (for bin_sums_run). */
 static inline void encode_run(const float *restrict x, const uint8_t *restrict mask, uint8_t *restrict dst,
                               int64_t count, int centre, int split, float m, float sc, float l0, float v0,
-                              float l1, float v1, float top) {
+                              float l1, float v1, float top, float *restrict r_out) {
     for (int64_t i = 0; i < count; i++) {
         float v = centre ? (x[i] - m) * sc : x[i];
         int side = split ? mask[i] != 0 : 0;
-        dst[i] = code_of(v, side ? l1 : l0, side ? v1 : v0, top);
+        float r = (v - (side ? l1 : l0)) / (side ? v1 : v0);
+        dst[i] = code_of_r(r, top);
+        if (r_out) r_out[i] = r;
     }
 }
 
-/* Where a value lies inside its bin, for the bin means (stash_grid.bin_means): t = (v - lo) / w - k, in
- * (0, 1] inside the window (beyond it, how far out), as a fixed-point integer 2^20 t (t clamped to
- * +-2^16 bins). Integers add exactly in any order, so the means are the same on every path and thread
- * count. Not finite (a NaN or inf channel, whose statistics are NaN anyway): not counted. */
+/* Where a value lies inside its bin, for the bin means (stash_grid.add_bin_sums): t = r - k, in (0, 1] inside
+ * the window (beyond it, how far out), as the fixed-point integer 2^20 t truncated toward zero (t clamped to
+ * +-2^16 bins). Integers add exactly in any order, so the means are the same on every path and thread count.
+ * Not finite (a NaN or inf channel, whose statistics are NaN anyway): not counted. */
 #define OFFSET_ONE 1048576.0f
-static inline void bin_sums_run(const float *restrict x, const uint8_t *restrict mask, const uint8_t *restrict k,
-                                int64_t count, int centre, int split, float m, float sc, float l0, float v0,
-                                float l1, float v1, int bins, int64_t *restrict sum, int64_t *restrict cnt) {
+#define NOT_FINITE INT64_MIN
+#define SUB 4 /* sub-histograms: consecutive values often share a bin, and one array would chain their adds */
+
+/* Pass 1 (vectorised): the offsets of a run into fx; pass 2: added into sum / cnt at side * 2^bits + k. */
+static inline void bin_sums_run(const float *restrict r, const uint8_t *restrict mask, const uint8_t *restrict k,
+                                int64_t count, int split, int bins, int64_t *restrict fx, int64_t *restrict sum,
+                                int64_t *restrict cnt) {
     for (int64_t i = 0; i < count; i++) {
-        float v = centre ? (x[i] - m) * sc : x[i];
-        int side = split ? mask[i] != 0 : 0;
-        float t = (v - (side ? l1 : l0)) / (side ? v1 : v0) - (float)k[i];
-        if (!isfinite(t)) continue;
-        t = t < -65536.0f ? -65536.0f : (t > 65536.0f ? 65536.0f : t);
-        const int at = side * bins + k[i];
-        sum[at] += (int64_t)nearbyintf(t * OFFSET_ONE);
-        cnt[at] += 1;
+        float t = r[i] - (float)k[i];
+        float c = t < -65536.0f ? -65536.0f : (t > 65536.0f ? 65536.0f : t);
+        fx[i] = isfinite(t) ? (int64_t)(c * OFFSET_ONE) : NOT_FINITE;
     }
+    int64_t ls[SUB][2 * 256], lc[SUB][2 * 256];
+    const int T = (split ? 2 : 1) * bins;
+    if (count < 4 * T) {  /* a short run: straight into the channel's sums */
+        for (int64_t i = 0; i < count; i++) {
+            if (fx[i] == NOT_FINITE) continue;
+            const int at = (split ? (mask[i] != 0) * bins : 0) + k[i];
+            sum[at] += fx[i];
+            cnt[at] += 1;
+        }
+        return;
+    }
+    for (int j = 0; j < SUB; j++)
+        for (int a = 0; a < T; a++) ls[j][a] = lc[j][a] = 0;
+    for (int64_t i = 0; i < count; i++) {
+        if (fx[i] == NOT_FINITE) continue;
+        const int at = (split ? (mask[i] != 0) * bins : 0) + k[i];
+        ls[i % SUB][at] += fx[i];
+        lc[i % SUB][at] += 1;
+    }
+    for (int j = 0; j < SUB; j++)
+        for (int a = 0; a < T; a++) {
+            sum[a] += ls[j][a];
+            cnt[a] += lc[j][a];
+        }
 }
 
 /* Codes of v = (x - mean) * scale (mean NULL: v = x) on the grid (lo1 NULL: one grid, else side 1 where
@@ -195,6 +224,8 @@ void mo_encode(const float *x, int64_t n, int64_t C, int64_t S, const float *mea
 #pragma omp parallel num_threads(threads)
     {
         uint8_t *codes = (uint8_t *)malloc(BLOCK);
+        float *rbuf = acc ? (float *)malloc(BLOCK * sizeof(float)) : NULL;
+        int64_t *fx = acc ? (int64_t *)malloc(BLOCK * sizeof(int64_t)) : NULL;
         int t = 0;
 #ifdef _OPENMP
         t = omp_get_thread_num();
@@ -211,10 +242,11 @@ void mo_encode(const float *x, int64_t n, int64_t C, int64_t S, const float *mea
                 const float l1 = lo1 ? lo1[c] : l0, v1 = w1 ? w1[c] : v0;
                 const uint8_t *mk = lo1 ? mask + s : NULL;
                 uint8_t *dst = codes + (s - i0);
-                if (mean && lo1) encode_run(x + s, mk, dst, e - s, 1, 1, m, sc, l0, v0, l1, v1, top);
-                else if (mean) encode_run(x + s, mk, dst, e - s, 1, 0, m, sc, l0, v0, l1, v1, top);
-                else if (lo1) encode_run(x + s, mk, dst, e - s, 0, 1, m, sc, l0, v0, l1, v1, top);
-                else encode_run(x + s, mk, dst, e - s, 0, 0, m, sc, l0, v0, l1, v1, top);
+                float *r = rbuf ? rbuf + (s - i0) : NULL;
+                if (mean && lo1) encode_run(x + s, mk, dst, e - s, 1, 1, m, sc, l0, v0, l1, v1, top, r);
+                else if (mean) encode_run(x + s, mk, dst, e - s, 1, 0, m, sc, l0, v0, l1, v1, top, r);
+                else if (lo1) encode_run(x + s, mk, dst, e - s, 0, 1, m, sc, l0, v0, l1, v1, top, r);
+                else encode_run(x + s, mk, dst, e - s, 0, 0, m, sc, l0, v0, l1, v1, top, r);
                 if (zero_code) {
                     const uint8_t j = (uint8_t)zero_code[c], below = (uint8_t)(j - 1);
                     const float *z = x + s;
@@ -225,12 +257,14 @@ void mo_encode(const float *x, int64_t n, int64_t C, int64_t S, const float *mea
                     }
                 }
                 if (mine)
-                    bin_sums_run(x + s, mk, dst, e - s, mean != NULL, lo1 != NULL, m, sc, l0, v0, l1, v1, bins,
-                                 mine + c * T, mine + C * T + c * T);
+                    bin_sums_run(r, mk, dst, e - s, lo1 != NULL, bins, fx + (s - i0), mine + c * T,
+                                 mine + C * T + c * T);
             }
             pack_block(codes, count, bits, i0, out, nbytes);
         }
         free(codes);
+        free(rbuf);
+        free(fx);
     }
     if (acc) {
         for (int t = 0; t < threads; t++)
@@ -239,9 +273,51 @@ void mo_encode(const float *x, int64_t n, int64_t C, int64_t S, const float *mea
     }
 }
 
-/* Decoding reads a per-channel code book (stash_grid.code_book): C x T floats, T = 2^bits, or 2 x 2^bits for a
- * split code (side 1 where the mask is set): the value of code k on side s is book[c T + s 2^bits + k], the
- * bin's midpoint or the mean of the values it coded. */
+/* Decoding reads per channel either a code book (stash_grid.code_book; is_book): T = 2^bits floats, or 2 x 2^bits
+ * for a split code (side 1 where the mask is set), the value of code k on side s at [s 2^bits + k] (the bin's
+ * midpoint or the mean of the values it coded); or the grid's rows (lo0, w0[, lo1, w1]) per channel, the value
+ * the midpoint (k + 1/2) w + lo computed here (the same float32 arithmetic as code_book's midpoints). */
+static inline int64_t book_stride(int is_book, int split, int bins) {
+    return is_book ? (split ? 2 : 1) * (int64_t)bins : (split ? 4 : 2);
+}
+
+/* A run's values from its channel's book (or rows) into out. A compiler turns book[k] into gather instructions,
+ * which made a rebuild 3x slower than the midpoint arithmetic; with AVX-512 a book of at most 32 entries sits in
+ * two registers and one permute looks up 16 values (books exist only at K <= 4: stash_grid.MEAN_BITS). Either
+ * way each value is the book's entry itself, so the results are the same. */
+static inline void decode_run(const uint8_t *restrict k, const uint8_t *restrict mask, int64_t count, int split,
+                              int bins, int is_book, const float *restrict book, float *restrict out) {
+    int64_t i = 0;
+    if (!is_book) {
+        const float l0 = book[0], v0 = book[1], l1 = split ? book[2] : l0, v1 = split ? book[3] : v0;
+        if (split)
+            for (; i < count; i++) {
+                const int side = mask[i] != 0;
+                out[i] = ((float)k[i] + 0.5f) * (side ? v1 : v0) + (side ? l1 : l0);
+            }
+        else
+            for (; i < count; i++) out[i] = ((float)k[i] + 0.5f) * v0 + l0;
+        return;
+    }
+#ifdef __AVX512F__
+    const int T = (split ? 2 : 1) * bins;
+    if (T <= 32) {
+        const __m512 lo = _mm512_maskz_loadu_ps((__mmask16)((1u << (T < 16 ? T : 16)) - 1u), book);
+        const __m512 hi = T > 16 ? _mm512_maskz_loadu_ps((__mmask16)((1u << (T - 16)) - 1u), book + 16)
+                                 : _mm512_setzero_ps();
+        const __m512i width = _mm512_set1_epi32(bins), one = _mm512_set1_epi32(1);
+        for (; i + 16 <= count; i += 16) {
+            __m512i at = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(k + i)));
+            if (split) {
+                __m512i side = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(mask + i)));
+                at = _mm512_add_epi32(at, _mm512_mullo_epi32(_mm512_min_epu32(side, one), width));
+            }
+            _mm512_storeu_ps(out + i, _mm512_permutex2var_ps(lo, at, hi));
+        }
+    }
+#endif
+    for (; i < count; i++) out[i] = book[(split ? (mask[i] != 0) * bins : 0) + k[i]];
+}
 
 enum { ACT_IDENTITY = 0, ACT_RELU = 1, ACT_RELU6 = 2, ACT_LEAKY_RELU = 3 };
 enum { MASK_NONE = 0, MASK_BYTES = 1, MASK_FROM_CODE = 2 };
@@ -253,33 +329,35 @@ static inline float activation_at(float z, int on, int act, float slope) {
     return z;
 }
 
-/* One channel's run of act(z); `act`, `source` and `split` are constants at every call. */
+/* One channel's run of act(z): z from the book (split: the side is the mask), then the activation in place;
+ * `act`, `source` and `split` are constants at every call. */
 static inline void rebuild_run(const uint8_t *restrict k, const uint8_t *restrict mask, float *restrict out,
-                               int64_t count, int act, int source, int split, uint8_t zc,
+                               int64_t count, int act, int source, int split, uint8_t zc, int is_book,
                                const float *restrict book, int bins, float slope) {
+    decode_run(k, mask, count, split, bins, is_book, book, out);
     for (int64_t i = 0; i < count; i++) {
         int on = source == MASK_BYTES ? mask[i] != 0 : (source == MASK_FROM_CODE ? k[i] >= zc : 1);
-        int side = split ? on : 0;
-        out[i] = activation_at(book[side * bins + k[i]], on, act, slope);
+        out[i] = activation_at(out[i], on, act, slope);
     }
 }
 
 #define REBUILD_CASE(ACT)                                                                                    \
-    if (source == MASK_BYTES && split) rebuild_run(k, mk, o, len, ACT, MASK_BYTES, 1, zc, bk, bins, slope); \
-    else if (source == MASK_BYTES) rebuild_run(k, mk, o, len, ACT, MASK_BYTES, 0, zc, bk, bins, slope);    \
-    else if (source == MASK_FROM_CODE) rebuild_run(k, mk, o, len, ACT, MASK_FROM_CODE, 0, zc, bk, bins, slope); \
-    else rebuild_run(k, mk, o, len, ACT, MASK_NONE, 0, zc, bk, bins, slope);
+    if (source == MASK_BYTES && split) rebuild_run(k, mk, o, len, ACT, MASK_BYTES, 1, zc, is_book, bk, bins, slope); \
+    else if (source == MASK_BYTES) rebuild_run(k, mk, o, len, ACT, MASK_BYTES, 0, zc, is_book, bk, bins, slope);    \
+    else if (source == MASK_FROM_CODE) rebuild_run(k, mk, o, len, ACT, MASK_FROM_CODE, 0, zc, is_book, bk, bins, slope); \
+    else rebuild_run(k, mk, o, len, ACT, MASK_NONE, 0, zc, is_book, bk, bins, slope);
 
 /* act(z) from the code book, the exact mask deciding each element's side of the kink (stash._Stash.rebuild):
  * mask from `mask` (0/1 bytes), else from the code (k >= zero_code[c]), else none (identity). A split book
  * (split set: 2 sides per channel) needs the mask. */
 void mo_rebuild(const uint8_t *packed, int64_t nbytes, int bits, int64_t n, int64_t C, int64_t S,
-                const float *book, int split_book, const uint8_t *mask, int mask_bits, const int32_t *zero_code,
+                const float *book, int is_book, int split_book, const uint8_t *mask, int mask_bits,
+                const int32_t *zero_code,
                 int act, float slope, float *out, int nthreads) {
     const int source = mask ? MASK_BYTES : (zero_code ? MASK_FROM_CODE : MASK_NONE);
     const int split = split_book && mask != NULL;
     const int bins = 1 << bits;
-    const int64_t T = (split_book ? 2 : 1) * (int64_t)bins;
+    const int64_t T = book_stride(is_book, split_book, bins);
 #pragma omp parallel num_threads(nthreads)
     {
         uint8_t *codes = (uint8_t *)malloc(BLOCK), *mbuf = (uint8_t *)malloc(BLOCK);
@@ -332,28 +410,24 @@ void mo_mask_from_codes(const uint8_t *packed, int64_t nbytes, int bits, int64_t
     }
 }
 
-/* x̂ of code k from its side's code book, times the channel's std of x̂ (stash._bn_backward before centring). */
-static inline float xhat_at(uint8_t k, int side, const float *book, int bins, float sd) {
-    return book[side * bins + k] * sd;
-}
-
-/* Sums of x̂ and g x̂ over a run of at most BLOCK elements: float partial sums in LANES lanes (vectorised),
- * added in double. */
+/* Sums of x̂ and g x̂ over a run of at most BLOCK elements, x̂ = the book's value (decoded into dec) times the
+ * channel's std of x̂: float partial sums in LANES lanes (vectorised), added in double. */
 static inline void sums_run(const uint8_t *restrict k, const uint8_t *restrict mask, const float *restrict g,
-                            int64_t count, int split, const float *restrict book, int bins, float sd,
-                            double *sum_x, double *sum_gx) {
+                            int64_t count, int split, int is_book, const float *restrict book, int bins, float sd,
+                            float *restrict dec, double *sum_x, double *sum_gx) {
+    decode_run(k, mask, count, split, bins, is_book, book, dec);
     float lx[LANES], lgx[LANES];
     for (int j = 0; j < LANES; j++) lx[j] = lgx[j] = 0.0f;
     int64_t i = 0;
     for (; i + LANES <= count; i += LANES)
         for (int j = 0; j < LANES; j++) {
-            float xh = xhat_at(k[i + j], split ? mask[i + j] != 0 : 0, book, bins, sd);
+            float xh = dec[i + j] * sd;
             lx[j] += xh;
             lgx[j] += g[i + j] * xh;
         }
     double sx = 0.0, sgx = 0.0;
     for (; i < count; i++) {
-        float xh = xhat_at(k[i], split ? mask[i] != 0 : 0, book, bins, sd);
+        float xh = dec[i] * sd;
         sx += xh;
         sgx += (double)(g[i] * xh);
     }
@@ -368,16 +442,17 @@ static inline void sums_run(const uint8_t *restrict k, const uint8_t *restrict m
 /* One channel's run of the input gradient; `io` is g on entry and the gradient on exit when `out` is NULL
  * (the caller's g is not needed afterwards), so both forms stay free of aliasing and vectorise. */
 static inline void grad_run(const uint8_t *restrict k, const uint8_t *restrict mask, float *restrict io,
-                            float *restrict out, int64_t count, int split, const float *restrict book, int bins,
-                            float sd, float xm, float a, float bsub, float scale) {
+                            float *restrict out, int64_t count, int split, int is_book, const float *restrict book,
+                            int bins, float *restrict dec, float sd, float xm, float a, float bsub, float scale) {
+    decode_run(k, mask, count, split, bins, is_book, book, dec);
     if (out) {
         for (int64_t i = 0; i < count; i++) {
-            float xh = xhat_at(k[i], split ? mask[i] != 0 : 0, book, bins, sd);
+            float xh = dec[i] * sd;
             out[i] = (((xh - xm) * a + io[i]) - bsub) * scale;
         }
     } else {
         for (int64_t i = 0; i < count; i++) {
-            float xh = xhat_at(k[i], split ? mask[i] != 0 : 0, book, bins, sd);
+            float xh = dec[i] * sd;
             io[i] = (((xh - xm) * a + io[i]) - bsub) * scale;
         }
     }
@@ -386,14 +461,15 @@ static inline void grad_run(const uint8_t *restrict k, const uint8_t *restrict m
 /* BN backward, pass 2: grad_x = (((x̂ - xmean) a + g) - b) s per channel, x̂ rebuilt again from its code
  * (the order of stash._bn_backward's in-place ops); no full-size x̂ is ever stored. out may be g (in place). */
 static void mo_bn_grad(const uint8_t *packed, int64_t nbytes, int bits, int64_t n, int64_t C, int64_t S,
-                const float *book, int split, const uint8_t *mask, int mask_bits, const float *xstd,
+                const float *book, int is_book, int split, const uint8_t *mask, int mask_bits, const float *xstd,
                 const float *g, const float *xmean, const float *a, const float *bsub, const float *scale, float *out,
                 int nthreads) {
     const int bins = 1 << bits;
-    const int64_t T = (split ? 2 : 1) * (int64_t)bins;
+    const int64_t T = book_stride(is_book, split, bins);
 #pragma omp parallel num_threads(nthreads)
     {
         uint8_t *codes = (uint8_t *)malloc(BLOCK), *mbuf = (uint8_t *)malloc(BLOCK);
+        float *dec = (float *)malloc(BLOCK * sizeof(float));  /* a run's decoded x̂ / std */
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < num_blocks(n); b++) {
             int64_t i0 = b * BLOCK, count = n - i0 < BLOCK ? n - i0 : BLOCK;
@@ -405,15 +481,16 @@ static void mo_bn_grad(const uint8_t *packed, int64_t nbytes, int bits, int64_t 
                 const float sd = xstd[c], *bk = book + c * T;
                 float *io = (float *)g + s, *o = out == g ? NULL : out + s;
                 if (split)
-                    grad_run(codes + (s - i0), mb + (s - i0), io, o, e - s, 1, bk, bins, sd, xmean[c], a[c],
+                    grad_run(codes + (s - i0), mb + (s - i0), io, o, e - s, 1, is_book, bk, bins, dec, sd, xmean[c], a[c],
                              bsub[c], scale[c]);
                 else
-                    grad_run(codes + (s - i0), NULL, io, o, e - s, 0, bk, bins, sd, xmean[c], a[c], bsub[c],
+                    grad_run(codes + (s - i0), NULL, io, o, e - s, 0, is_book, bk, bins, dec, sd, xmean[c], a[c], bsub[c],
                              scale[c]);
             }
         }
         free(codes);
         free(mbuf);
+        free(dec);
     }
 }
 
@@ -671,7 +748,8 @@ void mo_chain_grid(int64_t C, const float *invstd, const float *xstd, const floa
  * pass 2 writes grad_x = (((x̂ - m) a + g) - b) s into out (which may be g). sum_g is read (no grad) or written
  * (float), sum_gx written (float). */
 void mo_bn_backward(const uint8_t *packed, int64_t nbytes, int bits, int64_t n, int64_t C, int64_t S,
-                    const float *book, int split, const uint8_t *mask, int mask_bits, const float *xstd, const float *grad, int act, float slope, float *g,
+                    const float *book, int is_book, int split, const uint8_t *mask, int mask_bits, const float *xstd,
+                    const float *grad, int act, float slope, float *g,
                     float *sum_g, const float *gamma_invstd, const float *exact_val, const uint8_t *exact_ok,
                     const float *solve, float top, float *out, float *sum_gx, int nthreads) {
     /* solve (memopt/ops/stash_identity.py, with grad and a mask): rows R, beta, gamma, threshold, sign, ok per
@@ -679,12 +757,13 @@ void mo_bn_backward(const uint8_t *packed, int64_t nbytes, int bits, int64_t n, 
        being the sum of grad over the mask-false elements whose code satisfies sign * code >= threshold */
     int threads = nthreads < 1 ? 1 : nthreads;
     const int bins = 1 << bits;
-    const int64_t T = (split ? 2 : 1) * (int64_t)bins;
+    const int64_t T = book_stride(is_book, split, bins);
     const int clipping = solve && grad && mask && top != 0.0f;
     double *acc = (double *)calloc((size_t)threads * 4 * C, sizeof(double));
 #pragma omp parallel num_threads(threads)
     {
         uint8_t *codes = (uint8_t *)malloc(BLOCK), *mbuf = (uint8_t *)malloc(BLOCK);
+        float *dec = (float *)malloc(BLOCK * sizeof(float));  /* a run's decoded x̂ / std */
         int t = 0;
 #ifdef _OPENMP
         t = omp_get_thread_num();
@@ -703,12 +782,14 @@ void mo_bn_backward(const uint8_t *packed, int64_t nbytes, int bits, int64_t n, 
                     aclip[c] += clip_sum_run(grad + s, codes + (s - i0), mb + (s - i0), e - s, solve[3 * C + c],
                                              solve[4 * C + c]);
                 const float sd = xstd[c], *bk = book + c * T;
-                if (split) sums_run(codes + (s - i0), mb + (s - i0), g + s, e - s, 1, bk, bins, sd, ax + c, agx + c);
-                else sums_run(codes + (s - i0), NULL, g + s, e - s, 0, bk, bins, sd, ax + c, agx + c);
+                if (split)
+                    sums_run(codes + (s - i0), mb + (s - i0), g + s, e - s, 1, is_book, bk, bins, sd, dec, ax + c, agx + c);
+                else sums_run(codes + (s - i0), NULL, g + s, e - s, 0, is_book, bk, bins, sd, dec, ax + c, agx + c);
             }
         }
         free(codes);
         free(mbuf);
+        free(dec);
     }
     const double count = (double)(C ? n / C : 1);
     float *xmean = (float *)malloc(4 * (size_t)C * sizeof(float));
@@ -737,7 +818,7 @@ void mo_bn_backward(const uint8_t *packed, int64_t nbytes, int bits, int64_t n, 
         scale[c] = gamma_invstd[c];
     }
     free(acc);
-    mo_bn_grad(packed, nbytes, bits, n, C, S, book, split, mask, mask_bits, xstd, g, xmean, a, bsub, scale, out,
+    mo_bn_grad(packed, nbytes, bits, n, C, S, book, is_book, split, mask, mask_bits, xstd, g, xmean, a, bsub, scale, out,
                nthreads);
     free(xmean);
 }
