@@ -62,8 +62,9 @@ class StashConfig:
             means cost 2^K floats per side and channel (128 bytes per channel for a split 4-bit code, counted by
             the cost model). They matter on real data: a bin holding one repeated value (flat image
             backgrounds) rebuilds it exactly, and a clipped outer bin rebuilds at its tail's mean. ResNet-18 on
-            digits at 224x224, 4 bits, parameters with cosine >= 0.99: 42 -> 59 of 62 at init, 17 -> 56 after
-            100 SGD steps (docs/results/stash_trained_224.md).
+            digits at 224x224, 4 bits, parameters with cosine >= 0.99: 41 -> 59 of 62 at init, 14 -> 35 after
+            100 SGD steps (docs/results/stash_trained_224.md). Only codes whose means cost at most half their
+            packed bytes get them (at 4 bits, channels of at least 512 elements); the report says which.
         compact_extras: keep training-dropout masks and ``torch.where`` boolean conditions as 1 bit
             per element (default True: exact, same ops and random draws, bit-identical outputs
             and gradients; CPU dropout otherwise keeps a float32 noise tensor).
