@@ -10,7 +10,7 @@ import memopt
 from cost_model.storage import SavedTensorRecorder
 from memopt.ops import native
 from memopt.ops.stash import _Stash, bn_act_stash
-from memopt.ops.stash_grid import MEAN_BITS, _xhat_std, wants_means, x_code
+from memopt.ops.stash_grid import MEAN_BITS, MEAN_STRIDE, _xhat_std, wants_means, x_code
 
 
 def _bn(c: int) -> nn.BatchNorm2d:
@@ -65,6 +65,7 @@ def test_repeated_values_rebuild_exactly_and_give_the_exact_weight_gradient(use_
 
 
 def test_the_code_book_holds_each_bins_mean_and_the_midpoint_of_an_empty_bin():
+    # the mean over the elements whose index is a multiple of MEAN_STRIDE
     # heavy tails: values past the window clip into the outer bins, whose means lie outside them
     torch.manual_seed(2)
     shape = (16, 4, 12, 12)
@@ -79,12 +80,13 @@ def test_the_code_book_holds_each_bins_mean_and_the_midpoint_of_an_empty_bin():
     from memopt.ops.bitpack import unpack_bits
     codes = unpack_bits(packed, bits, x.numel()).view(shape).long()
     v = ((x - mean.view(1, -1, 1, 1)) * (invstd / _xhat_std(invstd, eps)).view(1, -1, 1, 1)).double()
+    sampled = (torch.arange(x.numel()) % MEAN_STRIDE == 0).view(shape)
     clipped = 0
     for c in range(4):
         for side in (0, 1):
             lo, w = grid[2 * side, c].item(), grid[2 * side + 1, c].item()
             for k in range(16):
-                at = (codes[:, c] == k) & (mask[:, c] == bool(side))
+                at = (codes[:, c] == k) & (mask[:, c] == bool(side)) & sampled[:, c]
                 want = v[:, c][at].mean().item() if at.any() else lo + (k + 0.5) * w
                 assert abs(book[c, side, k].item() - want) <= 1e-5 * w + 1e-6 * abs(want), (c, side, k)
                 clipped += int(at.any() and not lo + k * w - 1e-6 <= want <= lo + (k + 1) * w + 1e-6)
@@ -115,9 +117,7 @@ def test_a_residual_chains_z_code_hands_its_means_to_the_consumers():
         rebuilt = _Stash.rebuild(codes, mask, affine, zero, 4, torch.Size(shape), "relu", ()).detach()
         y = y.detach()
         err[means] = (rebuilt - y).square().mean().item()
-        if means:  # every bin rebuilds its values' mean, so each channel's sum is y's (z <= 0: exactly 0)
-            assert torch.allclose(rebuilt.sum((0, 2, 3)), y.sum((0, 2, 3)), rtol=1e-5)
-    assert err[True] < 0.5 * err[False]
+    assert err[True] < 0.5 * err[False]  # 15 distinct z in 15 bins: most bins rebuild their one value
 
 
 def test_config_and_report():

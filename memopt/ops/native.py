@@ -51,7 +51,7 @@ _P, _I64, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 _SIGNATURES = {
     "mo_pack": [_P, _I64, _I, _P, _I64, _I],
     "mo_unpack": [_P, _I64, _I64, _I, _P, _I],
-    "mo_encode": [_P, _I64, _I64, _I64, _P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _P, _I64, _P, _I],
+    "mo_encode": [_P, _I64, _I64, _I64, _P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _P, _I64, _P, _I, _I],
     "mo_rebuild": [_P, _I64, _I, _I64, _I64, _I64, _P, _I, _I, _P, _I, _P, _I, _F, _P, _I],
     "mo_mask_from_codes": [_P, _I64, _I, _I64, _I64, _I64, _P, _P, _I, _I],
     "mo_act_mask": [_P, _I64, _I, _P, _I],
@@ -235,11 +235,11 @@ def unpack(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
 def encode(x: torch.Tensor, grid: torch.Tensor, bits: int, *, mean: Optional[torch.Tensor] = None,
            scale: Optional[torch.Tensor] = None, mask: Optional[torch.Tensor] = None,
            zero_code: Optional[torch.Tensor] = None, positive_not_le: bool = False,
-           sums: Optional[torch.Tensor] = None) -> torch.Tensor:
+           sums: Optional[torch.Tensor] = None, sum_stride: int = 1) -> torch.Tensor:
     """Packed codes of ``(x - mean) * scale`` (or of ``x``) on ``grid`` (rows lo0, w0[, lo1, w1], widths already
     clamped), split by ``mask``; with ``zero_code`` the sign fix of a z code (``stash.BNActStash``); with ``sums``
-    (``stash_grid.new_bin_sums``) each element's fixed-point offset in its bin and the counts are added there
-    (``stash_grid.add_bin_sums``, the same integers)."""
+    (``stash_grid.new_bin_sums``) the fixed-point offset in its bin of each element whose index is a multiple of
+    ``sum_stride``, and their counts, are added there (``stash_grid.add_bin_sums``, the same integers)."""
     n, channels, inner = _geometry(x.shape)
     nbytes = (n * bits + 7) // 8
     out = torch.empty(nbytes, dtype=torch.uint8)
@@ -250,7 +250,7 @@ def encode(x: torch.Tensor, grid: torch.Tensor, bits: int, *, mean: Optional[tor
     if _runs(x) and n:
         _library().mo_encode(x.data_ptr(), n, channels, inner, _ptr(per[0]), _ptr(per[1]), _ptr(lo0), _ptr(w0),
                              _ptr(lo1), _ptr(w1), _ptr(m), _ptr(zc), int(positive_not_le), bits, out.data_ptr(),
-                             nbytes, _ptr(sums), _threads(n))
+                             nbytes, _ptr(sums), int(sum_stride), _threads(n))
     return out
 
 

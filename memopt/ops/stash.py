@@ -52,7 +52,7 @@ from memopt.errors import MemoptError
 from memopt.ops import graph_leaf, native
 from memopt.ops.bitpack import pack_bits, unpack_bits
 from memopt.ops.stash_identity import link_term, solve_rows, solved_weight_grad
-from memopt.ops.stash_grid import (REACH, WINDOWS, _act_backward, _activation, _code_, _decode_mask,
+from memopt.ops.stash_grid import (MEAN_STRIDE, REACH, WINDOWS, _act_backward, _activation, _code_, _decode_mask,
                                    _from_codes, _grid, _mask, _per_channel, _xhat_std, add_bin_sums,
                                    batch_norm_train, batch_slices, channel_std_mean, code_book, exact_mask,
                                    keep_where, new_bin_sums, select_u8, wants_means, x_code, x_grid_half,
@@ -231,7 +231,7 @@ class BNActStash(torch.autograd.Function):
                 if wants_means(means, bits, 1, z.numel() // max(1, z.shape[1])) else None
             if native.applies(z, float_dtype=True):  # one fused pass, the same codes
                 y_codes = native.encode(z, torch.stack([origin, zwidth]), bits, zero_code=zero_code,
-                                        positive_not_le=relu_like, sums=zsums)
+                                        positive_not_le=relu_like, sums=zsums, sum_stride=MEAN_STRIDE)
             else:
                 # coded a batch slice at a time from float32 copies: no full-size temporary, z kept for the activation
                 codes = torch.empty_like(z, dtype=torch.uint8)
@@ -243,7 +243,7 @@ class BNActStash(torch.autograd.Function):
                     # rounding must never flip a sign: positive z go to bins >= j, the rest below
                     codes[s] = select_u8(positive, torch.maximum(code, zc), torch.minimum(code, zc - 1))
                     if zsums is not None:
-                        add_bin_sums(zsums, r, codes[s], None, bits)
+                        add_bin_sums(zsums, r, codes[s], None, bits, start=s.start * z[0].numel())
                 y_codes = pack_bits(codes, bits)
             y = _activation(z, act, act_params, inplace=True)
             del z

@@ -167,36 +167,37 @@ static inline void encode_run(const float *restrict x, const uint8_t *restrict m
  * +-2^16 bins). Integers add exactly in any order, so the means are the same on every path and thread count.
  * Not finite (a NaN or inf channel, whose statistics are NaN anyway): not counted. */
 #define OFFSET_ONE 1048576.0f
-#define NOT_FINITE INT64_MIN
 #define SUB 4 /* sub-histograms: consecutive values often share a bin, and one array would chain their adds */
 
-/* Pass 1 (vectorised): the offsets of a run into fx; pass 2: added into sum / cnt at side * 2^bits + k. */
+static inline int64_t offset_fixed(float r, uint8_t k, int *finite) {
+    const float t = r - (float)k;
+    *finite = isfinite(t);
+    return *finite ? (int64_t)((t < -65536.0f ? -65536.0f : (t > 65536.0f ? 65536.0f : t)) * OFFSET_ONE) : 0;
+}
+
+/* The offsets of the run's elements whose index in the whole tensor is a multiple of `stride` (the run starts
+ * at index `start`), added into sum / cnt at side 2^bits + k: a long run through SUB sub-histograms. */
 static inline void bin_sums_run(const float *restrict r, const uint8_t *restrict mask, const uint8_t *restrict k,
-                                int64_t count, int split, int bins, int64_t *restrict fx, int64_t *restrict sum,
-                                int64_t *restrict cnt) {
-    for (int64_t i = 0; i < count; i++) {
-        float t = r[i] - (float)k[i];
-        float c = t < -65536.0f ? -65536.0f : (t > 65536.0f ? 65536.0f : t);
-        fx[i] = isfinite(t) ? (int64_t)(c * OFFSET_ONE) : NOT_FINITE;
-    }
-    int64_t ls[SUB][2 * 256], lc[SUB][2 * 256];
+                                int64_t count, int split, int bins, int64_t start, int stride,
+                                int64_t *restrict sum, int64_t *restrict cnt) {
     const int T = (split ? 2 : 1) * bins;
-    if (count < 4 * T) {  /* a short run: straight into the channel's sums */
-        for (int64_t i = 0; i < count; i++) {
-            if (fx[i] == NOT_FINITE) continue;
+    const int64_t first = (stride - start % stride) % stride;
+    int finite;
+    if (count < 4 * T * stride || T > 64) {  /* a short run: straight into the channel's sums */
+        for (int64_t i = first; i < count; i += stride) {
             const int at = (split ? (mask[i] != 0) * bins : 0) + k[i];
-            sum[at] += fx[i];
-            cnt[at] += 1;
+            sum[at] += offset_fixed(r[i], k[i], &finite);
+            cnt[at] += finite;
         }
         return;
     }
+    int64_t ls[SUB][64], lc[SUB][64];
     for (int j = 0; j < SUB; j++)
         for (int a = 0; a < T; a++) ls[j][a] = lc[j][a] = 0;
-    for (int64_t i = 0; i < count; i++) {
-        if (fx[i] == NOT_FINITE) continue;
+    for (int64_t i = first, j = 0; i < count; i += stride, j++) {
         const int at = (split ? (mask[i] != 0) * bins : 0) + k[i];
-        ls[i % SUB][at] += fx[i];
-        lc[i % SUB][at] += 1;
+        ls[j % SUB][at] += offset_fixed(r[i], k[i], &finite);
+        lc[j % SUB][at] += finite;
     }
     for (int j = 0; j < SUB; j++)
         for (int a = 0; a < T; a++) {
@@ -210,11 +211,11 @@ static inline void bin_sums_run(const float *restrict r, const uint8_t *restrict
  * j = zero_code[c]) positive values go to bins >= j and the rest below; positive means !(v <= 0) when
  * positive_not_le (ReLU / ReLU6: a NaN passes the gradient), else v > 0. Packed straight into out. With
  * bin_sums (2 x C x T int64, T = sides x 2^bits, zeroed by the caller): per channel, side and code the sum of
- * the fixed-point offsets (bin_sums_run), then the counts. */
+ * the fixed-point offsets (bin_sums_run) of every sum_stride-th element, then their counts. */
 void mo_encode(const float *x, int64_t n, int64_t C, int64_t S, const float *mean, const float *scale,
                const float *lo0, const float *w0, const float *lo1, const float *w1, const uint8_t *mask,
                const int32_t *zero_code, int positive_not_le, int bits, uint8_t *out, int64_t nbytes,
-               int64_t *bin_sums, int nthreads) {
+               int64_t *bin_sums, int sum_stride, int nthreads) {
     const float top = (float)((1 << bits) - 1);
     const int bins = 1 << bits;
     const int64_t T = (lo1 ? 2 : 1) * (int64_t)bins, per = 2 * C * T;
@@ -225,7 +226,6 @@ void mo_encode(const float *x, int64_t n, int64_t C, int64_t S, const float *mea
     {
         uint8_t *codes = (uint8_t *)malloc(BLOCK);
         float *rbuf = acc ? (float *)malloc(BLOCK * sizeof(float)) : NULL;
-        int64_t *fx = acc ? (int64_t *)malloc(BLOCK * sizeof(int64_t)) : NULL;
         int t = 0;
 #ifdef _OPENMP
         t = omp_get_thread_num();
@@ -257,14 +257,13 @@ void mo_encode(const float *x, int64_t n, int64_t C, int64_t S, const float *mea
                     }
                 }
                 if (mine)
-                    bin_sums_run(r, mk, dst, e - s, lo1 != NULL, bins, fx + (s - i0), mine + c * T,
+                    bin_sums_run(r, mk, dst, e - s, lo1 != NULL, bins, s, sum_stride, mine + c * T,
                                  mine + C * T + c * T);
             }
             pack_block(codes, count, bits, i0, out, nbytes);
         }
         free(codes);
         free(rbuf);
-        free(fx);
     }
     if (acc) {
         for (int t = 0; t < threads; t++)
