@@ -6,7 +6,8 @@ updated once), and backward keeps, through ``ctx.save_for_backward``, only:
 - a K-bit code of the normalised BN input x̂ (over its own standard deviation, 1 up to eps and 0 in
   a constant channel) on a fixed per-channel grid: 2^K bins over
   [-h, h] with h = WINDOWS[K] (3 at K = 4 as in the paper; x̂ has zero mean and unit variance per
-  channel by construction, so no min/max reduction is needed), reconstructed at bin midpoints;
+  channel by construction, so no min/max reduction is needed), reconstructed at bin midpoints (at K <= 4
+  at the mean of the values each bin coded: ``stash_grid.MEAN_BITS``, ``StashConfig.bin_means``);
   values beyond ±h clip. Without a residual the exact 1-bit mask below is stored anyway and tells on
   which side of the activation's kink (x̂ = -β/γσ) an element lies, so the code is split there:
   2^K bins on each side, as fine as a (K+1)-bit grid for the same bytes, with h = WINDOWS[K+1]

@@ -33,7 +33,7 @@ REACH = {8: 4.0}
 # Up to this K each bin rebuilds at the mean of the values it coded (``StashConfig.bin_means``), not at its
 # midpoint: the best value for the bin's elements in squared error, exact for a bin holding one repeated value
 # (real images' flat backgrounds), and the mean of a clipped outer bin's tail instead of its edge. ResNet-18 on
-# digits at 224x224, 4 bits, parameters with gradient cosine >= 0.99: 41 -> 59 of 62 at init and 14 -> 35 after
+# digits at 224x224, 4 bits, parameters with gradient cosine >= 0.99: 41 -> 59 of 62 at init and 14 -> 32 after
 # 100 SGD steps (docs/results/stash_trained_224.md). The means cost 2^K floats per side and channel (128 bytes
 # per channel for a split 4-bit code); at K = 8, 2 KiB per channel, where the bins are fine enough without them.
 # A code gets them only where they cost at most MEAN_SHARE of its packed bytes (at 4 bits split: channels of at

@@ -57,12 +57,12 @@ class StashConfig:
             (docs/results/stash_gradients_models.md). The report shows the bits used; the planner's levels
             stay K.
         bin_means: rebuild each bin of a chain's codes at the mean of the values it coded instead of its midpoint,
-            at K <= 4 (default True; ``memopt/ops/stash_grid.py`` MEAN_BITS). The forward sums each value's
-            offset inside its bin per channel (exact integer sums, so both code paths agree bit for bit); the
-            means cost 2^K floats per side and channel (128 bytes per channel for a split 4-bit code, counted by
-            the cost model). They matter on real data: a bin holding one repeated value (flat image
+            at K <= 4 (default True; ``memopt/ops/stash_grid.py`` MEAN_BITS). The forward sums the offsets inside
+            their bins of every 4th value per channel (exact integer sums, so both code paths agree bit for bit);
+            the means cost 2^K floats per side and channel (128 bytes per channel for a split 4-bit code, counted
+            by the cost model). They matter on real data: a bin holding one repeated value (flat image
             backgrounds) rebuilds it exactly, and a clipped outer bin rebuilds at its tail's mean. ResNet-18 on
-            digits at 224x224, 4 bits, parameters with cosine >= 0.99: 41 -> 59 of 62 at init, 14 -> 35 after
+            digits at 224x224, 4 bits, parameters with cosine >= 0.99: 41 -> 59 of 62 at init, 14 -> 32 after
             100 SGD steps (docs/results/stash_trained_224.md). Only codes whose means cost at most half their
             packed bytes get them (at 4 bits, channels of at least 512 elements); the report says which.
         compact_extras: keep training-dropout masks and ``torch.where`` boolean conditions as 1 bit
