@@ -92,8 +92,7 @@ class _Stash:
             has_mask = act != "identity" and mask_packed.numel()
             mask = native.PackedMask(mask_packed) if has_mask else None  # read a block at a time
             zero = zero_code if act != "identity" and not has_mask else None
-            return native.rebuild(packed, bits, shape, affine, act,
-                                  params[0] if act == "leaky_relu" else 0.0,
+            return native.rebuild(packed, bits, shape, affine, act, params[0] if act == "leaky_relu" else 0.0,
                                   mask=mask, zero_code=zero)
         codes = unpack_bits(packed, bits, shape.numel()).view(shape)
         if act == "identity":
@@ -116,11 +115,11 @@ def _split_x_codes(x, weight, bias, mean, invstd, eps, mask, bits: int, act: str
     (packed codes, the data-dependent grid: 4 rows per channel, saved; the code book with the bins' means, else
     an empty tensor)."""
     codes, grid, _, _, book = x_code(x, weight, bias, mean, invstd, eps, mask, bits, act, True, True, means=means)
-    return codes, grid, _or_empty(book)
+    return codes, grid, _or_empty(book, x.device)
 
 
-def _or_empty(t: Optional[torch.Tensor]) -> torch.Tensor:
-    return t if t is not None else torch.zeros(0)
+def _or_empty(t: Optional[torch.Tensor], device) -> torch.Tensor:
+    return t if t is not None else torch.zeros(0, device=device)
 
 
 def _channel_max(z: torch.Tensor) -> torch.Tensor:
@@ -149,8 +148,7 @@ def _bn_backward(g, sum_g, x_codes, mask, grid, weight, invstd, eps, bits: int, 
     if native.applies(g, float_dtype=True) and native.applies(x_codes) and (
             mask is None or packed_mask or mask.is_contiguous()):
         # two fused passes over the code, no full-size x̂ at all
-        return native.bn_backward(x_codes, bits, shape, grid, mask, xstd, scale, g=g, sum_g=sum_g,
-                                  exact=exact,
+        return native.bn_backward(x_codes, bits, shape, grid, mask, xstd, scale, g=g, sum_g=sum_g, exact=exact,
                                   out=out)[:2]
     if packed_mask:
         mask = mask.unpacked(shape)
@@ -255,7 +253,7 @@ class BNActStash(torch.autograd.Function):
                 mask_packed = empty_u8
         del mask
         ctx.save_for_backward(x_codes, y_codes, mask_packed, zero_code, weight, bias, mean, invstd, xgrid,
-                              _or_empty(xbook), x2_codes, weight2, grid2, book2, invstd2)
+                              _or_empty(xbook, x.device), x2_codes, weight2, grid2, book2, invstd2)
         ctx.shape, ctx.bits, ctx.act, ctx.act_params, ctx.node, ctx.eps = x.shape, bits, act, act_params, node, eps
         ctx.has_residual, ctx.has_weight, ctx.has_bias = residual_input, weight is not None, bias is not None
         ctx.second = None if x2 is None else (x2.dtype, eps2, weight2 is not None, bias2 is not None)
