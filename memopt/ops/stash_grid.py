@@ -275,13 +275,16 @@ def add_bin_sums(sums: torch.Tensor, r: torch.Tensor, codes: torch.Tensor, side:
     whose index in the whole tensor (``start``: that of the first here) is a multiple of ``stride``, as 2^20 t
     truncated toward zero (t clamped to ±2^16; not finite: not counted), at its channel, side and code: what
     ``mo_encode`` adds (``OFFSET_ONE``)."""
-    channels, width, nd = sums.shape[1], sums.shape[2], r.dim()
-    channel = _per_channel(torch.arange(channels, device=r.device) * width, nd).expand(r.shape)
-    pick = slice((-start) % stride, None, stride)
+    channels, width = sums.shape[1], sums.shape[2]
+    inner = math.prod(r.shape[2:])
+    first = (-start) % stride
+    pick = slice(first, None, stride)
     t = (r.reshape(-1)[pick] - codes.reshape(-1)[pick].to(torch.float32))
     finite = torch.isfinite(t)
     fixed = t.clamp_(-OFFSET_MAX, OFFSET_MAX).mul_(OFFSET_ONE).masked_fill_(~finite, 0).to(torch.int64)
-    at = codes.reshape(-1)[pick].to(torch.int64) + channel.reshape(-1)[pick]
+    # each picked element's channel from its flat index (no full-size index tensor)
+    channel = torch.arange(first, r.numel(), stride, device=r.device).div_(inner, rounding_mode="floor") % channels
+    at = codes.reshape(-1)[pick].to(torch.int64) + channel * width
     if side is not None:
         at += side.reshape(-1)[pick].to(torch.int64) << bits
     sums[0].view(-1).index_add_(0, at, fixed)

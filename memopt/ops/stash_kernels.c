@@ -167,7 +167,6 @@ static inline void encode_run(const float *restrict x, const uint8_t *restrict m
  * +-2^16 bins). Integers add exactly in any order, so the means are the same on every path and thread count.
  * Not finite (a NaN or inf channel, whose statistics are NaN anyway): not counted. */
 #define OFFSET_ONE 1048576.0f
-#define SUB 4 /* sub-histograms: consecutive values often share a bin, and one array would chain their adds */
 
 static inline int64_t offset_fixed(float r, uint8_t k, int *finite) {
     const float t = r - (float)k;
@@ -176,34 +175,16 @@ static inline int64_t offset_fixed(float r, uint8_t k, int *finite) {
 }
 
 /* The offsets of the run's elements whose index in the whole tensor is a multiple of `stride` (the run starts
- * at index `start`), added into sum / cnt at side 2^bits + k: a long run through SUB sub-histograms. */
+ * at index `start`), added into sum / cnt at side 2^bits + k. */
 static inline void bin_sums_run(const float *restrict r, const uint8_t *restrict mask, const uint8_t *restrict k,
                                 int64_t count, int split, int bins, int64_t start, int stride,
                                 int64_t *restrict sum, int64_t *restrict cnt) {
-    const int T = (split ? 2 : 1) * bins;
-    const int64_t first = (stride - start % stride) % stride;
     int finite;
-    if (count < 4 * T * stride || T > 64) {  /* a short run: straight into the channel's sums */
-        for (int64_t i = first; i < count; i += stride) {
-            const int at = (split ? (mask[i] != 0) * bins : 0) + k[i];
-            sum[at] += offset_fixed(r[i], k[i], &finite);
-            cnt[at] += finite;
-        }
-        return;
-    }
-    int64_t ls[SUB][64], lc[SUB][64];
-    for (int j = 0; j < SUB; j++)
-        for (int a = 0; a < T; a++) ls[j][a] = lc[j][a] = 0;
-    for (int64_t i = first, j = 0; i < count; i += stride, j++) {
+    for (int64_t i = (stride - start % stride) % stride; i < count; i += stride) {
         const int at = (split ? (mask[i] != 0) * bins : 0) + k[i];
-        ls[j % SUB][at] += offset_fixed(r[i], k[i], &finite);
-        lc[j % SUB][at] += finite;
+        sum[at] += offset_fixed(r[i], k[i], &finite);
+        cnt[at] += finite;
     }
-    for (int j = 0; j < SUB; j++)
-        for (int a = 0; a < T; a++) {
-            sum[a] += ls[j][a];
-            cnt[a] += lc[j][a];
-        }
 }
 
 /* Codes of v = (x - mean) * scale (mean NULL: v = x) on the grid (lo1 NULL: one grid, else side 1 where
