@@ -8,10 +8,14 @@ inputs of one shape, as a training loop does. Per step it records:
 - every storage autograd packed during the forward (``saved_tensors_hooks``: memopt's codes,
   masks and statistics, and whatever the exact nodes keep), as weak references, checked after the
   step: a packed storage still alive then outlived its step (a leak);
-- the step's wall time.
+- the step's wall time;
+- optionally (``count_ops``) the ATen operators the step dispatched, forward, backward and optimizer:
+  a deterministic check that no step does more work than the one before (a growing graph, hooks
+  piling up), where a wall-time comparison would be at the mercy of whatever else shares the CPU.
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import statistics
@@ -23,6 +27,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.multiprocessing.reductions import StorageWeakRef
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
@@ -48,6 +53,7 @@ class SoakResult:
     rss: list[int] = field(default_factory=list)  # bytes after each step
     seconds: list[float] = field(default_factory=list)  # wall time of each step
     packed: list[int] = field(default_factory=list)  # storages packed for backward in each step
+    ops: list[int] = field(default_factory=list)  # ATen operators each step dispatched (count_ops=True)
     leaked: int = 0  # packed storages still alive after their step, over the run
     graphs: int = 0  # graphs the OptimizedModule captured (1: no re-capture during the run)
 
@@ -69,6 +75,10 @@ class SoakResult:
         """Median step seconds over the first window after warm-up and over the last one."""
         return self._ends(self.seconds, statistics.median)
 
+    def after_warmup(self, values: list[int]) -> set[int]:
+        """The distinct values of a per-step count after warm-up (one value: every step alike)."""
+        return set(values[self.warmup:])
+
     @property
     def rss_slope(self) -> float:
         """Least-squares slope of resident bytes after warm-up, in bytes per 1000 steps."""
@@ -79,9 +89,25 @@ class SoakResult:
         return 1000 * sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else 0.0
 
 
+class _OpCounter(TorchDispatchMode):
+    """Counts the ATen operators dispatched while it is active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
 def soak(om: nn.Module, make_input: Callable[[torch.Generator], Any], classes: int, steps: int, warmup: int,
-         lr: float = 0.01, seed: int = 0) -> SoakResult:
-    """Train ``om`` (an ``OptimizedModule`` or any module) for ``steps`` steps and record each one."""
+         lr: float = 0.01, seed: int = 0, count_ops: bool = False) -> SoakResult:
+    """Train ``om`` (an ``OptimizedModule`` or any module) for ``steps`` steps and record each one.
+
+    ``count_ops`` (default False) records the operators of each step in ``SoakResult.ops``; it runs
+    every step under a dispatch mode, so leave it off where step times are the point.
+    """
     gen = torch.Generator().manual_seed(seed)
     opt = torch.optim.SGD(om.parameters(), lr=lr, momentum=0.9)
     state = {StorageWeakRef(t.untyped_storage()).cdata for t in list(om.parameters()) + list(om.buffers())}
@@ -98,15 +124,19 @@ def soak(om: nn.Module, make_input: Callable[[torch.Generator], Any], classes: i
     for _ in range(steps):
         x = make_input(gen)
         target = torch.randint(0, classes, (x.shape[0],), generator=gen)
+        counter = _OpCounter() if count_ops else contextlib.nullcontext()
         start = time.perf_counter()
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = om(x)
-        loss = F.cross_entropy(out, target)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        del out, loss, x
+        with counter:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                out = om(x)
+            loss = F.cross_entropy(out, target)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            del out, loss, x
         result.seconds.append(time.perf_counter() - start)
+        if count_ops:
+            result.ops.append(counter.count)
         result.packed.append(len(refs))
         result.leaked += sum(not r.expired() for r in refs)
         refs.clear()  # weak storage references keep freed storages reserved: drop them every step
