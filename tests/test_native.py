@@ -216,3 +216,28 @@ def test_fake_tensors_get_the_outputs_and_no_kernel_runs():
                                                                                             dtype=torch.bool))
     assert packed.shape == (150,) and packed.dtype == torch.uint8
     assert out.shape == x.shape and out.dtype == torch.float32
+
+
+@pytest.mark.parametrize("act", ["relu", "relu6", "leaky_relu"])
+@pytest.mark.parametrize("packed_mask", [False, True], ids=["byte_mask", "bit_mask"])
+@pytest.mark.parametrize("book", [False, True], ids=["rows", "book"])
+def test_bn_backward_without_a_full_size_g_gives_the_same_bits(act, packed_mask, book):
+    # keep_g=False (chains whose g nobody else needs) makes g a block at a time in both passes
+    torch.manual_seed(0)
+    shape, bits = (3, 5, 67, 71), 4  # several blocks, runs that straddle them
+    c = shape[1]
+    x, grad = torch.randn(shape), torch.randn(shape)
+    mask = x > 0.2
+    grid = torch.stack([torch.full((c,), -3.0), torch.full((c,), 0.4), torch.zeros(c), torch.full((c,), 0.4)])
+    packed = native.encode(x, grid, bits, mask=mask)
+    table = torch.randn(c, 2, 1 << bits) if book else grid
+    m = native.PackedMask(pack_bits(mask.flatten().to(torch.uint8), 1)) if packed_mask else mask
+    xstd, scale = torch.rand(c) + 0.5, torch.randn(c)
+    kw = dict(grad=grad, act=act, slope=0.1 if act == "leaky_relu" else 0.0)
+    kept = native.bn_backward(packed, bits, torch.Size(shape), table, m, xstd, scale, **kw)
+    not_kept = native.bn_backward(packed, bits, torch.Size(shape), table, m, xstd, scale, keep_g=False, **kw)
+    assert not_kept[2] is None and kept[2] is not None
+    for a, b in zip(kept[:2] + kept[3:], not_kept[:2] + not_kept[3:]):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="needs grad and a mask"):
+        native.bn_backward(packed, bits, torch.Size(shape), table, None, xstd, scale, keep_g=False, **kw)

@@ -287,8 +287,8 @@ def bn_backward(packed: torch.Tensor, bits: int, shape: torch.Size, book: torch.
                 gamma_invstd: torch.Tensor, *, g: Optional[torch.Tensor] = None, sum_g: Optional[torch.Tensor] = None,
                 grad: Optional[torch.Tensor] = None, act: str = "relu", slope: float = 0.0,
                 exact: Optional[Tuple[torch.Tensor, torch.Tensor]] = None, out: Optional[torch.Tensor] = None,
-                solve: Optional[torch.Tensor] = None, top: float = 0.0
-                ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                solve: Optional[torch.Tensor] = None, top: float = 0.0, keep_g: bool = True
+                ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
     """``stash._bn_backward`` in two passes over the code with no full-size x̂ (``mo_bn_backward``; x̂ / std from the
     code ``book`` or grid rows: ``_book``): from ``g`` and
     its per-channel ``sum_g``, or from ``grad`` (float32), the gradient arriving at the activation, whose
@@ -297,12 +297,17 @@ def bn_backward(packed: torch.Tensor, bits: int, shape: torch.Size, book: torch.
     ``solve`` (with ``grad``): the scale identity's rows (R, β, γ, threshold, sign, ok) per channel
     (``stash_identity.solve_rows``): the weight gradient is solved in between the two passes, ``top`` (6 for
     ReLU6, else 0) times the clipped elements' gradient summed in the first.
+    ``keep_g`` False (with ``grad`` and a mask): g is not returned (None) and never exists at full size; each
+    pass makes it a block at a time (a full-size write and read fewer, the same grad_x).
     Returns (grad_x, sum of g times centred x̂, g, sum_g)."""
     n, channels, inner = _geometry(shape)
     table, is_book, split = _book(book)
     m = _u8(mask)
+    if not keep_g and (grad is None or mask is None):
+        raise ValueError("bn_backward(keep_g=False) needs grad and a mask: g is made from them a block at a time")
     if grad is not None:
-        g, sum_g = torch.empty(shape, dtype=torch.float32), torch.empty(channels, dtype=torch.float32)
+        g = torch.empty(shape, dtype=torch.float32) if keep_g else None
+        sum_g = torch.empty(channels, dtype=torch.float32)
     else:
         sum_g = sum_g.float().contiguous()
     exact_val, exact_ok = (None, None) if exact is None else (exact[0].float().contiguous(),
@@ -311,10 +316,10 @@ def bn_backward(packed: torch.Tensor, bits: int, shape: torch.Size, book: torch.
     out = torch.empty(shape, dtype=torch.float32) if out is None else out
     solve_c = None if solve is None else solve.float().contiguous()
     per = [t.float().contiguous() for t in (xstd, gamma_invstd)]
-    if _runs(g, packed) and n:
+    if _runs(packed, *([] if g is None else [g])) and n:
         _library().mo_bn_backward(packed.data_ptr(), packed.numel(), bits, n, channels, inner, table.data_ptr(), is_book,
                                   split, _ptr(m), _is_bits(mask), per[0].data_ptr(), _ptr(grad),
-                                  _ACTS[act], float(slope), g.data_ptr(), sum_g.data_ptr(), per[1].data_ptr(),
+                                  _ACTS[act], float(slope), _ptr(g), sum_g.data_ptr(), per[1].data_ptr(),
                                   _ptr(exact_val), _ptr(exact_ok), _ptr(solve_c), float(top), out.data_ptr(),
                                   sum_gx.data_ptr(), _threads(n))
     return out, sum_gx, g, sum_g

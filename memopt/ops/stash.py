@@ -289,10 +289,12 @@ class BNActStash(torch.autograd.Function):
         # in the variance term
         rows = solve_rows(rest[4], grid, weight, bias, xstd, ctx.act, ctx.bits) if ctx.link_groups else None
         if fresh_g:  # the activation's backward, its sum and the BN backward in two fused passes
+            # g itself is needed only as the residual's gradient and by the downsample BN: else it is never
+            # written at full size
             grad_x, sum_gx, g, sum_g = native.bn_backward(
                 x_codes, ctx.bits, shape, book, mask, xstd, _gamma_invstd(weight, invstd), grad=grad_y,
                 act=ctx.act, slope=ctx.act_params[0] if ctx.act == "leaky_relu" else 0.0, solve=rows,
-                top=6.0 if ctx.act == "relu6" else 0.0)
+                top=6.0 if ctx.act == "relu6" else 0.0, keep_g=ctx.has_residual or ctx.second is not None)
             grad_z = g
         else:
             grad_z = _act_backward(grad_y, mask, ctx.act, ctx.act_params)

@@ -46,8 +46,17 @@ static void unpack_block(const uint8_t *packed, int64_t nbytes, int bits, int64_
         if (count & 1) dst[count - 1] = p[pairs] & 15u;
     } else if (bits == 1) {  /* whole bytes with a constant inner loop (vectorised), then the tail */
         const uint8_t *p = packed + i0 / 8;
-        int64_t full = count / 8;
-        for (int64_t k = 0; k < full; k++)
+        int64_t full = count / 8, k = 0;
+#if defined(__AVX512BW__)
+        /* 64 bits are a byte mask: one masked broadcast writes their 64 bytes (the loop below, which GCC 12
+           vectorised poorly, made a 1-bit mask's unpacking most of the fused BN backward's first pass) */
+        for (; k + 8 <= full; k += 8) {
+            uint64_t w;
+            memcpy(&w, p + k, 8);
+            _mm512_storeu_si512((void *)(dst + 8 * k), _mm512_maskz_set1_epi8((__mmask64)w, 1));
+        }
+#endif
+        for (; k < full; k++)
             for (int j = 0; j < 8; j++) dst[8 * k + j] = (p[k] >> j) & 1u;
         for (int64_t k = full * 8; k < count; k++) dst[k] = (p[k / 8] >> (k % 8)) & 1u;
     } else if (bits == 2) {
@@ -176,7 +185,7 @@ static inline int64_t offset_fixed(float r, uint8_t k, int *finite) {
 
 /* The offsets of the run's elements whose index in the whole tensor is a multiple of `stride` (the run starts
  * at index `start`), added into sum / cnt at side 2^bits + k. */
-static inline void bin_sums_run(const float *restrict r, const uint8_t *restrict mask, const uint8_t *restrict k,
+static __attribute__((noinline)) void bin_sums_run(const float *restrict r, const uint8_t *restrict mask, const uint8_t *restrict k,
                                 int64_t count, int split, int bins, int64_t start, int stride,
                                 int64_t *restrict sum, int64_t *restrict cnt) {
     int finite;
@@ -399,6 +408,21 @@ static inline void sums_run(const uint8_t *restrict k, const uint8_t *restrict m
     float lx[LANES], lgx[LANES];
     for (int j = 0; j < LANES; j++) lx[j] = lgx[j] = 0.0f;
     int64_t i = 0;
+#if defined(__AVX512F__) && LANES == 16
+    /* GCC 12 turned the plain loop below into shuffles and scalar adds (this pass took twice the time of the
+       input-gradient pass); the same lanes and operations, written out */
+    {
+        const __m512 vsd = _mm512_set1_ps(sd);
+        __m512 vx = _mm512_setzero_ps(), vgx = _mm512_setzero_ps();
+        for (; i + LANES <= count; i += LANES) {
+            const __m512 xh = _mm512_mul_ps(_mm512_loadu_ps(dec + i), vsd);
+            vx = _mm512_add_ps(vx, xh);
+            vgx = _mm512_add_ps(vgx, _mm512_mul_ps(_mm512_loadu_ps(g + i), xh));
+        }
+        _mm512_storeu_ps(lx, vx);
+        _mm512_storeu_ps(lgx, vgx);
+    }
+#endif
     for (; i + LANES <= count; i += LANES)
         for (int j = 0; j < LANES; j++) {
             float xh = dec[i + j] * sd;
@@ -438,28 +462,35 @@ static inline void grad_run(const uint8_t *restrict k, const uint8_t *restrict m
     }
 }
 
+static inline void masked_run(const float *restrict gr, const uint8_t *restrict mk, float *restrict o,
+                              int64_t count, int leaky, float slope);
+
 /* BN backward, pass 2: grad_x = (((x̂ - xmean) a + g) - b) s per channel, x̂ rebuilt again from its code
- * (the order of stash._bn_backward's in-place ops); no full-size x̂ is ever stored. out may be g (in place). */
+ * (the order of stash._bn_backward's in-place ops); no full-size x̂ is ever stored. out may be g (in place).
+ * g NULL: g is rebuilt a block at a time from grad and the mask (the activation's backward, as pass 1 did),
+ * so no full-size g is ever written. */
 static void mo_bn_grad(const uint8_t *packed, int64_t nbytes, int bits, int64_t n, int64_t C, int64_t S,
                 const float *book, int is_book, int split, const uint8_t *mask, int mask_bits, const float *xstd,
-                const float *g, const float *xmean, const float *a, const float *bsub, const float *scale, float *out,
-                int nthreads) {
+                const float *g, const float *grad, int leaky, float slope, const float *xmean, const float *a,
+                const float *bsub, const float *scale, float *out, int nthreads) {
     const int bins = 1 << bits;
     const int64_t T = book_stride(is_book, split, bins);
 #pragma omp parallel num_threads(nthreads)
     {
         uint8_t *codes = (uint8_t *)malloc(BLOCK), *mbuf = (uint8_t *)malloc(BLOCK);
         float *dec = (float *)malloc(BLOCK * sizeof(float));  /* a run's decoded x̂ / std */
+        float *gbuf = g ? NULL : (float *)malloc(BLOCK * sizeof(float));  /* this block's g, where g is NULL */
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < num_blocks(n); b++) {
             int64_t i0 = b * BLOCK, count = n - i0 < BLOCK ? n - i0 : BLOCK;
             unpack_block(packed, nbytes, bits, i0, count, codes);
-            const uint8_t *mb = block_mask(split ? mask : NULL, mask_bits, n, i0, count, mbuf);
+            const uint8_t *mb = block_mask(split || !g ? mask : NULL, mask_bits, n, i0, count, mbuf);
+            if (!g) masked_run(grad + i0, mb, gbuf, count, leaky, slope);
             for (int64_t s = i0, e; s < i0 + count; s = e) {  /* runs of one channel c */
                 const int64_t c = (s / S) % C;
                 e = segment_end(s, S, i0 + count);
                 const float sd = xstd[c], *bk = book + c * T;
-                float *io = (float *)g + s, *o = out == g ? NULL : out + s;
+                float *io = g ? (float *)g + s : gbuf + (s - i0), *o = out == g ? NULL : out + s;
                 if (split)
                     grad_run(codes + (s - i0), mb + (s - i0), io, o, e - s, 1, is_book, bk, bins, dec, sd, xmean[c], a[c],
                              bsub[c], scale[c]);
@@ -471,6 +502,7 @@ static void mo_bn_grad(const uint8_t *packed, int64_t nbytes, int bits, int64_t 
         free(codes);
         free(mbuf);
         free(dec);
+        free(gbuf);
     }
 }
 
@@ -492,12 +524,17 @@ void mo_act_mask(const float *z, int64_t n, int act, uint8_t *out, int nthreads)
 /* out = mask ? grad : (leaky ? grad * slope : 0) over a run (at most BLOCK elements), and its sum: float
  * partial sums in LANES lanes of at most BLOCK / LANES terms each (what the compiler vectorises), added in
  * double. */
-static inline double masked_sum_run(const float *restrict gr, const uint8_t *restrict mk, float *restrict o,
-                                    int64_t count, int leaky, float slope) {
+static inline void masked_run(const float *restrict gr, const uint8_t *restrict mk, float *restrict o,
+                              int64_t count, int leaky, float slope) {
     for (int64_t i = 0; i < count; i++) {
         float g = gr[i], other = leaky ? g * slope : 0.0f;  /* both computed: a branch-free select */
         o[i] = mk[i] ? g : other;
     }
+}
+
+static inline double masked_sum_run(const float *restrict gr, const uint8_t *restrict mk, float *restrict o,
+                                    int64_t count, int leaky, float slope) {
+    masked_run(gr, mk, o, count, leaky, slope);
     float lane[LANES];
     for (int j = 0; j < LANES; j++) lane[j] = 0.0f;
     int64_t i = 0;
@@ -531,29 +568,44 @@ static inline double clip_sum_run(const float *restrict gr, const uint8_t *restr
 /* Least / greatest of a run into a[0..4] = (lo, hi0, lo1, hi, any NaN), in LANES independent lanes: a plain
  * loop the compiler turns into vector min / max (each lane's `u < lo ? u : lo` is exactly the instruction's
  * semantics). No `omp simd` min/max reduction: GCC 12 vectorised the masked one wrongly (a greatest value
- * short of the true one, caught by tests/test_native.py). */
-static inline void extremes_run(const float *restrict v, const uint8_t *restrict mk, int64_t count, float *a) {
+ * short of the true one, caught by tests/test_native.py). The mask's bytes are widened to 32 bits first:
+ * a select between floats on a byte comparison is a mix of widths GCC 12 does not vectorise (the masked
+ * run was 8x slower than the unmasked one). */
+static inline __attribute__((always_inline)) void extremes_lanes(const float *restrict v, const uint8_t *restrict mk,
+                                                                 int64_t count, float *a, const int masked) {
     float lo[LANES], hi0[LANES], lo1[LANES], hi[LANES];
-    int nan[LANES];
+    int32_t nan[LANES];
     for (int j = 0; j < LANES; j++) {
         lo[j] = a[0]; hi0[j] = a[1]; lo1[j] = a[2]; hi[j] = a[3]; nan[j] = 0;
     }
+    int32_t on[LANES];
     int64_t i = 0;
-    for (; i + LANES <= count; i += LANES)
+    for (; i + LANES <= count; i += LANES) {
+        if (masked)
+            for (int j = 0; j < LANES; j++) on[j] = (int32_t)mk[i + j];
+        else
+            for (int j = 0; j < LANES; j++) on[j] = 0;
         for (int j = 0; j < LANES; j++) {
             float u = v[i + j];
-            int on = mk ? mk[i + j] != 0 : 0;
-            float u0 = on ? -INFINITY : u, u1 = on ? u : INFINITY;
+            /* the selects as bit operations on 32-bit lanes (what the vectoriser takes) */
+            uint32_t ub, sel = 0u - (uint32_t)(on[j] != 0), b0, b1;
+            memcpy(&ub, &u, 4);
+            b0 = (ub & ~sel) | (0xff800000u & sel);  /* -inf where on */
+            b1 = (ub & sel) | (0x7f800000u & ~sel);  /* +inf where off */
+            float u0, u1;
+            memcpy(&u0, &b0, 4);
+            memcpy(&u1, &b1, 4);
             lo[j] = u < lo[j] ? u : lo[j];
             hi[j] = u > hi[j] ? u : hi[j];
             hi0[j] = u0 > hi0[j] ? u0 : hi0[j];
             lo1[j] = u1 < lo1[j] ? u1 : lo1[j];
             nan[j] |= u != u;
         }
+    }
     for (; i < count; i++) {
         float u = v[i];
-        int on = mk ? mk[i] != 0 : 0;
-        float u0 = on ? -INFINITY : u, u1 = on ? u : INFINITY;
+        int onr = masked ? mk[i] != 0 : 0;
+        float u0 = onr ? -INFINITY : u, u1 = onr ? u : INFINITY;
         lo[0] = u < lo[0] ? u : lo[0];
         hi[0] = u > hi[0] ? u : hi[0];
         hi0[0] = u0 > hi0[0] ? u0 : hi0[0];
@@ -569,6 +621,12 @@ static inline void extremes_run(const float *restrict v, const uint8_t *restrict
         any |= nan[j];
     }
     a[4] = any ? 1.0f : 0.0f;
+}
+
+/* two copies, each with its own constant `masked`, so neither loop tests the pointer per element */
+static void extremes_run(const float *restrict v, const uint8_t *restrict mk, int64_t count, float *a) {
+    if (mk) extremes_lanes(v, mk, count, a, 1);
+    else extremes_lanes(v, NULL, count, a, 0);
 }
 
 /* Per channel of x: its least and greatest value, and with a mask the greatest where the mask is 0 and
@@ -726,7 +784,9 @@ void mo_chain_grid(int64_t C, const float *invstd, const float *xstd, const floa
  *   m = mean x̂,  sum_gx = sum g x̂ - m sum g  (the sum of g times centred x̂; `exact_ok[c]` takes exact_val[c]),
  *   a = -sum_gx / count,  b = sum_g / count,  s = gamma * invstd;
  * pass 2 writes grad_x = (((x̂ - m) a + g) - b) s into out (which may be g). sum_g is read (no grad) or written
- * (float), sum_gx written (float). */
+ * (float), sum_gx written (float). g NULL (with grad and a mask): the caller needs no g, so it is never written
+ * at full size; each pass makes a block's g from grad and the mask again (one full-size write and read fewer,
+ * the same values). */
 void mo_bn_backward(const uint8_t *packed, int64_t nbytes, int bits, int64_t n, int64_t C, int64_t S,
                     const float *book, int is_book, int split, const uint8_t *mask, int mask_bits, const float *xstd,
                     const float *grad, int act, float slope, float *g,
@@ -739,11 +799,13 @@ void mo_bn_backward(const uint8_t *packed, int64_t nbytes, int bits, int64_t n, 
     const int bins = 1 << bits;
     const int64_t T = book_stride(is_book, split, bins);
     const int clipping = solve && grad && mask && top != 0.0f;
+    const int keep_g = g != NULL;  /* g NULL (with grad and a mask): the caller needs only grad_x, g stays per block */
     double *acc = (double *)calloc((size_t)threads * 4 * C, sizeof(double));
 #pragma omp parallel num_threads(threads)
     {
         uint8_t *codes = (uint8_t *)malloc(BLOCK), *mbuf = (uint8_t *)malloc(BLOCK);
         float *dec = (float *)malloc(BLOCK * sizeof(float));  /* a run's decoded x̂ / std */
+        float *gbuf = keep_g ? NULL : (float *)malloc(BLOCK * sizeof(float));  /* g of this block, not kept */
         int t = 0;
 #ifdef _OPENMP
         t = omp_get_thread_num();
@@ -757,19 +819,21 @@ void mo_bn_backward(const uint8_t *packed, int64_t nbytes, int bits, int64_t n, 
             for (int64_t s = i0, e; s < i0 + count; s = e) {  /* runs of one channel c */
                 const int64_t c = (s / S) % C;
                 e = segment_end(s, S, i0 + count);
-                if (grad) ag[c] += masked_sum_run(grad + s, mb + (s - i0), g + s, e - s, act == ACT_LEAKY_RELU, slope);
+                float *gs = keep_g ? g + s : gbuf + (s - i0);
+                if (grad) ag[c] += masked_sum_run(grad + s, mb + (s - i0), gs, e - s, act == ACT_LEAKY_RELU, slope);
                 if (clipping && isfinite(solve[3 * C + c]))  /* an infinite threshold: nothing can be clipped */
                     aclip[c] += clip_sum_run(grad + s, codes + (s - i0), mb + (s - i0), e - s, solve[3 * C + c],
                                              solve[4 * C + c]);
                 const float sd = xstd[c], *bk = book + c * T;
                 if (split)
-                    sums_run(codes + (s - i0), mb + (s - i0), g + s, e - s, 1, is_book, bk, bins, sd, dec, ax + c, agx + c);
-                else sums_run(codes + (s - i0), NULL, g + s, e - s, 0, is_book, bk, bins, sd, dec, ax + c, agx + c);
+                    sums_run(codes + (s - i0), mb + (s - i0), gs, e - s, 1, is_book, bk, bins, sd, dec, ax + c, agx + c);
+                else sums_run(codes + (s - i0), NULL, gs, e - s, 0, is_book, bk, bins, sd, dec, ax + c, agx + c);
             }
         }
         free(codes);
         free(mbuf);
         free(dec);
+        free(gbuf);
     }
     const double count = (double)(C ? n / C : 1);
     float *xmean = (float *)malloc(4 * (size_t)C * sizeof(float));
@@ -798,7 +862,7 @@ void mo_bn_backward(const uint8_t *packed, int64_t nbytes, int bits, int64_t n, 
         scale[c] = gamma_invstd[c];
     }
     free(acc);
-    mo_bn_grad(packed, nbytes, bits, n, C, S, book, is_book, split, mask, mask_bits, xstd, g, xmean, a, bsub, scale, out,
-               nthreads);
+    mo_bn_grad(packed, nbytes, bits, n, C, S, book, is_book, split, mask, mask_bits, xstd, keep_g ? g : NULL, grad,
+               act == ACT_LEAKY_RELU, slope, xmean, a, bsub, scale, out, nthreads);
     free(xmean);
 }
