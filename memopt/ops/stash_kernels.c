@@ -90,8 +90,16 @@ static void pack_block(const uint8_t *codes, int64_t count, int bits, int64_t i0
     } else if (8 % bits == 0) {
         const int per = 8 / bits;
         uint8_t *p = out + i0 / per;
-        int64_t full = count / per;
-        for (int64_t k = 0; k < full; k++) {
+        int64_t full = count / per, k = 0;
+#if defined(__AVX512BW__)
+        if (bits == 1)  /* 64 codes (0 / 1) into 8 bytes: one byte test gives their bits in order */
+            for (; k + 8 <= full; k += 8) {
+                const __m512i v = _mm512_loadu_si512((const void *)(codes + 8 * k));
+                const uint64_t w = (uint64_t)_mm512_test_epi8_mask(v, _mm512_set1_epi8(1));
+                memcpy(p + k, &w, 8);
+            }
+#endif
+        for (; k < full; k++) {
             unsigned v = 0;
             for (int j = 0; j < per; j++) v |= (unsigned)codes[k * per + j] << (bits * j);
             p[k] = (uint8_t)v;
