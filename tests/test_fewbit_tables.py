@@ -135,8 +135,17 @@ def test_shipped_tables_equal_a_fresh_computation():
         params = ACTIVATIONS[name].params({k: (v if k == "approximate" else float(v)) for k, v in params})
         assert shipped_key(name, params, int(bits)) == key
         borders, levels, error = compute_table(name, int(bits), params=params)
-        assert borders.tolist() == entry["borders"] and levels.tolist() == entry["levels"], key
-        assert error == pytest.approx(entry["error"], rel=1e-12)
+        # The last bits of a fresh table follow the machine's libm (glibc picks its tanh / exp / log code by CPU
+        # features): on an Intel Xeon with AVX-512 the tanhshrink levels differed from the shipped ones in the
+        # 16th digit, the errors by up to 2.1e-12 relative, and where the derivative is even (tanh, tanhshrink)
+        # the DP chose the mirror image of the shipped partition: an exact tie on the symmetric grid, which those
+        # last bits break either way. Same partition or its mirror, same levels (mirrored), same error.
+        fresh, ours = borders.tolist(), entry["borders"]
+        mirrored = fresh != ours and fresh == [-b for b in reversed(ours)]
+        assert fresh == ours or (mirrored and name in ("tanh", "tanhshrink")), key
+        expected = list(reversed(entry["levels"])) if mirrored else entry["levels"]
+        assert levels.tolist() == pytest.approx(expected, rel=1e-10), key
+        assert error == pytest.approx(entry["error"], rel=1e-10)
 
 
 def test_tables_are_cached():
