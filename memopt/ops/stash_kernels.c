@@ -193,7 +193,7 @@ static inline int64_t offset_fixed(float r, uint8_t k, int *finite) {
 
 /* The offsets of the run's elements whose index in the whole tensor is a multiple of `stride` (the run starts
  * at index `start`), added into sum / cnt at side 2^bits + k. */
-static __attribute__((noinline)) void bin_sums_run(const float *restrict r, const uint8_t *restrict mask, const uint8_t *restrict k,
+static inline void bin_sums_run(const float *restrict r, const uint8_t *restrict mask, const uint8_t *restrict k,
                                 int64_t count, int split, int bins, int64_t start, int stride,
                                 int64_t *restrict sum, int64_t *restrict cnt) {
     int finite;
@@ -595,14 +595,7 @@ static inline __attribute__((always_inline)) void extremes_lanes(const float *re
             for (int j = 0; j < LANES; j++) on[j] = 0;
         for (int j = 0; j < LANES; j++) {
             float u = v[i + j];
-            /* the selects as bit operations on 32-bit lanes (what the vectoriser takes) */
-            uint32_t ub, sel = 0u - (uint32_t)(on[j] != 0), b0, b1;
-            memcpy(&ub, &u, 4);
-            b0 = (ub & ~sel) | (0xff800000u & sel);  /* -inf where on */
-            b1 = (ub & sel) | (0x7f800000u & ~sel);  /* +inf where off */
-            float u0, u1;
-            memcpy(&u0, &b0, 4);
-            memcpy(&u1, &b1, 4);
+            float u0 = on[j] != 0 ? -INFINITY : u, u1 = on[j] != 0 ? u : INFINITY;
             lo[j] = u < lo[j] ? u : lo[j];
             hi[j] = u > hi[j] ? u : hi[j];
             hi0[j] = u0 > hi0[j] ? u0 : hi0[j];
