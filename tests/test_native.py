@@ -99,11 +99,13 @@ def test_chain_codes_and_rebuilt_inputs_are_bit_identical_and_gradients_agree(ac
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-5 * b.abs().max().item()), (a - b).abs().max()
 
 
+@pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("act, residual", [(act, residual) for act in ("relu", "relu6", "leaky_relu", "identity")
                                            for residual in (None, "tensor", "bn") if (act, residual) != ("identity", "bn")])
-def test_grids_that_reach_out_to_heavy_tails_are_bit_identical(act, residual):
-    # at 8 bits the outer ends follow the data past the window (stash_grid.REACH): the same grids on both paths
-    fused, plain = _chain(act, residual, 8, (8, 6, 33, 35), tails=True)
+def test_grids_that_reach_out_to_heavy_tails_are_bit_identical(act, residual, bits):
+    # at 4 and 8 bits the outer ends follow the data past the window (stash_grid.REACH, at 4 bits only where the
+    # data end past REACH_PAST windows): the same grids on both paths
+    fused, plain = _chain(act, residual, bits, (8, 6, 33, 35), tails=True)
     (y, outs, saved, grads, rebuilt, stats), (y_p, outs_p, saved_p, grads_p, rebuilt_p, stats_p) = fused, plain
     assert torch.equal(y, y_p) and torch.equal(rebuilt, rebuilt_p)
     for a, b in zip(outs + saved + stats, outs_p + saved_p + stats_p):

@@ -448,9 +448,22 @@ def test_cpu_selects_and_gpu_selects_give_identical_gradients(name, monkeypatch)
     assert max(errors) < 1e-5, max(errors)
 
 
+def test_outer_ends_follow_the_data_only_past_the_threshold():
+    # half 3.25, past 4.225, reach 6.5 (4 bits, split): an end inside the window stays where the data end, one
+    # between the window and `past` stops at the window, one beyond follows the data up to `reach`; NaN stays
+    from memopt.ops.stash_grid import follow_ends, x_grid_half, x_grid_past, x_grid_reach
+    half, past, reach = x_grid_half(4, True), x_grid_past(4, True), x_grid_reach(4, True)
+    assert (half, past, reach) == (3.25, pytest.approx(3.25 * 1.3), 6.5)
+    ends = torch.tensor([2.0, 4.0, -4.0, 5.0, -5.0, 9.0, -9.0, math.nan])
+    out = follow_ends(ends, half, past, reach)
+    expected = torch.tensor([2.0, 3.25, -3.25, 5.0, -5.0, 6.5, -6.5, math.nan])
+    assert torch.equal(out[:-1], expected[:-1]) and out[-1].isnan()
+
+
+@pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("residual", [False, True])
-def test_8_bit_grids_reach_out_to_heavy_tails(residual, monkeypatch):
-    # trained activations grow tails far past the ±4 std window; at 8 bits the outer ends (and the z code's top)
+def test_grids_reach_out_to_heavy_tails(residual, bits, monkeypatch):
+    # trained activations grow tails far past the window; at 4 and 8 bits the outer ends (and the z code's top)
     # follow the data out (stash_grid.REACH), where the window alone clipped them
     class Net(nn.Module):
         def __init__(self):
@@ -470,13 +483,13 @@ def test_8_bit_grids_reach_out_to_heavy_tails(residual, monkeypatch):
 
     def cosines():
         m = copy.deepcopy(model)
-        om = memopt.optimize(m, example_inputs=x, config=stash_config(8, min_per_channel=1))
+        om = memopt.optimize(m, example_inputs=x, config=stash_config(bits, min_per_channel=1))
         assert len(_chain_nodes(om)) == 1
         om(x).backward(g)
         return {n: F.cosine_similarity(p.grad.flatten(), q.grad.flatten(), 0).item()
                 for (n, p), q in zip(m.named_parameters(), reference.parameters()) if n != "conv1.bias" or residual}
 
     reaching = cosines()
-    monkeypatch.delitem(memopt.ops.stash_grid.REACH, 8)
+    monkeypatch.delitem(memopt.ops.stash_grid.REACH, bits)
     clipped = cosines()
-    assert min(reaching.values()) > 0.999 and min(reaching.values()) > min(clipped.values())
+    assert min(reaching.values()) > (0.999 if bits == 8 else 0.985) and min(reaching.values()) > min(clipped.values())

@@ -58,7 +58,7 @@ _SIGNATURES = {
     "mo_bn_backward": [_P, _I64, _I, _I64, _I64, _I64, _P, _I, _I, _P, _I, _P, _P, _I, _F, _P, _P, _P, _P, _P, _P, _F, _P,
                        _P, _I],
     "mo_channel_extremes": [_P, _P, _I64, _I64, _I64, _P, _I],
-    "mo_chain_grid": [_I64, _P, _P, _P, _P, _P, _P, _I, _I, _F, _F, _I, _I, _I, _I, _P, _P, _P, _P],
+    "mo_chain_grid": [_I64, _P, _P, _P, _P, _P, _P, _I, _I, _F, _F, _F, _I, _I, _I, _I, _P, _P, _P, _P],
 }
 
 
@@ -345,7 +345,7 @@ def channel_extremes(x: torch.Tensor, mask: Optional[torch.Tensor] = None) -> to
 
 def chain_grid(invstd: torch.Tensor, xstd: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
                mean: torch.Tensor, raw: Optional[torch.Tensor], inner: bool, bits: int, half: float, reach: float,
-               split: bool, relu6: bool, residual: bool, data_ends: bool, affine: bool
+               past: float, split: bool, relu6: bool, residual: bool, data_ends: bool, affine: bool
                ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """A chain's per-channel constants in one call (``stash_grid.x_code``): the encode scale, the grid, the grid
     as the encoder takes it (widths at least FLT_MIN) and, with ``affine``, the consumers' rows."""
@@ -357,7 +357,7 @@ def chain_grid(invstd: torch.Tensor, xstd: torch.Tensor, weight: Optional[torch.
     aff = torch.empty(rows, channels) if affine else None
     if _runs(invstd, mean) and channels:
         _library().mo_chain_grid(channels, per[0].data_ptr(), per[1].data_ptr(), _ptr(per[2]), _ptr(per[3]),
-                                 per[4].data_ptr(), _ptr(per[5]), int(inner), bits, float(half), float(reach), int(split),
+                                 per[4].data_ptr(), _ptr(per[5]), int(inner), bits, float(half), float(reach), float(past), int(split),
                                  int(relu6), int(residual), int(data_ends), scale.data_ptr(), grid.data_ptr(),
                                  enc.data_ptr(), _ptr(aff))
     return scale, grid, enc, aff

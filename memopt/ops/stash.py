@@ -57,7 +57,7 @@ from memopt.ops.stash_grid import (MEAN_STRIDE, REACH, WINDOWS, _act_backward, _
                                    _from_codes, _grid, _mask, _per_channel, _xhat_std, add_bin_sums,
                                    batch_norm_train, batch_slices, channel_std_mean, code_book, exact_mask,
                                    keep_where, new_bin_sums, select_u8, wants_means, x_code, x_grid_half,
-                                   x_grid_reach)
+                                   x_grid_past, x_grid_reach)
 
 __all__ = ["WINDOWS", "BNActStash", "bn_act_stash", "conv_from_stash", "conv_grads", "linear_from_stash",
            "linear_grads", "max_pool2d_indices_only", "positive_z_grid", "split_by_mask", "x_grid_half"]
@@ -214,8 +214,11 @@ class BNActStash(torch.autograd.Function):
                 # code 0 is "z <= 0" (rebuilt as exactly 0); bins 1..2^K-1 cover (0, top], the positive part of a
                 # (K+1)-bit grid over mu ± h' std (h' = WINDOWS[K+1]); ReLU6 stops at 6
                 top = (mu + WINDOWS[min(bits + 1, 8)] * std).clamp_min(half * std / bins)
-                if bits in REACH:  # the top follows the data out, at most to mu + reach std (stash_grid.REACH)
-                    top = torch.maximum(top, torch.minimum(_channel_max(z), mu + x_grid_reach(bits, True) * std))
+                if bits in REACH:  # the top follows the data out, at most to mu + reach std (stash_grid.REACH), where
+                    # the data end past mu + past std (x_grid_past; a NaN maximum keeps NaN, as before)
+                    zmax = _channel_max(z)
+                    far = torch.maximum(top, torch.minimum(zmax, mu + x_grid_reach(bits, True) * std))
+                    top = torch.where(zmax <= mu + x_grid_past(bits, True) * std, top, far)
                 zwidth = (top.clamp_max(6.0) if act == "relu6" else top) / (bins - 1)
                 j = torch.ones_like(mu)
             else:

@@ -25,10 +25,23 @@ WINDOWS = {1: 1.5, 2: 2.0, 3: 2.5, 4: 3.0, 5: 3.25, 6: 3.5, 7: 3.75, 8: 4.0}
 # How far past its window an outer end may follow the data, as a multiple of the window, per K. Trained
 # activations grow tails far beyond ±WINDOWS: ResNet-18 at 224x224 after 100 SGD steps had 44 of 62 parameters
 # >= 0.99 at 8 bits with the window as it is and 62 of 62 with it doubled (docs/results/stash_trained_224.md);
-# at 8 bits the bins stay fine when the window reaches out to the data (256 bins over 16 std: 1/16 std), at 4
-# bits they do not (a doubled window lost parameters there), so only K = 8 reaches out. The ends are each
-# channel's extremes, already computed for the split grids.
-REACH = {8: 4.0}
+# at 8 bits the bins stay fine when the window reaches out to the data (256 bins over 16 std: 1/16 std). At 4
+# bits a doubled window lost parameters when bins were rebuilt at their midpoints; with the bins' means (below)
+# reaching out pays: the same ResNet-18, 4 bits, parameters >= 0.99: 35 of 62 with the window alone, 57 with
+# the ends following the data out to 2 windows, 55 to 3 or 4 windows, 44 to 1.5 (scripts outside the repository).
+# Its BN weights >= 0.99: 5 of 20 before, 15 of 20 with the ends below; 16 equal bins between each side's
+# extremes would give 19 of 20 with exact output gradients (tools/bench_stash_oracle.py, same command before
+# and after: docs/results/stash_oracle.md).
+# The ends are each channel's extremes, already computed for the split grids.
+REACH = {8: 4.0, 4: 2.0}
+# Where K reaches out, an outer end follows the data only where the data's end lies more than this many windows
+# out; nearer, it stays at the window and the few values past it clip into the outer bin (rebuilt at their
+# mean). At random init (Gaussian channels, extremes near 3.5-4.5 std) reaching out always made the bins
+# coarser for nothing: ResNet-18 in tools/bench_stash_gradients.py's cases (64x2, 128x4, seeds 0 and 1) lost 3
+# of 248 parameters >= 0.99; from 1.3 windows (4.2 std at K = 4) it lost none and the trained ResNet-18 above
+# kept 55 of 62 (57 from 1.1 windows, 51 from 1.6, which left layer1's moderately heavy tails clipped; scripts
+# outside the repository).
+REACH_PAST = {4: 1.3}
 
 # Up to this K each bin rebuilds at the mean of the values it coded (``StashConfig.bin_means``), not at its
 # midpoint: the best value for the bin's elements in squared error, exact for a bin holding one repeated value
@@ -159,6 +172,19 @@ def x_grid_reach(bits: int, split: bool) -> float:
     return x_grid_half(bits, split) * REACH.get(bits, 1.0)
 
 
+def x_grid_past(bits: int, split: bool) -> float:
+    """Where the data's end must lie before an outer end follows it past the window (``REACH_PAST``; the window's
+    own edge where K has none)."""
+    return x_grid_half(bits, split) * REACH_PAST.get(bits, 1.0)
+
+
+def follow_ends(ends: torch.Tensor, half: float, past: float, reach: float) -> torch.Tensor:
+    """Where each outer end may go: the data's end clamped to ±reach where it lies beyond ±past, else to ±half
+    (NaN stays NaN, the window's edge is then kept)."""
+    limit = torch.where(ends.abs() > past, reach, half)
+    return torch.minimum(torch.maximum(ends, -limit), limit)
+
+
 def reaches(bits: int, split: bool) -> bool:
     """Whether the x̂ grid depends on the data (``_ends``, kept with the codes): split grids (``DATA_ENDS``) and,
     where K reaches out (``REACH``), grids over one window too."""
@@ -211,10 +237,11 @@ def _grid(weight, bias, xstd: torch.Tensor, bits: int, act: str, split: bool,
     docs/results/stash_gradients.md), except where K reaches out (``REACH``: K = 8), whose outer ends, and the
     edges of a grid over one window, follow the data out to ±reach."""
     bins, half, reach = 1 << bits, x_grid_half(bits, split), x_grid_reach(bits, split)
+    past = x_grid_past(bits, split)
     lo, hi = torch.full_like(xstd, -half), torch.full_like(xstd, half)
     if not split:
         if ends is not None and reach > half:  # each edge moves out to the data's end, at most to ±reach
-            e = ends.clamp(-reach, reach)  # NaN stays NaN: not finite, the window's edge is kept
+            e = follow_ends(ends, half, past, reach)  # NaN stays NaN: not finite, the window's edge is kept
             fin = torch.isfinite(e)
             lo = torch.where(fin[0] & (e[0] < lo), e[0], lo)
             hi = torch.where(fin[3] & (e[3] > hi), e[3], hi)
@@ -233,7 +260,7 @@ def _grid(weight, bias, xstd: torch.Tensor, bits: int, act: str, split: bool,
             lo0, hi0 = torch.where(pos, lo, tau), torch.where(pos, tau, hi)
         lo1, hi1, lo0, hi0 = (torch.where(ok, v, d) for v, d in ((lo1, lo), (hi1, hi), (lo0, lo), (hi0, hi)))
     if ends is not None and DATA_ENDS:
-        ends = ends.clamp(-reach, reach)  # NaN stays NaN: not finite, the window's end is kept
+        ends = follow_ends(ends, half, past, reach)  # NaN stays NaN: not finite, the window's end is kept
         fin = torch.isfinite(ends)
         lo0 = torch.where((lo0 <= -half) & fin[0], ends[0], lo0)
         hi0 = torch.where((hi0 >= half) & fin[1], ends[1], hi0)
@@ -391,7 +418,8 @@ def x_code(x, weight, bias, mean, invstd, eps: float, mask, bits: int, act: str,
     if native.applies(x, float_dtype=True) and (mask is None or mask.is_contiguous()):
         raw = native.channel_extremes(x, mask if residual else None) if data else None
         scale, grid, enc, rows = native.chain_grid(invstd, xstd, weight, bias, mean, raw, residual, bits,
-                                                   x_grid_half(bits, split), x_grid_reach(bits, split), split,
+                                                   x_grid_half(bits, split), x_grid_reach(bits, split),
+                                                   x_grid_past(bits, split), split,
                                                    act == "relu6", residual, DATA_ENDS, affine and sums is None)
         codes = native.encode(x, enc, bits, mean=mean, scale=scale, mask=mask, sums=sums, sum_stride=MEAN_STRIDE)
     else:

@@ -39,7 +39,8 @@ import torch
 
 from memopt.ops import graph_leaf, stash_grid
 from memopt.ops.bitpack import unpack_bits
-from memopt.ops.stash_grid import _per_channel, batch_norm_train, batch_slices, kinks, x_grid_half, x_grid_reach
+from memopt.ops.stash_grid import (_per_channel, batch_norm_train, batch_slices, kinks, x_grid_half, x_grid_past,
+                                   x_grid_reach)
 
 __all__ = ["bn_exact_link", "link_term", "solve_rows", "solved_weight_grad"]
 
@@ -74,10 +75,16 @@ def _clip_thresholds(grid: torch.Tensor, weight: torch.Tensor, bias: Optional[to
     k0, k6 = bin_of(tau), bin_of(tau6)
     up = scale > 0
     sign = torch.where(up, 1.0, -1.0)
-    # the window's outer end is the data's own only where it lies strictly inside ±reach
-    reach = (x_grid_reach(bits, True) if stash_grid.DATA_ENDS else x_grid_half(bits, True)) * (1 - 1e-6)
+    # the window's outer end is the data's own only where it lies strictly inside ±reach, and not at the window's
+    # edge ±half where ends between the window and ±past stop (stash_grid.follow_ends; at the edge itself the
+    # data may have been clipped)
+    half = x_grid_half(bits, True)
+    reach = (x_grid_reach(bits, True) if stash_grid.DATA_ENDS else half) * (1 - 1e-6)
+    edge_lo, edge_hi = half * (1 - 1e-6), x_grid_past(bits, True) * (1 + 1e-6)
     top, bottom = lo0 + bins * w0, lo0
-    none = torch.where(up, (top < reach) & (top < tau6 - w0), (bottom > -reach) & (bottom > tau6 + w0))
+    own_top = (top < reach) & ((top < edge_lo) | (top > edge_hi))
+    own_bottom = (bottom > -reach) & ((bottom > -edge_lo) | (bottom < -edge_hi))
+    none = torch.where(up, own_top & (top < tau6 - w0), own_bottom & (bottom > tau6 + w0))
     threshold = (sign * (k0 + 2 * sign)).masked_fill(none, math.inf)
     return threshold, sign, ok & (none | torch.where(up, k6 - k0 >= 3, k0 - k6 >= 3))
 

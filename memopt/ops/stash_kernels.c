@@ -685,19 +685,26 @@ void mo_channel_extremes(const float *x, const uint8_t *mask, int64_t n, int64_t
 static inline float clampf_nan(float v, float lo, float hi) { return v != v ? v : (v < lo ? lo : (v > hi ? hi : v)); }
 static inline float minf_nan(float a, float b) { return (a != a || b != b) ? NAN : (a < b ? a : b); }
 static inline float maxf_nan(float a, float b) { return (a != a || b != b) ? NAN : (a > b ? a : b); }
+/* stash_grid.follow_ends: the data's end clamped to +-reach where it lies beyond +-past, else to +-half */
+static inline float follow_end(float e, float half, float past, float reach) {
+    float lim = fabsf(e) > past ? reach : half;
+    return clampf_nan(e, -lim, lim);
+}
 
 /* Inputs: invstd and xstd (stash_grid._xhat_std, from PyTorch: its sqrt is not always the correctly rounded
  * one that sqrtf gives, so computing it here changed the last bit); weight / bias (NULL: 1 / 0); mean; raw (4 x C extremes of x from mo_channel_extremes,
  * NULL without data ends); inner (raw holds each side's inner extremes: a residual chain); bits; half (the
  * window's half-width); reach (how far an outer end may follow the data: stash_grid.x_grid_reach; past half
- * only at K = 8, where a grid over one window follows it too); split; relu6; residual (the sides' inner ends
+ * only where K is in stash_grid.REACH, where a grid over one window follows it too); past (an outer end follows
+ * the data past the window only where the data's end lies beyond it: stash_grid.x_grid_past); split; relu6; residual (the sides' inner ends
  * from the data, not the kink); data_ends (stash_grid.DATA_ENDS: an outer end at the window's edge moves to
  * where the data end).
  * Outputs: scale = invstd / max(xstd, 1e-12), grid (rows lo0, w0[, lo1, w1]: 2 or 4 x C), enc (grid with
  * widths at least FLT_MIN, as the encoder takes them) and, when affine is not NULL, the consumers' rows
  * beta + gamma xstd lo, gamma xstd w per side. */
 void mo_chain_grid(int64_t C, const float *invstd, const float *xstd, const float *weight, const float *bias,
-                   const float *mean, const float *raw, int inner, int bits, float half, float reach, int split,
+                   const float *mean, const float *raw, int inner, int bits, float half, float reach, float past,
+                   int split,
                    int relu6, int residual, int data_ends, float *scale, float *grid, float *enc, float *affine) {
     const float bins = (float)(1 << bits), tiny = FLT_MIN;
     for (int64_t c = 0; c < C; c++) {
@@ -718,7 +725,7 @@ void mo_chain_grid(int64_t C, const float *invstd, const float *xstd, const floa
         float lo = -half, hi = half;
         if (!split) {
             if (raw && reach > half) {  /* each edge moves out to the data's end, at most to +-reach */
-                float e0 = clampf_nan(ends[0], -reach, reach), e3 = clampf_nan(ends[3], -reach, reach);
+                float e0 = follow_end(ends[0], half, past, reach), e3 = follow_end(ends[3], half, past, reach);
                 if (isfinite(e0) && e0 < lo) lo = e0;
                 if (isfinite(e3) && e3 > hi) hi = e3;
             }
@@ -756,7 +763,7 @@ void mo_chain_grid(int64_t C, const float *invstd, const float *xstd, const floa
             float e[4];
             int fin[4];
             for (int r = 0; r < 4; r++) {
-                e[r] = clampf_nan(ends[r], -reach, reach);
+                e[r] = follow_end(ends[r], half, past, reach);
                 fin[r] = isfinite(e[r]);
             }
             if (lo0 <= -half && fin[0]) lo0 = e[0];
