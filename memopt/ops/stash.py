@@ -21,8 +21,8 @@ updated once), and backward keeps, through ``ctx.save_for_backward``, only:
   end. In every split code each side's outer end is also where its values end when that is inside
   ±h (finer bins; a per-channel reduction, ``_ends``, kept as 4 floats per channel). At K = 8 the
   outer ends (and a one-window grid's edges, and the top of a z code) also follow the data out past
-  the window, at most 4 times as far (``stash_grid.REACH``: trained activations grow tails the window
-  would clip);
+  the window, at most 4 times as far, at K = 4 twice as far where the data end beyond 1.3 windows
+  (``stash_grid.REACH``, ``REACH_PAST``: trained activations grow tails the window would clip);
 - when the residual is itself a training-mode BatchNorm's output (a ResNet downsample), that BN runs
   in the same Function (``x2`` ...): its gradient is the chain's, zero wherever the mask is 0, so its
   x̂ code is split by the same exact mask (the weight gradient reads only the mask-1 side), instead of

@@ -24,14 +24,15 @@ WINDOWS = {1: 1.5, 2: 2.0, 3: 2.5, 4: 3.0, 5: 3.25, 6: 3.5, 7: 3.75, 8: 4.0}
 
 # How far past its window an outer end may follow the data, as a multiple of the window, per K. Trained
 # activations grow tails far beyond ±WINDOWS: ResNet-18 at 224x224 after 100 SGD steps had 44 of 62 parameters
-# >= 0.99 at 8 bits with the window as it is and 62 of 62 with it doubled (docs/results/stash_trained_224.md);
-# at 8 bits the bins stay fine when the window reaches out to the data (256 bins over 16 std: 1/16 std). At 4
-# bits a doubled window lost parameters when bins were rebuilt at their midpoints; with the bins' means (below)
-# reaching out pays: the same ResNet-18, 4 bits, parameters >= 0.99: 35 of 62 with the window alone, 57 with
-# the ends following the data out to 2 windows, 55 to 3 or 4 windows, 44 to 1.5 (scripts outside the repository).
-# Its BN weights >= 0.99: 5 of 20 before, 15 of 20 with the ends below; 16 equal bins between each side's
-# extremes would give 19 of 20 with exact output gradients (tools/bench_stash_oracle.py, same command before
-# and after: docs/results/stash_oracle.md).
+# >= 0.99 at 8 bits with the window as it is and 62 of 62 with it doubled (docs/results/stash_trained_224.md
+# at commit b49e565); at 8 bits the bins stay fine when the window reaches out to the data (256 bins over 16
+# std: 1/16 std). At 4 bits a wider window for every channel lost parameters (its bins coarser everywhere), but
+# following a channel's extreme where it lies far out pays (``REACH_PAST``): after 100 SGD steps on digits,
+# parameters >= 0.99 at 4 bits, ResNet-18 224x224 35 -> 55 of 62 (2 threads; reaching 1.5 / 3 / 4 windows:
+# 44 / 55 / 55; scripts outside the repository), ResNet-18 64x64 50 -> 60 of 62 and MobileNetV2 134 -> 140
+# of 141 (docs/results/stash_trained.md, the same command at commit 75285bf on the same machine). The BN
+# weights of the ResNet-18 at 224x224: 5 -> 15 of 20, where 16 equal bins between each side's extremes with
+# exact output gradients would give 19 (tools/bench_stash_oracle.py before and after, docs/results/stash_oracle.md).
 # The ends are each channel's extremes, already computed for the split grids.
 REACH = {8: 4.0, 4: 2.0}
 # Where K reaches out, an outer end follows the data only where the data's end lies more than this many windows

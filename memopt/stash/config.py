@@ -18,7 +18,7 @@ class StashConfig:
     Attributes:
         bits: K, bits per element of each code, 1..8 (default 4; the paper uses 4 and 8; chains without an
             activation use K + 1, see ``identity_extra_bit``; at 8 bits the grids reach out to the data's
-            extremes, ``memopt/ops/stash_grid.py`` REACH).
+            extremes, at 4 bits where those lie far past the window, ``memopt/ops/stash_grid.py`` REACH).
         allow: if given, only chains whose BatchNorm node is named here are rewritten.
         deny: BatchNorm node names whose chains stay exact.
         min_per_channel: BatchNorms that normalise fewer elements per channel than this (batch x
