@@ -138,7 +138,8 @@ def main() -> None:
                  for (m, n), v in sorted(excluded.items())]
     command = (f"python tools/bench_stash_gradients.py --models {args.models} --bits {' '.join(map(str, args.bits))} "
                f"--cases {args.cases} --seeds {args.seeds} --grids {args.grids} --zero {args.zero:g} "
-               f"--threads {args.threads}")
+               f"--threads {args.threads}"
+               f"{' --out ' + args.out if args.out != 'docs/results/stash_gradients.md' else ''}")
     if args.out.endswith("stash_gradients.md"):
         title = "# Stash: per-parameter gradient cosine, torchvision ResNet-50"
     else:
