@@ -357,7 +357,7 @@ def chain_grid(invstd: torch.Tensor, xstd: torch.Tensor, weight: Optional[torch.
     aff = torch.empty(rows, channels) if affine else None
     if _runs(invstd, mean) and channels:
         _library().mo_chain_grid(channels, per[0].data_ptr(), per[1].data_ptr(), _ptr(per[2]), _ptr(per[3]),
-                                 per[4].data_ptr(), _ptr(per[5]), int(inner), bits, float(half), float(reach), float(past), int(split),
-                                 int(relu6), int(residual), int(data_ends), scale.data_ptr(), grid.data_ptr(),
-                                 enc.data_ptr(), _ptr(aff))
+                                 per[4].data_ptr(), _ptr(per[5]), int(inner), bits, float(half), float(reach),
+                                 float(past), int(split), int(relu6), int(residual), int(data_ends), scale.data_ptr(),
+                                 grid.data_ptr(), enc.data_ptr(), _ptr(aff))
     return scale, grid, enc, aff

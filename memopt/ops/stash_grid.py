@@ -235,8 +235,9 @@ def _grid(weight, bias, xstd: torch.Tensor, bits: int, act: str, split: bool,
     (-h or h) is instead where that side's values end when that lies inside the window, so a side whose
     values stop short of ±h gets finer bins; values beyond ±h still clip (a window widened to the data's
     extremes had coarser bins at 128x128x4 than the clipping cost: ResNet-50 bn3 weights 0.9904 -> 0.9889,
-    docs/results/stash_gradients.md), except where K reaches out (``REACH``: K = 8), whose outer ends, and the
-    edges of a grid over one window, follow the data out to ±reach."""
+    docs/results/stash_gradients.md), except where K reaches out (``REACH``: K = 8, and K = 4 where the data end
+    past ``REACH_PAST`` windows), whose outer ends, and the edges of a grid over one window, follow the data out
+    to ±reach (``follow_ends``)."""
     bins, half, reach = 1 << bits, x_grid_half(bits, split), x_grid_reach(bits, split)
     past = x_grid_past(bits, split)
     lo, hi = torch.full_like(xstd, -half), torch.full_like(xstd, half)

@@ -696,16 +696,16 @@ static inline float follow_end(float e, float half, float past, float reach) {
  * NULL without data ends); inner (raw holds each side's inner extremes: a residual chain); bits; half (the
  * window's half-width); reach (how far an outer end may follow the data: stash_grid.x_grid_reach; past half
  * only where K is in stash_grid.REACH, where a grid over one window follows it too); past (an outer end follows
- * the data past the window only where the data's end lies beyond it: stash_grid.x_grid_past); split; relu6; residual (the sides' inner ends
- * from the data, not the kink); data_ends (stash_grid.DATA_ENDS: an outer end at the window's edge moves to
+ * the data past the window only where the data's end lies beyond it: stash_grid.x_grid_past); split; relu6;
+ * residual (the sides' inner ends from the data, not the kink); data_ends (stash_grid.DATA_ENDS: an outer end at the window's edge moves to
  * where the data end).
  * Outputs: scale = invstd / max(xstd, 1e-12), grid (rows lo0, w0[, lo1, w1]: 2 or 4 x C), enc (grid with
  * widths at least FLT_MIN, as the encoder takes them) and, when affine is not NULL, the consumers' rows
  * beta + gamma xstd lo, gamma xstd w per side. */
 void mo_chain_grid(int64_t C, const float *invstd, const float *xstd, const float *weight, const float *bias,
                    const float *mean, const float *raw, int inner, int bits, float half, float reach, float past,
-                   int split,
-                   int relu6, int residual, int data_ends, float *scale, float *grid, float *enc, float *affine) {
+                   int split, int relu6, int residual, int data_ends, float *scale, float *grid, float *enc,
+                   float *affine) {
     const float bins = (float)(1 << bits), tiny = FLT_MIN;
     for (int64_t c = 0; c < C; c++) {
         const float sd = xstd[c];
