@@ -35,7 +35,7 @@ from tabulate import tabulate
 
 import memopt
 import memopt.ops.stash_grid as stash_grid
-from bench_stash_trained import digits, train
+from bench_stash_trained import digits, trained_case
 from results_file import write_results_file
 
 LLOYD_ITERATIONS = 40
@@ -151,8 +151,6 @@ def cos(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def main() -> None:
-    import torchvision
-
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="resnet18")
     parser.add_argument("--steps", type=int, nargs="+", default=[0, 100])
@@ -168,12 +166,7 @@ def main() -> None:
     detail: List[list] = []
     for name in args.models.split(","):
         for steps in args.steps:
-            torch.manual_seed(0)
-            generator = torch.Generator().manual_seed(0)
-            model = getattr(torchvision.models, name)(weights=None).train()
-            train(model, data_x, data_y, steps, args.batch, generator)
-            idx = torch.randint(0, len(data_x), (args.batch,), generator=generator)
-            x, y = data_x[idx], data_y[idx]
+            model, _, x, y = trained_case(name, steps, data_x, data_y, args.batch)
             reference = copy.deepcopy(model)
             recorded = record(reference, x, y)
             exact = {n: p.grad.detach().double() for n, p in reference.named_parameters()}

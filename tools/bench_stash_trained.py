@@ -48,6 +48,19 @@ def train(model, x, y, steps: int, batch: int, generator) -> float:
     return loss.item()
 
 
+def trained_case(name: str, steps: int, data_x, data_y, batch: int):
+    """(model, last training loss, x, y): torchvision ``name`` at random init (seed 0) after ``steps`` stock SGD
+    steps on the data, and a fresh batch drawn after them."""
+    import torchvision
+
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(0)
+    model = getattr(torchvision.models, name)(weights=None).train()
+    loss = train(model, data_x, data_y, steps, batch, generator)
+    idx = torch.randint(0, len(data_x), (batch,), generator=generator)
+    return model, loss, data_x[idx], data_y[idx]
+
+
 def cosines(model, x, y, bits: int, means: bool = True):
     """{parameter: (cosine, exact norm)} of the stash's gradient against exact autograd at ``model``'s state."""
     reference, ours = copy.deepcopy(model), copy.deepcopy(model)
@@ -62,8 +75,6 @@ def cosines(model, x, y, bits: int, means: bool = True):
 
 
 def main() -> None:
-    import torchvision
-
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="resnet18,mobilenet_v2")
     parser.add_argument("--steps", type=int, nargs="+", default=[0, 100])
@@ -80,12 +91,7 @@ def main() -> None:
     rows, worst_rows = [], []
     for name in args.models.split(","):
         for steps in args.steps:
-            torch.manual_seed(0)
-            generator = torch.Generator().manual_seed(0)
-            model = getattr(torchvision.models, name)(weights=None).train()
-            loss = train(model, data_x, data_y, steps, args.batch, generator)
-            idx = torch.randint(0, len(data_x), (args.batch,), generator=generator)
-            x, y = data_x[idx], data_y[idx]
+            model, loss, x, y = trained_case(name, steps, data_x, data_y, args.batch)
             runs = [(b, s, m) for b in args.bits for s in args.window_scale for m in args.means
                     if b <= stash_grid.MEAN_BITS or m == args.means[0]]
             for bits, scale, means in runs:
