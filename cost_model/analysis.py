@@ -22,15 +22,16 @@ from torch.utils._pytree import tree_flatten
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.flop_counter import FlopCounterMode
 
-from cost_model.fake import RealDtypes, fake_copy
-from cost_model.op_registry import describe_target, op_kind
-from cost_model.optimizers import resolve_optimizer
-from cost_model.step import LossFn, compute_loss
-from cost_model.storage import LiveStorageTracker, SavedTensorRecorder, distinct_bytes, storage_key
-from memopt.errors import MemoptError
+from memopt.cost_model.fake import RealDtypes, fake_copy
+from memopt.cost_model.op_registry import describe_target, op_kind
+from memopt.cost_model.optimizers import resolve_optimizer
+from memopt.cost_model.step import LossFn, compute_loss
+from memopt.cost_model.storage import LiveStorageTracker, SavedTensorRecorder, distinct_bytes, storage_key
+from memopt.core.errors import MemoptError
+from memopt.core.meta import META_KEY, STATE_CATEGORIES
 
-META_KEY = "memopt_cost"
-STATE_CATEGORIES = ("parameter", "buffer")
+from memopt.capture import flat_inputs, structured_output
+
 
 
 @dataclass
@@ -175,7 +176,6 @@ def annotate(gm: fx.GraphModule, args: tuple, kwargs: dict, *, device: Optional[
     ``simulate=False`` skips the training-step simulation (attribution of saves only; the
     planner's candidate runs): ``peak_bytes`` is then 0 and ``breakdown`` empty.
     """
-    from memopt.capture import flat_inputs
 
     target = torch.device(device or _model_device(gm))
     mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -228,7 +228,6 @@ def simulate_step(gm: fx.GraphModule, args: tuple, kwargs: dict, device: torch.d
 
     Runs without saved-tensor hooks: hooks change when autograd frees saved tensors in backward.
     """
-    from memopt.capture import flat_inputs, structured_output
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     fake_gm, fargs, fkwargs = fake_copy(gm, args, kwargs, mode, device)

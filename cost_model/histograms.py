@@ -11,15 +11,15 @@ from typing import Any, Collection, Tuple
 import torch
 from torch import fx
 
-from cost_model.op_registry import op_kind
+from memopt.core.meta import HISTOGRAM_KEY
+from memopt.cost_model.op_registry import op_kind
+from memopt.core.state import preserved_state
 
-HISTOGRAM_KEY = "memopt_histogram"
 
 
 def record_input_histograms(gm: fx.GraphModule, flat_inputs: list, kinds: Collection[str],
                             domain: Tuple[float, float], bins: int = 512) -> int:
     """Histogram the first input of every node whose op kind is in ``kinds``; returns how many."""
-    from memopt.state import preserved_state
 
     modules = dict(gm.named_modules())
     targets = {n for n in gm.graph.nodes if op_kind(n, modules) in kinds}

@@ -18,18 +18,11 @@ from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Optional
 
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_flatten
 
-
-def storage_key(tensor: torch.Tensor) -> int:
-    """Identity of the storage behind ``tensor`` (valid only while the storage is alive)."""
-    return StorageWeakRef(tensor.untyped_storage()).cdata
-
-
-def storage_nbytes(tensor: torch.Tensor) -> int:
-    return int(tensor.untyped_storage().nbytes())
+from memopt.core.storage import distinct_bytes, storage_key, storage_nbytes  # noqa: F401  (part of this module's API)
 
 
 @dataclass
@@ -75,11 +68,6 @@ class SavedTensorRecorder:
 
     def __exit__(self, *exc) -> None:
         self._ctx.__exit__(*exc)
-
-
-def distinct_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (views of one storage count once)."""
-    return sum({storage_key(t): storage_nbytes(t) for t in tensors}.values())
 
 
 def distinct_saved_bytes(saved: Iterable[SavedTensor], exclude_keys: Iterable[int] = ()) -> int:

@@ -3,7 +3,7 @@
 Public API: ``optimize``, ``Config``, ``estimate``, ``measure``, ``load``, ``OptimizedModule``,
 ``Plan`` and the errors ``MemoptError``, ``TraceError``, ``BudgetError``, ``PassError``.
 """
-from memopt.errors import BudgetError, MemoptError, PassError, TraceError
+from memopt.core.errors import BudgetError, MemoptError, PassError, TraceError
 from memopt.config import Config
 from memopt.fewbit.config import FewBitConfig
 from memopt.fewbit.tables import fewbit_table

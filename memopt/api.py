@@ -8,15 +8,20 @@ from typing import Any, Dict, List, Optional, Union
 import torch
 from torch import nn
 
-from cost_model.analysis import Estimate, NodeCost, annotate
-from cost_model.optimizers import resolve_optimizer
-from memopt.capture import capture, check_inputs, normalize_inputs
+from memopt.cost_model.analysis import Estimate, NodeCost, annotate
+from memopt.cost_model.optimizers import resolve_optimizer
+from memopt.capture import capture, check_inputs
+from memopt.core.inputs import normalize_inputs
 from memopt.config import Config
-from memopt.errors import MemoptError, TraceError
+from memopt.core.errors import MemoptError, TraceError
 from memopt.export import GRAPH_HEADER, graph_code
 from memopt.optimized import OptimizedModule
 from memopt.pipeline import validate_budget
 from memopt.plan import Plan
+from memopt.report import render
+from memopt.pipeline import input_signature
+from memopt.plan import node_plans
+from memopt.partial import estimate_partial
 
 
 def _check_model(model: Any) -> nn.Module:
@@ -105,16 +110,12 @@ class EstimateReport:
     plan: Plan
 
     def report(self, *, top: Optional[int] = None, group: bool = True) -> str:
-        from memopt.report import render
-
         return render(self.plan, top=top, group=group)
 
 
 def estimate(model: nn.Module, example_inputs: Any, *, device: Optional[str] = None, optimizer: Any = None,
              loss_fn=None) -> EstimateReport:
     """Run the cost model on fake tensors (no activation memory is allocated) and report the baseline."""
-    from memopt.pipeline import input_signature
-    from memopt.plan import node_plans
 
     model = _check_model(model)
     config = Config(device=device)
@@ -128,8 +129,6 @@ def estimate(model: nn.Module, example_inputs: Any, *, device: Optional[str] = N
         est: Estimate = annotate(captured.graph_module, args, kwargs, device=config.device,
                                  optimizer=optimizer, loss_fn=loss_fn)
     except TraceError as whole:  # per-submodule capture (memopt/partial.py)
-        from memopt.partial import estimate_partial
-
         saved, peak, nodes, plan = estimate_partial(model, args, kwargs, device, optimizer, loss_fn, whole)
         return EstimateReport(saved, peak, nodes, {}, plan)
     finally:

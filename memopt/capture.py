@@ -15,31 +15,15 @@ from typing import Any, Dict, Tuple
 import torch
 from torch import fx, nn
 
-from memopt.errors import TraceError
+from memopt.core.errors import TraceError
+from memopt.core.leaf import LEAF_FUNCTIONS
 
 log = logging.getLogger("memopt")
-
-Inputs = Tuple[Tuple[Any, ...], Dict[str, Any]]
-
 
 @dataclass
 class Captured:
     graph_module: fx.GraphModule
     method: str  # "symbolic_trace" or "export"
-
-
-def normalize_inputs(example_inputs: Any) -> Inputs:
-    """Accept a tensor, a tuple/list of positional inputs or a dict of keyword inputs."""
-    if isinstance(example_inputs, torch.Tensor):
-        return (example_inputs,), {}
-    if isinstance(example_inputs, (tuple, list)):
-        return tuple(example_inputs), {}
-    if isinstance(example_inputs, dict):
-        return (), dict(example_inputs)
-    raise TypeError(
-        f"example_inputs must be a tensor, a tuple/list of positional inputs or a dict of keyword "
-        f"inputs, got {type(example_inputs).__name__}: {example_inputs!r:.80}"
-    )
 
 
 def _resolve(root: nn.Module, target: str):
@@ -73,8 +57,6 @@ class MemoptTracer(fx.Tracer):
     """The fx tracer with memopt's runtime functions (``memopt.ops.LEAF_FUNCTIONS``) kept as leaves."""
 
     def __init__(self, *args, **kwargs) -> None:
-        from memopt.ops import LEAF_FUNCTIONS
-
         kwargs["autowrap_functions"] = tuple(kwargs.get("autowrap_functions", ())) + tuple(LEAF_FUNCTIONS)
         super().__init__(*args, **kwargs)
 

@@ -136,7 +136,7 @@ def _export(args: argparse.Namespace) -> int:
 
 def _bench(args: argparse.Namespace) -> int:
     import memopt
-    from memopt.report import fmt_bytes
+    from memopt.core.units import fmt_bytes
 
     model, inputs, om = _optimize(args)
     stock, ours = memopt.measure(model, inputs, optimizer=args.optimizer), memopt.measure(om, inputs,

@@ -2,7 +2,7 @@
 
 Technique configs (``FewBitConfig``, ``StashConfig``, ``ReversibleConfig``) join as their
 techniques land; each is a frozen dataclass validated in ``__post_init__`` whose type selects its
-pass through ``passes.base.register_pass``.
+pass through ``memopt.passes.base.register_pass``.
 """
 from __future__ import annotations
 

@@ -9,14 +9,14 @@ from pathlib import Path
 from typing import Dict, List, Tuple
 
 import torch
+import memopt
+from memopt.core.units import fmt_bytes
+from memopt.testing.zoo import TinyResNet
 
 DEFAULT_PLOT = "memopt_demo.png"
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    import memopt
-    from memopt.report import fmt_bytes
-    from memopt.testing.zoo import TinyResNet
 
     torch.manual_seed(0)
     model = TinyResNet(width=args.width).train()

@@ -8,7 +8,8 @@ import networkx as nx
 from torch import fx
 
 from memopt.plan import NodePlan
-from memopt.report import fmt_bytes, render
+from memopt.report import render
+from memopt.core.units import fmt_bytes
 
 if TYPE_CHECKING:
     from memopt.optimized import OptimizedModule
@@ -73,6 +74,24 @@ def export_directory(om: "OptimizedModule", directory: Path) -> Path:
     (directory / "graph.py").write_text(GRAPH_HEADER.format(model=plan.model, capture=plan.capture) + graph_code(gm))
     (directory / "graph.dot").write_text(to_dot(gm, nodes, plan.model))
     nx.write_graphml(to_networkx(gm, nodes), directory / "graph.graphml")
+    plan.save(directory / "plan.json")
+    (directory / "report.md").write_text(f"# memopt report: {plan.model}\n\n" + render(plan, fmt="github") + "\n")
+    return directory
+
+
+def export_partial(om, directory):
+    """``om.export`` for a model captured per submodule: plan.json, report.md, and graph.py / graph.dot
+    per captured submodule (``graph_<path>.py``)."""
+    plan = om.plan
+    directory.mkdir(parents=True, exist_ok=True)
+    for unit in om._last().units:
+        prefix = unit.path + "/"
+        nodes = {n.name[len(prefix):]: n for n in plan.nodes if n.name.startswith(prefix)}
+        stem = "graph_" + unit.path.replace(".", "_")
+        title = f"{plan.model}.{unit.path}"
+        (directory / f"{stem}.py").write_text(GRAPH_HEADER.format(model=title, capture=unit.built.plan.capture)
+                                             + graph_code(unit.built.graph_module))
+        (directory / f"{stem}.dot").write_text(to_dot(unit.built.graph_module, nodes, title))
     plan.save(directory / "plan.json")
     (directory / "report.md").write_text(f"# memopt report: {plan.model}\n\n" + render(plan, fmt="github") + "\n")
     return directory

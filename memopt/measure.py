@@ -10,7 +10,7 @@ its step, after one warm-up step that creates the optimizer state):
   other tensors of the process held on the device before the step (a reference copy of the model,
   say), plus the parameters, buffers, inputs and optimizer state: the same quantity as on CPU;
 - on CPU: the bytes of every tensor storage alive, tracked op by op with a ``TorchDispatchMode``
-  and weak storage references (``cost_model.storage.LiveStorageTracker``), plus the parameters,
+  and weak storage references (``memopt.cost_model.storage.LiveStorageTracker``), plus the parameters,
   buffers, inputs and optimizer state that exist before the step. This is what a
   ``max_memory_allocated`` would report for CPU tensors; it does not include allocator slack or
   memory that kernels allocate internally without creating tensors.
@@ -26,11 +26,11 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from cost_model.optimizers import resolve_optimizer
-from cost_model.step import LossFn, compute_loss
-from cost_model.storage import LiveStorageTracker, SavedTensorRecorder, distinct_bytes, distinct_saved_bytes, storage_key
-from memopt.capture import normalize_inputs
-from memopt.state import preserved_state
+from memopt.cost_model.optimizers import resolve_optimizer
+from memopt.cost_model.step import LossFn, compute_loss
+from memopt.cost_model.storage import LiveStorageTracker, SavedTensorRecorder, distinct_bytes, distinct_saved_bytes, storage_key
+from memopt.core.inputs import normalize_inputs
+from memopt.core.state import preserved_state
 from torch.utils._pytree import tree_flatten
 
 
@@ -45,11 +45,10 @@ class Measurement:
 def _plan_first(model: nn.Module, args: tuple, kwargs: dict) -> None:
     """An OptimizedModule captures and plans at its first training forward for new inputs: do that
     before the saved-tensor hooks below, or the cost model's own runs inside it would be recorded
-    as what the training step saves."""
-    from memopt.optimized import OptimizedModule
-
-    if isinstance(model, OptimizedModule) and torch.is_grad_enabled():
-        model._build_for(args, kwargs)
+    as what the training step saves. (Duck-typed: this layer sits below ``memopt.optimized``.)"""
+    build = getattr(model, "_build_for", None)
+    if build is not None and torch.is_grad_enabled():
+        build(args, kwargs)
 
 
 def measure(model: nn.Module, example_inputs: Any, loss_fn: Optional[LossFn] = None, *,

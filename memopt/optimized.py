@@ -24,12 +24,16 @@ from typing import Any, Optional, Union
 import torch
 from torch import nn
 
-from memopt.capture import has_hooks, normalize_inputs
+from memopt.capture import has_hooks
+from memopt.core.inputs import normalize_inputs
 from memopt.config import Config
-from memopt.errors import MemoptError, TraceError
+from memopt.core.errors import MemoptError, TraceError
 from memopt.pipeline import Built, build, input_signature
 from memopt.plan import Plan
-from memopt.state import share_module_state
+from memopt.core.state import share_module_state
+from memopt.partial import build_partial
+from memopt.report import render
+from memopt.export import export_directory, export_partial
 
 log = logging.getLogger("memopt")
 
@@ -76,8 +80,6 @@ class OptimizedModule(nn.Module):
                 built = build(self._memopt_model, args, kwargs, self._memopt_config, self._memopt_budget,
                               self._memopt_optimizer, plan)
             except TraceError as whole:  # optimize the submodules that can be captured (memopt/partial.py)
-                from memopt.partial import build_partial
-
                 log.warning("memopt: %s cannot be captured whole; capturing its submodules instead (%s)",
                             type(self._memopt_model).__name__, whole.summary)
                 built = build_partial(self._memopt_model, args, kwargs, self._memopt_config, self._memopt_budget,
@@ -150,7 +152,6 @@ class OptimizedModule(nn.Module):
 
     def report(self, print: bool = False, *, top: Optional[int] = None, group: bool = True) -> str:  # noqa: A002
         """The per-node memory table and totals; ``print=True`` also prints it."""
-        from memopt.report import render
 
         text = render(self.plan, top=top, group=group)
         if print:
@@ -159,11 +160,7 @@ class OptimizedModule(nn.Module):
 
     def export(self, directory: Union[str, Path]) -> Path:
         """Write graph.py, graph.dot, graph.graphml, plan.json and report.md into ``directory``."""
-        from memopt.export import export_directory
-
         if not isinstance(self._last(), Built):
-            from memopt.partial import export_partial
-
             return export_partial(self, Path(directory))
         return export_directory(self, Path(directory))
 

@@ -31,23 +31,16 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from memopt.capture import trace_error
 from memopt.config import Config
-from memopt.errors import BudgetError, MemoptError, TraceError
-from memopt.plan import Plan
-from memopt.report import fmt_bytes
+from memopt.core.errors import BudgetError, MemoptError, TraceError
+from memopt.core.state import preserved_state
+from memopt.measure import measure
+from memopt.pipeline import build, input_signature
+from memopt.plan import PartialPlan, Plan
+from memopt.core.units import fmt_bytes
 
 log = logging.getLogger("memopt")
 
 CAPTURE = "per-submodule"
-
-
-@dataclass
-class PartialPlan(Plan):
-    """A ``Plan`` for a model captured per submodule. Node and unit names carry the submodule path
-    (``blocks.0/conv1``); ``submodules`` says which parts were captured, which not and why."""
-
-    # {"path", "class", "captured": bool, "method", "calls", "saved_bytes_before", "saved_bytes_after", "why"}
-    submodules: List[Dict[str, Any]] = field(default_factory=list)
-    totals: str = ""  # where the whole-model totals come from
 
 
 @dataclass
@@ -97,7 +90,6 @@ def _snapshot(value: Any) -> Any:
 def record_calls(model: nn.Module, args: tuple, kwargs: dict) -> Dict[str, list]:
     """{submodule path: [args, kwargs, calls]}: the first inputs of every submodule the model's
     training forward calls, from one real forward (grad on, train mode; state and RNG restored)."""
-    from memopt.state import preserved_state
 
     calls: Dict[str, list] = {}
     handles = []
@@ -125,14 +117,11 @@ def record_calls(model: nn.Module, args: tuple, kwargs: dict) -> Dict[str, list]
 
 # ------------------------------------------------------------------------- choosing and building
 def _signature(args: tuple, kwargs: dict) -> Tuple[str, ...]:
-    from memopt.pipeline import input_signature
-
     return tuple(input_signature(args, kwargs))
 
 
 def capture_units(model: nn.Module, args: tuple, kwargs: dict, config: Config, whole_error: TraceError):
     """Build every largest capturable submodule; returns (units, submodule records)."""
-    from memopt.pipeline import build
 
     calls = record_calls(model, args, kwargs)
     records: List[Dict[str, Any]] = [{"path": "", "class": type(model).__name__, "captured": False, "method": "",
@@ -171,8 +160,6 @@ def capture_units(model: nn.Module, args: tuple, kwargs: dict, config: Config, w
 def build_partial(model: nn.Module, args: tuple, kwargs: dict, config: Config, budget_bytes: Optional[int],
                   optimizer: Any, plan: Optional[Plan], whole_error: TraceError) -> PartialBuilt:
     """The fallback of ``pipeline.build`` when ``model`` cannot be captured whole."""
-    from memopt.measure import measure
-    from memopt.pipeline import input_signature
 
     if plan is not None:
         raise MemoptError(f"{type(model).__name__} cannot be captured whole ({whole_error.summary}); a saved plan "
@@ -278,7 +265,6 @@ def estimate_partial(model: nn.Module, args: tuple, kwargs: dict, device: Option
                      loss_fn, whole_error: TraceError):
     """``memopt.estimate`` of a model that cannot be captured whole: per-node costs of the captured
     submodules (fake tensors) and the whole model's totals from one real step (nothing rewritten)."""
-    from memopt.measure import measure
 
     _require_real_inputs(model, args, kwargs, whole_error, "memopt.estimate")
     config = Config.exact(device=device)
@@ -288,7 +274,6 @@ def estimate_partial(model: nn.Module, args: tuple, kwargs: dict, device: Option
     real = measure(model, args if args else kwargs, loss_fn, optimizer=optimizer)
     nodes = [dataclasses.replace(n, name=f"{u.path}/{n.name}") for u in units for n in u.built.baseline.nodes.values()]
     plan_nodes = [dataclasses.replace(n, name=f"{u.path}/{n.name}") for u in units for n in u.built.plan.nodes]
-    from memopt.pipeline import input_signature
 
     plan = PartialPlan(
         model=type(model).__name__, capture=CAPTURE, device=real.device, input_signature=input_signature(args, kwargs),
@@ -299,31 +284,3 @@ def estimate_partial(model: nn.Module, args: tuple, kwargs: dict, device: Option
         totals=f"measured: one real training step on the example inputs ({real.method}); the code outside the "
                f"captured submodules cannot run on fake tensors")
     return real.saved_bytes, real.peak_bytes, nodes, plan
-
-
-def submodule_table(plan: PartialPlan) -> List[List[Any]]:
-    """Rows for the report: path, class, captured by / not captured, calls, saved before/after, why."""
-    return [[r["path"] or "(whole model)", r["class"], r["method"] if r["captured"] else "not captured", r["calls"],
-             fmt_bytes(r["saved_bytes_before"]), fmt_bytes(r["saved_bytes_after"]), r["why"]]
-            for r in plan.submodules]
-
-
-def export_partial(om, directory):
-    """``om.export`` for a model captured per submodule: plan.json, report.md, and graph.py / graph.dot
-    per captured submodule (``graph_<path>.py``)."""
-    from memopt.export import GRAPH_HEADER, graph_code, to_dot
-    from memopt.report import render
-
-    plan = om.plan
-    directory.mkdir(parents=True, exist_ok=True)
-    for unit in om._last().units:
-        prefix = unit.path + "/"
-        nodes = {n.name[len(prefix):]: n for n in plan.nodes if n.name.startswith(prefix)}
-        stem = "graph_" + unit.path.replace(".", "_")
-        title = f"{plan.model}.{unit.path}"
-        (directory / f"{stem}.py").write_text(GRAPH_HEADER.format(model=title, capture=unit.built.plan.capture)
-                                             + graph_code(unit.built.graph_module))
-        (directory / f"{stem}.dot").write_text(to_dot(unit.built.graph_module, nodes, title))
-    plan.save(directory / "plan.json")
-    (directory / "report.md").write_text(f"# memopt report: {plan.model}\n\n" + render(plan, fmt="github") + "\n")
-    return directory

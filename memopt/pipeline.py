@@ -9,16 +9,20 @@ import torch
 from torch import fx, nn
 from torch.utils._pytree import tree_flatten_with_path, keystr
 
-from cost_model.analysis import Estimate, annotate
+from memopt.cost_model.analysis import Estimate, annotate
 from memopt.capture import capture, check_inputs, flat_inputs
 from memopt.config import Config
-from memopt.errors import BudgetError, MemoptError
-from memopt.plan import DECISION_KEY, NodePlan, Plan, node_plans
-from memopt.report import fmt_bytes
+from memopt.core.errors import BudgetError, MemoptError
+from memopt.plan import NodePlan, Plan, node_plans
+from memopt.core.meta import DECISION_KEY
+from memopt.core.units import fmt_bytes
 from memopt.reversible.check import example_inputs
-from passes.candidates import rewritten_units
-from passes.manager import passes_for, run_passes
-from passes.planner import BudgetPlan, apply_config, config_for_units, plan_for_budget, plan_units
+from memopt.passes.candidates import rewritten_units
+from memopt.passes.manager import passes_for, run_passes
+from memopt.passes.planner import BudgetPlan, apply_config, config_for_units, plan_for_budget, plan_units
+from memopt.cost_model.histograms import record_input_histograms
+from memopt.fewbit.activations import TABLE_ACTIVATIONS
+from memopt.fewbit.activations import ACTIVATIONS
 
 
 @dataclass
@@ -74,9 +78,6 @@ def build(model: nn.Module, args: tuple, kwargs: dict, config: Config, budget_by
     gm = captured.graph_module
     baseline = annotate(gm, args, kwargs, device=config.device, optimizer=optimizer)
     if config.fewbit is not None and config.fewbit.weight == "data" and not _has_meta(args, kwargs):
-        from cost_model.histograms import record_input_histograms
-        from memopt.fewbit.activations import TABLE_ACTIVATIONS
-
         record_input_histograms(gm, flat_inputs(gm, args, kwargs), TABLE_ACTIVATIONS, config.fewbit.domain)
     with example_inputs(None if _has_meta(args, kwargs) else flat_inputs(gm, args, kwargs), args, kwargs,
                         config.device):
@@ -215,7 +216,6 @@ def _what_frees(node: NodePlan, config: Config) -> str:
                 if node.bits > 1 else "a 1-bit code already")
     if node.op == "batch_norm" and config.stash is None:
         return "exact; enable the stash (Config.stash=memopt.StashConfig())"
-    from memopt.fewbit.activations import ACTIVATIONS
 
     if node.op in ACTIVATIONS and config.fewbit is None:
         return "exact; enable few-bit (Config.fewbit=memopt.FewBitConfig())"

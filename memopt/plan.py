@@ -7,12 +7,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Union
 
-from cost_model.analysis import Estimate, NodeCost
+from memopt.core.meta import DECISION_KEY
+from memopt.cost_model.analysis import Estimate, NodeCost
 
 # Passes write {"technique", "bits", "replaces", "reason"} into node.meta[DECISION_KEY]: on the
 # nodes they create ("replaces": the baseline node name or names), and on the nodes they leave
 # exact (with the reason).
-DECISION_KEY = "memopt_decision"
 
 
 @dataclass
@@ -112,3 +112,13 @@ def _default_reason(cost: NodeCost) -> str:
     if cost.saved_bytes == 0:
         return ""
     return "no enabled technique rewrites this op"
+
+
+@dataclass
+class PartialPlan(Plan):
+    """A ``Plan`` for a model captured per submodule. Node and unit names carry the submodule path
+    (``blocks.0/conv1``); ``submodules`` says which parts were captured, which not and why."""
+
+    # {"path", "class", "captured": bool, "method", "calls", "saved_bytes_before", "saved_bytes_after", "why"}
+    submodules: List[Dict[str, Any]] = field(default_factory=list)
+    totals: str = ""  # where the whole-model totals come from

@@ -6,22 +6,8 @@ from typing import Dict, List, Optional, Tuple
 
 from tabulate import tabulate
 
-from memopt.plan import NodePlan, Plan
-
-MiB = 1024 * 1024
-
-
-def fmt_bytes(n: Optional[int]) -> str:
-    if n is None:
-        return "-"
-    if abs(n) >= 1024 ** 3:
-        return f"{n / 1024 ** 3:.2f} GiB"
-    if abs(n) >= MiB:
-        return f"{n / MiB:.2f} MiB"
-    if abs(n) >= 1024:
-        return f"{n / 1024:.1f} KiB"
-    return f"{n} B"
-
+from memopt.core.units import MiB, fmt_bytes
+from memopt.plan import NodePlan, PartialPlan, Plan
 
 def _group_key(n: NodePlan) -> Tuple:
     # repeated blocks differ only in the numbers of their names (layer1_0_conv1, layer1_1_conv1)
@@ -57,8 +43,6 @@ def render(plan: Plan, *, top: Optional[int] = None, group: bool = True, fmt: st
     if plan.planner:
         lines += [_planner_table(plan, top, fmt), ""]
     if getattr(plan, "submodules", None):  # a model captured per submodule (memopt/partial.py)
-        from memopt.partial import submodule_table
-
         lines += ["captured per submodule: the whole model could not be captured; its other code runs exact",
                   tabulate(submodule_table(plan), headers=["submodule", "class", "captured by", "calls",
                                                            "saved before", "saved after", "why"], tablefmt=fmt),
@@ -107,3 +91,10 @@ def _totals(plan: Plan, fmt: str) -> str:
     note = ("Per-node 'saved' counts every storage the node keeps; a storage kept by two nodes (a ReLU "
             "output that is also the next conv's input) shows in both rows and once in the totals.")
     return tabulate(table, headers=["total", "baseline", "optimized"], tablefmt=fmt) + "\n" + note
+
+
+def submodule_table(plan: PartialPlan) -> List[List[Any]]:
+    """Rows for the report: path, class, captured by / not captured, calls, saved before/after, why."""
+    return [[r["path"] or "(whole model)", r["class"], r["method"] if r["captured"] else "not captured", r["calls"],
+             fmt_bytes(r["saved_bytes_before"]), fmt_bytes(r["saved_bytes_after"]), r["why"]]
+            for r in plan.submodules]

@@ -10,8 +10,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from cost_model.step import LossFn, compute_loss
-from memopt.capture import normalize_inputs
+from memopt.cost_model.step import LossFn, compute_loss
+from memopt.core.inputs import normalize_inputs
 
 
 def _synchronize(args: tuple, kwargs: dict) -> None:

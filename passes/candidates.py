@@ -26,19 +26,20 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 import torch
 from torch import fx
 
-from cost_model.analysis import META_KEY, Estimate, annotate
+from memopt.cost_model.analysis import Estimate, annotate
+from memopt.core.meta import META_KEY
 from memopt.fewbit.activations import ACTIVATIONS
 from memopt.fewbit.config import FewBitConfig
 from memopt.fewbit.tables import table_error
-from memopt.ops.fewbit import fewbit_activation
-from memopt.ops.stash import bn_act_stash, split_by_mask, x_grid_half
-from memopt.ops.stash_generic import generic_encode
-from memopt.plan import DECISION_KEY
-from memopt.ops.reversible import reversible_segment
+from memopt.fewbit.ops import fewbit_activation
+from memopt.stash.ops import bn_act_stash, split_by_mask, x_grid_half
+from memopt.stash.generic import generic_encode
+from memopt.core.meta import DECISION_KEY
+from memopt.reversible.ops import reversible_segment
 from memopt.recompute.config import RecomputeConfig
 from memopt.reversible.config import ReversibleConfig
 from memopt.stash.config import StashConfig
-from passes.base import registered_pass
+from memopt.passes.base import registered_pass
 
 # Extra elementwise passes over a unit's activation that its rewrite adds (encode in forward, decode
 # in backward): the time proxy. Stash also rebuilds the conv input from the codes.

@@ -12,16 +12,16 @@ from typing import Dict, Optional, Tuple, Union
 import torch
 from torch import fx, nn
 
-from cost_model.analysis import META_KEY
-from cost_model.histograms import HISTOGRAM_KEY
-from cost_model.op_registry import op_kind
+from memopt.core.meta import META_KEY
+from memopt.core.meta import HISTOGRAM_KEY
+from memopt.cost_model.op_registry import op_kind
 from memopt.capture import has_hooks
 from memopt.fewbit.activations import ACTIVATIONS, Params
 from memopt.fewbit.config import FewBitConfig
 from memopt.fewbit.tables import fewbit_table
-from memopt.ops.fewbit import SUPPORTED_DTYPES, fewbit_activation
-from memopt.plan import DECISION_KEY
-from passes.base import PassResult, register_pass
+from memopt.fewbit.ops import SUPPORTED_DTYPES, fewbit_activation
+from memopt.core.meta import DECISION_KEY
+from memopt.passes.base import PassResult, register_pass
 
 
 # kind -> hyper-parameters as (name, positional index after the input or None for keyword-only);
@@ -113,7 +113,7 @@ def _why_not(node: fx.Node, kind: str, module: Optional[nn.Module], cfg: FewBitC
 
 @register_pass(FewBitConfig, "fewbit")
 def fewbit_pass(gm: fx.GraphModule, cfg: FewBitConfig) -> PassResult:
-    """Rewrite every eligible pointwise activation to ``memopt.ops.fewbit.fewbit_activation``."""
+    """Rewrite every eligible pointwise activation to ``memopt.fewbit.ops.fewbit_activation``."""
     modules = dict(gm.named_modules())
     modified = False
     for node in list(gm.graph.nodes):

@@ -7,8 +7,8 @@ from typing import Any, List, Sequence, Tuple
 
 from torch import fx
 
-from memopt.errors import MemoptError, PassError
-from passes.base import PassFn, PassResult, registered_pass
+from memopt.core.errors import MemoptError, PassError
+from memopt.passes.base import PassFn, PassResult, registered_pass
 
 
 @dataclass

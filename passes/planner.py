@@ -1,6 +1,6 @@
 """The budget planner: the least harmful set of rewrites whose estimated peak fits the budget.
 
-Given the groups of ``passes.candidates`` (each: exact, or one of its options), choose one option
+Given the groups of ``memopt.passes.candidates`` (each: exact, or one of its options), choose one option
 per group so that the saved bytes freed reach ``required`` while the total cost
 
     cost(option) = fidelity + TIME_WEIGHT * time
@@ -35,11 +35,11 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import fx
 
-from cost_model.analysis import Estimate, annotate
-from memopt.errors import MemoptError
-from passes.candidates import (TECHNIQUES, Group, Option, candidates, copy_graph_module, make_option,
+from memopt.cost_model.analysis import Estimate, annotate
+from memopt.core.errors import MemoptError
+from memopt.passes.candidates import (TECHNIQUES, Group, Option, candidates, copy_graph_module, make_option,
                                rewritten_units, technique_passes)
-from passes.manager import passes_for, run_passes
+from memopt.passes.manager import passes_for, run_passes
 
 TIME_WEIGHT = 1e-3
 DEFAULT_RESOLUTION = 2048

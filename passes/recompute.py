@@ -14,12 +14,12 @@ from typing import Dict, List, Optional, Tuple, Union
 
 from torch import fx
 
-from cost_model.analysis import META_KEY
-from cost_model.op_registry import op_kind
-from memopt.ops.recompute import recompute_block
-from memopt.plan import DECISION_KEY
+from memopt.core.meta import META_KEY
+from memopt.cost_model.op_registry import op_kind
+from memopt.recompute.ops import recompute_block
+from memopt.core.meta import DECISION_KEY
 from memopt.recompute.config import RecomputeConfig
-from passes.base import PassResult, register_pass
+from memopt.passes.base import PassResult, register_pass
 
 
 @dataclass

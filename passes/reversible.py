@@ -17,13 +17,14 @@ import torch.nn.functional as F
 
 from torch import fx, nn
 
-from cost_model.analysis import META_KEY, annotate
-from memopt.ops.reversible import ReversibleSegment, StepSpec, reversible_segment
-from memopt.plan import DECISION_KEY
+from memopt.cost_model.analysis import annotate
+from memopt.core.meta import META_KEY
+from memopt.reversible.ops import ReversibleSegment, StepSpec, reversible_segment
+from memopt.core.meta import DECISION_KEY
 from memopt.reversible.check import check_segment, current_call, current_examples, sub_segment, true_values
 from memopt.reversible.config import ReversibleConfig
-from passes.base import PassResult, register_pass
-from passes.reversible_find import CATS, SPLITS, FoundStep, Segment, find_segments, is_random, op_key
+from memopt.passes.base import PassResult, register_pass
+from memopt.passes.reversible_find import CATS, SPLITS, FoundStep, Segment, find_segments, is_random, op_key
 
 aten = torch.ops.aten
 
@@ -73,7 +74,7 @@ _RESHAPES = {"view", "reshape", "flatten", "unflatten", "squeeze", "unsqueeze", 
 
 
 def glue_inverse(node: fx.Node, modules: Dict[str, nn.Module]) -> Tuple[str, tuple]:
-    """(inverse kind, constant params) of a glue node for ``memopt.ops.reversible``; ("vjp", ())
+    """(inverse kind, constant params) of a glue node for ``memopt.reversible.ops``; ("vjp", ())
     when its arguments are not constants or the op has no explicit inverse here."""
     if node.op == "call_module":
         module = modules.get(node.target)

@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-from cost_model.analysis import META_KEY
-from cost_model.op_registry import op_kind
+from memopt.core.meta import META_KEY
+from memopt.cost_model.op_registry import op_kind
 
 aten = torch.ops.aten
 

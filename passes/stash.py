@@ -23,16 +23,17 @@ from typing import List, Optional, Tuple, Union
 
 from torch import fx, nn
 
-from cost_model.analysis import META_KEY
-from cost_model.op_registry import op_kind
+from memopt.core.meta import META_KEY
+from memopt.cost_model.op_registry import op_kind
 from memopt.capture import has_hooks
-from memopt.ops.stash import bn_act_stash, conv_from_stash, linear_from_stash, max_pool2d_indices_only
-from memopt.ops.stash_grid import MEAN_BITS, wants_means
-from memopt.ops.stash_identity import bn_exact_link
-from memopt.plan import DECISION_KEY
+from memopt.stash.ops import bn_act_stash, conv_from_stash, linear_from_stash
+from memopt.stash.pool import max_pool2d_indices_only
+from memopt.stash.grid import MEAN_BITS, wants_means
+from memopt.stash.identity import bn_exact_link
+from memopt.core.meta import DECISION_KEY
 from memopt.stash.config import StashConfig
-from passes.base import PassResult, register_pass
-from passes.stash_generic import compact_extras, generic_stash
+from memopt.passes.base import PassResult, register_pass
+from memopt.passes.stash_generic import compact_extras, generic_stash
 
 _ACTS = ("relu", "relu6", "leaky_relu")
 _KEEPS_NOTHING = ("avg_pool", "add")

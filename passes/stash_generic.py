@@ -2,7 +2,7 @@
 
 Generic stash (``StashConfig(generic=True)``): the inputs of conv, linear and matmul-with-a-parameter
 nodes that no BatchNorm chain covers (transformer projections, LayerNorm outputs, first layers) are
-coded once per tensor (``memopt.ops.stash_generic``) and every consumer keeps the codes instead of the
+coded once per tensor (``memopt.stash.generic``) and every consumer keeps the codes instead of the
 tensor. A unit is one saved storage, named by the node that produced it, and is rewritten only when
 every node that keeps that storage is such a consumer (the cost model's ``savers``): a LayerNorm
 output feeding q, k and v frees only if all three are rewritten, a ReLU output the ReLU keeps too
@@ -20,13 +20,13 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-from cost_model.analysis import META_KEY, STATE_CATEGORIES
-from cost_model.op_registry import op_kind
+from memopt.core.meta import META_KEY, STATE_CATEGORIES
+from memopt.cost_model.op_registry import op_kind
 from memopt.capture import has_hooks
-from memopt.ops.bitpack import packed_nbytes
-from memopt.ops.stash_generic import (conv_from_codes, dropout_1bit, generic_encode, linear_from_codes,
+from memopt.runtime.bitpack import packed_nbytes
+from memopt.stash.generic import (conv_from_codes, dropout_1bit, generic_encode, linear_from_codes,
                                       matmul_from_codes, where_1bit)
-from memopt.plan import DECISION_KEY
+from memopt.core.meta import DECISION_KEY
 from memopt.stash.config import StashConfig
 
 aten = torch.ops.aten

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from tabulate import tabulate
 
-from memopt.ops.stash_grid import batch_slices, channel_std_mean, keep_where, select_u8
+from memopt.stash.grid import batch_slices, channel_std_mean, keep_where, select_u8
 from results_file import write_results_file
 
 

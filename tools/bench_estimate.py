@@ -13,7 +13,7 @@ import torch
 from tabulate import tabulate
 
 import memopt
-from memopt.report import fmt_bytes
+from memopt.core.units import fmt_bytes
 from memopt.testing.zoo import ZOO, build
 
 

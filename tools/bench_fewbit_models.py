@@ -21,7 +21,7 @@ from tabulate import tabulate
 from torch import nn
 
 import memopt
-from memopt.report import fmt_bytes
+from memopt.core.units import fmt_bytes
 from memopt.testing.zoo import EncoderBlock
 from results_file import write_results_file
 

@@ -16,10 +16,10 @@ import torch
 from tabulate import tabulate
 
 import memopt
-from cost_model.storage import SavedTensorRecorder
+from memopt.cost_model.storage import SavedTensorRecorder
 from memopt.fewbit.activations import ACTIVATIONS
 from memopt.fewbit.tables import table_error
-from memopt.ops.fewbit import fewbit_activation
+from memopt.fewbit.ops import fewbit_activation
 from results_file import write_results_file
 
 N = 1 << 20

@@ -23,7 +23,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import memopt
-from memopt.report import fmt_bytes
+from memopt.core.units import fmt_bytes
 from memopt.timing import step_time_ratio
 from memopt.testing.zoo import PreActResNet
 

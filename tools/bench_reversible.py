@@ -50,9 +50,9 @@ from torch import nn
 
 import memopt
 from memopt import Config
-from memopt.ops.reversible import relative_error, reversible_segment, run_forward, undo_steps
+from memopt.reversible.ops import relative_error, reversible_segment, run_forward, undo_steps
 from memopt.reversible.check import Examples, true_values
-from memopt.state import preserved_state
+from memopt.core.state import preserved_state
 from memopt.timing import step_time_ratio
 from memopt.testing.reversible_zoo import RevBlock, RevNetCNN
 

@@ -22,7 +22,7 @@ from tabulate import tabulate
 from torch import nn
 
 import memopt
-from memopt.ops.stash import WINDOWS
+from memopt.stash.ops import WINDOWS
 from memopt.testing.zoo import PreActResNet
 
 

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from tabulate import tabulate
 
 import memopt
-from memopt.report import fmt_bytes
+from memopt.core.units import fmt_bytes
 from memopt.testing.zoo import TinyViT
 from results_file import write_results_file
 

@@ -37,9 +37,9 @@ import torch.nn.functional as F
 from tabulate import tabulate
 
 import memopt
-import memopt.ops.stash as stash_ops
-import memopt.ops.stash_grid as stash_grid
-import passes.stash as stash_pass
+import memopt.stash.ops as stash_ops
+import memopt.stash.grid as stash_grid
+import memopt.passes.stash as stash_pass
 from results_file import write_results_file
 
 MODELS = ("resnet18", "resnet50", "vgg11_bn", "mobilenet_v2", "densenet121")
@@ -97,7 +97,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="resnet50", help=f"comma-separated, from {','.join(MODELS)}")
     parser.add_argument("--bits", type=int, nargs="+", default=[4])
-    parser.add_argument("--cases", default="64x2,128x4", help="SIZExBATCH,... (64x2 is tests/test_stash.py's)")
+    parser.add_argument("--cases", default="64x2,128x4", help="SIZExBATCH,... (64x2 is tests/stash/test_stash.py's)")
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--grids", default="split+residual,merged,current",
                         help="single,split,split+residual,merged,ends,identity,current")

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from tabulate import tabulate
 
-from memopt.ops.stash import BNActStash
+from memopt.stash.ops import BNActStash
 from results_file import write_results_file
 
 BITS = (2, 4, 8)

@@ -18,8 +18,8 @@ import torch
 from tabulate import tabulate
 
 import memopt
-from memopt.ops import native
-from memopt.report import fmt_bytes
+from memopt.runtime import native
+from memopt.core.units import fmt_bytes
 from memopt.timing import step_time_ratio
 from memopt.testing.zoo import PreActResNet
 from bench_planner import CheckpointBlocks

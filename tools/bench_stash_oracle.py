@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from tabulate import tabulate
 
 import memopt
-import memopt.ops.stash_grid as stash_grid
+import memopt.stash.grid as stash_grid
 from bench_stash_trained import digits, trained_case
 from results_file import write_results_file
 

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from tabulate import tabulate
 
 import memopt
-import memopt.ops.stash_grid as stash_grid
+import memopt.stash.grid as stash_grid
 from results_file import write_results_file
 
 

@@ -1,6 +1,6 @@
-"""Nightly profile of the property-based tests (tests/test_fuzz.py): many more random models and Configs
+"""Nightly profile of the property-based tests (tests/reliability/test_fuzz.py): many more random models and Configs
 than CI's fixed 130, drawn afresh each run (hypothesis prints the failing seed; ``check_seed(seed, dtype)``
-in tests/test_fuzz.py replays it). Run: python tools/fuzz_nightly.py --examples 2000  (about 10 minutes
+in tests/reliability/test_fuzz.py replays it). Run: python tools/fuzz_nightly.py --examples 2000  (about 10 minutes
 per 1000 examples on 2 CPU cores)
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ def main() -> int:
     args = parser.parse_args()
     root = Path(__file__).resolve().parents[1]
     env = dict(os.environ, MEMOPT_FUZZ_EXAMPLES=str(args.examples))
-    return subprocess.call([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_fuzz.py",
+    return subprocess.call([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/reliability/test_fuzz.py",
                             "-k", "random_models", "--hypothesis-show-statistics"], cwd=root, env=env)
 
 

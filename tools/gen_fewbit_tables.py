@@ -1,7 +1,7 @@
 """Regenerate memopt/fewbit/default_tables.json: the uniform-weight tables on (-10, 10), 4096 cells,
 for every table activation at its default hyper-parameters (plus tanh-approximated GELU), bits 1-8.
 
-Run: python tools/gen_fewbit_tables.py   (about a minute; tests/test_fewbit_tables.py checks that the
+Run: python tools/gen_fewbit_tables.py   (about a minute; tests/fewbit/test_fewbit_tables.py checks that the
 shipped data equals a fresh computation)
 """
 from __future__ import annotations

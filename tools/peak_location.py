@@ -1,7 +1,7 @@
 """Where one training step of a memopt-optimized torchvision model peaks: the line of memopt's code (or of the
 rewritten graph) that was running when the live bytes were highest, the phase, and the largest storages alive.
 
-A real run on CPU under the same storage tracker ``memopt.measure`` uses (``cost_model.storage.LiveStorageTracker``),
+A real run on CPU under the same storage tracker ``memopt.measure`` uses (``memopt.cost_model.storage.LiveStorageTracker``),
 counting from the model's parameters, buffers and input. Example:
     python tools/peak_location.py --model resnet50 --batch 32 --bits 4
 """
@@ -14,7 +14,7 @@ from collections import Counter
 import torch
 
 import memopt
-from cost_model.storage import LiveStorageTracker
+from memopt.cost_model.storage import LiveStorageTracker
 
 
 class _Locating(LiveStorageTracker):

@@ -13,7 +13,7 @@ from typing import List, Tuple
 import torch
 
 import memopt
-from cost_model.storage import LiveStorageTracker
+from memopt.cost_model.storage import LiveStorageTracker
 from memopt.testing.zoo import TinyResNet
 
 

@@ -12,7 +12,7 @@ from torch import nn
 
 import memopt
 from memopt import Config, ReversibleConfig
-from memopt.ops.reversible import reversible_segment
+from memopt.reversible.ops import reversible_segment
 from memopt.testing.reversible_zoo import RevNetCNN, RevTransformer
 
 MiB = 2 ** 20

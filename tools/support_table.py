@@ -16,7 +16,7 @@ import torch
 from tabulate import tabulate
 
 import memopt
-from memopt.report import fmt_bytes
+from memopt.core.units import fmt_bytes
 
 
 def _models() -> Dict[str, Tuple[str, Callable[[], torch.nn.Module], Callable[[], object]]]:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Mapping, Optional, Tuple, Union
 
 from memopt.fewbit.activations import ACTIVATIONS
-from memopt.validation import check_bits, check_bits_choices, normalise_node_bits, normalise_node_names
+from memopt.core.validation import check_bits, check_bits_choices, normalise_node_bits, normalise_node_names
 
 WEIGHTS = ("uniform", "normal", "data")
 

@@ -22,7 +22,7 @@ from typing import Callable, Optional, Tuple, Union
 import torch
 
 from memopt.fewbit.activations import Params, get_activation
-from memopt.validation import check_bits
+from memopt.core.validation import check_bits
 
 Weight = Union[str, Callable[[torch.Tensor], torch.Tensor], Tuple[torch.Tensor, torch.Tensor]]
 

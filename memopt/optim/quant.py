@@ -8,7 +8,7 @@ code book C (sorted, inside [-1, 1]) to M_ij / s_b:
     code_ij = argmin_k |M_ij / s_b - C_k|      (ties go to the lower index, as ``torch.argmin``)
     deq(M)_ij = C[code_ij] * s_b
 
-Codes are packed as one LSB-first bit stream over the whole matrix (``memopt.ops.bitpack``: two
+Codes are packed as one LSB-first bit stream over the whole matrix (``memopt.runtime.bitpack``: two
 4-bit codes per byte), so odd sizes cost ceil(r*c*bits/8) bytes and no byte is shared by two
 rows' worth of bookkeeping. At 4 bits with blocks of 64 this is 4 + 32/64 = 4.5 bits per element,
 7.1x smaller than fp32. Stored Vᵀ row-major, a block lies inside one eigenvector.
@@ -32,8 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch._guards import detect_fake_mode
 
-from memopt.ops.bitpack import pack_bits, packed_nbytes, unpack_bits
-from memopt.validation import check_bits
+from memopt.runtime.bitpack import pack_bits, packed_nbytes, unpack_bits
+from memopt.core.validation import check_bits
 
 QUANT_MAPS = ("linear2", "dynamic")
 
@@ -147,7 +147,7 @@ _BYTE_TABLES: dict[tuple[str, int, torch.device], torch.Tensor] = {}
 
 def _byte_table(quant_map: str, bits: int, device: torch.device) -> torch.Tensor:
     """(256, 8 // bits): the code-book values of the codes packed in each possible byte, in
-    ``memopt.ops.bitpack``'s order (code j of a byte in bits [j*bits, (j+1)*bits)).
+    ``memopt.runtime.bitpack``'s order (code j of a byte in bits [j*bits, (j+1)*bits)).
 
     Cached per device for real tensors (building it cost 0.2 ms of a 2 ms MLP step); never under
     a fake-tensor mode, where a cached real tensor would mix with fake ones."""

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from cost_model.storage import distinct_bytes
+from memopt.core.storage import distinct_bytes
 from memopt.optim.linalg import bjorck, eigh_inverse_root, inverse_root, subspace_step
 from memopt.optim.quant import QUANT_MAPS, QuantSpec, dequantize, quantize
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
-from memopt.validation import normalise_node_names
+from memopt.core.validation import normalise_node_names
 
 
 @dataclass(frozen=True)

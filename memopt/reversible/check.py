@@ -21,9 +21,9 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 from torch import fx
 
-from memopt.ops.reversible import ReversibleSegment, _Reversible, relative_error, run_forward, undo_steps
-from memopt.ops.rng import rng_state, set_rng_state
-from memopt.state import preserved_state
+from memopt.reversible.ops import ReversibleSegment, _Reversible, relative_error, run_forward, undo_steps
+from memopt.runtime.rng import rng_state, set_rng_state
+from memopt.core.state import preserved_state
 
 
 @dataclass

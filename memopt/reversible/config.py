@@ -5,7 +5,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
-from memopt.validation import normalise_node_names
+from memopt.core.validation import normalise_node_names
 
 MODES = ("safe", "aggressive")
 

@@ -26,9 +26,9 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 import torch
 from torch import fx, nn
 
-from memopt.capture import normalize_inputs
-from memopt.errors import MemoptError
-from memopt.state import preserved_state, share_module_state
+from memopt.core.inputs import normalize_inputs
+from memopt.core.errors import MemoptError
+from memopt.core.state import preserved_state, share_module_state
 
 _ADDS = (operator.add, torch.add)
 _MAX_CONE = 5000

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping, Optional, Tuple, Union
 
-from memopt.validation import check_bits, check_bits_choices, normalise_node_bits, normalise_node_names
+from memopt.core.validation import check_bits, check_bits_choices, normalise_node_bits, normalise_node_names
 
 CONSUMERS = ("conv", "linear", "matmul")
 

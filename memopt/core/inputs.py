@@ -1,0 +1,22 @@
+"""Example inputs in one shape: ``(args, kwargs)``."""
+from __future__ import annotations
+
+from typing import Any, Dict, Tuple
+
+import torch
+
+Inputs = Tuple[Tuple[Any, ...], Dict[str, Any]]
+
+
+def normalize_inputs(example_inputs: Any) -> Inputs:
+    """Accept a tensor, a tuple/list of positional inputs or a dict of keyword inputs."""
+    if isinstance(example_inputs, torch.Tensor):
+        return (example_inputs,), {}
+    if isinstance(example_inputs, (tuple, list)):
+        return tuple(example_inputs), {}
+    if isinstance(example_inputs, dict):
+        return (), dict(example_inputs)
+    raise TypeError(
+        f"example_inputs must be a tensor, a tuple/list of positional inputs or a dict of keyword "
+        f"inputs, got {type(example_inputs).__name__}: {example_inputs!r:.80}"
+    )

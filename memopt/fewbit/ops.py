@@ -1,0 +1,125 @@
+"""Few-bit backward at run time: one autograd Function for every pointwise activation.
+
+Forward computes the original activation out of place (bit-identical output, the input is never
+overwritten), codes each element with b bits and keeps, through ``ctx.save_for_backward``, only
+the packed codes (ceil(n*b/8) bytes) and, for table ops, the 2**b float32 levels (exact ops keep
+their two levels as Python floats). Backward is ``levels[code] * grad``.
+
+Codes: for piecewise-linear ops (relu, leaky_relu, hardtanh, ...) an exact 1-bit mask built with
+the same comparisons as PyTorch's own backward; for the others the piece index of the optimal
+table (``memopt.fewbit.tables``), from ``bucketize`` over the internal borders (a value equal to a
+border goes to the lower piece). A non-finite input poisons the levels with NaN, so parameter
+gradients come out non-finite as they would in stock PyTorch (and AMP's GradScaler skips the step).
+"""
+from __future__ import annotations
+
+import struct
+from typing import Optional, Tuple
+
+import torch
+
+from memopt.core.errors import MemoptError
+from memopt.fewbit.activations import Params, get_activation
+from memopt.core.leaf import graph_leaf
+from memopt.runtime.bitpack import pack_bits, unpack_bits
+from memopt.runtime.layout import memory_order, memory_order_perm
+
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # table ops
+EXACT_DTYPES = SUPPORTED_DTYPES + (torch.float64,)  # exact masks also take float64 (gradcheck)
+
+
+def _encode(x: torch.Tensor, borders: Tuple[float, ...]) -> torch.Tensor:
+    """The piece index of every element: the number of borders strictly below it (a value equal
+    to a border goes to the lower piece). Borders are rounded to ``x``'s dtype first, so the
+    pieces are those of the dtype the activation lives in."""
+    # rounded here, not by torch.tensor(..., dtype): torch 2.11 rounds float64 -> float16 through float32
+    # (twice), 2.14 directly, so the pieces would depend on the torch version
+    rounded = [_round_to(x.dtype, b) for b in borders]
+    if len(borders) > 15:  # 5 bits and more: binary search beats one comparison per border
+        return torch.bucketize(x, torch.tensor(rounded, dtype=x.dtype, device=x.device), out_int32=True)
+    codes = (x > rounded[0]).to(torch.uint8)
+    for border in rounded[1:]:
+        codes += x > border
+    return codes
+
+
+def _round_to(dtype: torch.dtype, value: float) -> float:
+    """``value`` rounded to nearest-even in ``dtype``, in plain Python (this runs under fake tensors too)."""
+    if dtype == torch.float16:
+        return struct.unpack("<e", struct.pack("<e", value))[0]
+    single = struct.unpack("<f", struct.pack("<f", value))[0]
+    if dtype != torch.bfloat16:
+        return single
+    bits = struct.unpack("<I", struct.pack("<f", single))[0]
+    bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000) & 0xFFFFFFFF
+    return struct.unpack("<f", struct.pack("<I", bits))[0]
+
+
+CHUNK = 1 << 20  # elements per slice of the backward gather: bounds its int64 index to 8 MiB
+
+
+def _scale_by_levels(grad: torch.Tensor, codes: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
+    """``grad * levels[codes]`` in slices, so the gather's int64 index never costs 8 bytes/element at once."""
+    out = torch.empty_like(grad, memory_format=torch.contiguous_format)
+    flat_out, flat_grad, flat_codes = out.view(-1), grad.reshape(-1), codes.reshape(-1)
+    for start in range(0, flat_out.numel(), CHUNK):
+        stop = start + CHUNK
+        torch.mul(flat_grad[start:stop], levels.take(flat_codes[start:stop].long()), out=flat_out[start:stop])
+    return out
+
+
+class _FewBit(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, name: str, params: Params, bits: int, borders: Tuple[float, ...],
+                levels: Tuple[float, ...], node: str) -> torch.Tensor:
+        act = get_activation(name)
+        y = act(x, params)
+        dense, perm = memory_order(x)
+        ctx.shape, ctx.perm, ctx.bits, ctx.exact, ctx.node, ctx.levels = dense.shape, perm, bits, act.exact, node, levels
+        ctx.grad_layout = act.grad_layout
+        if act.exact:  # the two levels are Python floats; only the mask is kept
+            ctx.save_for_backward(pack_bits(act.mask(dense, dict(params)), bits))
+            return y
+        packed = pack_bits(_encode(dense, borders), bits)
+        level_t = torch.tensor(levels, dtype=torch.float32, device=x.device)
+        # One float32 sum, no host sync: NaN and inf propagate into it, so a non-finite input
+        # poisons the levels with NaN (finite activations would need a sum above 3e38 to trip it).
+        finite = torch.isfinite(x.sum(dtype=torch.float32))
+        level_t = torch.where(finite, level_t, torch.full_like(level_t, float("nan")))
+        ctx.save_for_backward(packed, level_t)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        if torch.is_grad_enabled():
+            raise MemoptError(f"double backward (create_graph=True) through the few-bit node {ctx.node} is not "
+                              f"supported: its backward is a b-bit approximation with no derivative of its own. "
+                              f"Exclude the node with memopt.FewBitConfig(deny=(...)) or set Config(fewbit=None).")
+        packed, *table = ctx.saved_tensors
+        inverse = sorted(range(len(ctx.perm)), key=ctx.perm.__getitem__)
+        codes = unpack_bits(packed, ctx.bits, grad.numel()).view(ctx.shape).permute(inverse)
+        if ctx.exact:  # where, not multiply: a masked-out inf/NaN gradient gives 0, as in PyTorch
+            low, high = ctx.levels
+            # laid out as PyTorch's own backward lays it out (like the gradient or like the input, where the
+            # codes live): another layout made later reductions (a BatchNorm backward) sum in another order
+            mask = codes.bool()
+            dense = grad.permute(memory_order_perm(grad)).is_contiguous()  # else its layout ties: the input decides
+            grad_x = torch.empty_like(grad if ctx.grad_layout and dense else mask, dtype=grad.dtype)
+            torch.where(mask, grad * high if high != 1.0 else grad, grad * low if low else grad.new_zeros(()),
+                        out=grad_x)
+        else:
+            grad_x = _scale_by_levels(grad, codes, table[0].to(grad.dtype))
+        return grad_x, None, None, None, None, None, None
+
+
+@graph_leaf
+def fewbit_activation(x: torch.Tensor, name: str, params: Params, bits: int, borders: Tuple[float, ...],
+                      levels: Tuple[float, ...], node: Optional[str] = None) -> torch.Tensor:
+    """``name(x, **params)`` whose backward keeps ``bits`` bits per element (called by rewritten graphs)."""
+    allowed = EXACT_DTYPES if get_activation(name).exact else SUPPORTED_DTYPES
+    if x.dtype not in allowed:
+        raise MemoptError(f"few-bit node {node}: input dtype {x.dtype} is not supported "
+                          f"({[str(d) for d in allowed]}); the pass leaves such nodes exact")
+    if not x.requires_grad or not torch.is_grad_enabled():
+        return get_activation(name)(x, params)
+    return _FewBit.apply(x, name, params, bits, borders, levels, node or name)

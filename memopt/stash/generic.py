@@ -1,0 +1,256 @@
+"""Generic K-bit stash and compact exact extras, at run time.
+
+Generic stash (inputs of conv / linear / matmul-with-a-parameter that no BatchNorm chain covers):
+``generic_encode`` codes a tensor once, in its own memory order, in groups of G elements (default
+256): each group keeps its minimum and its step (max - min) / (2^K - 1) in float32 (8 bytes per
+group) and one K-bit code per element, rounded to the nearest level (deterministic, the default)
+or stochastically (floor(v + u), u ~ U[0, 1) from a private generator, so the model's own RNG
+stream, and with it dropout, is untouched). Every consumer of the tensor (the q, k and v projections
+of one LayerNorm output share one code) runs its original forward op and keeps, through
+``ctx.save_for_backward``, the codes, the group parameters and its weight. Backward rebuilds the
+input for the weight gradient only (approximate); the input gradient needs only the weight (exact).
+
+Compact extras, exact: ``dropout_1bit`` keeps the dropout mask as 1 bit per element (CPU dropout
+keeps a float noise tensor, CUDA a bool mask), ``where_1bit`` keeps a boolean condition as 1 bit.
+Packing is ``memopt.runtime.bitpack`` (shared with few-bit and the BN-chain stash).
+"""
+from __future__ import annotations
+
+from typing import Dict, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from memopt.core.errors import MemoptError
+from memopt.core.leaf import graph_leaf
+from memopt.runtime.bitpack import pack_bits, unpack_bits
+from memopt.runtime.layout import memory_order
+from memopt.stash.ops import conv_grads, linear_grads
+
+_GENERATORS: Dict[str, torch.Generator] = {}
+SEED = 0x5EED
+
+
+def _generator(device: torch.device) -> Optional[torch.Generator]:
+    """A private generator per device for stochastic rounding (None under fake tensors: any values do)."""
+    key = str(device)
+    if key not in _GENERATORS:
+        try:
+            _GENERATORS[key] = torch.Generator(device=device).manual_seed(SEED)
+        except RuntimeError:
+            return None
+    return _GENERATORS[key]
+
+
+def _code_groups(v: torch.Tensor, bits: int, stochastic: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Codes (uint8, flat) and [min; step] per group of the rows of ``v`` (groups x G, float32)."""
+    lo, hi = torch.aminmax(v, dim=1)
+    step = (hi - lo) / ((1 << bits) - 1)
+    t = (v - lo[:, None]).div_(step.clamp_min(torch.finfo(torch.float32).tiny)[:, None])
+    if stochastic:
+        gen = _generator(v.device)
+        noise = torch.rand(t.shape, generator=gen, device=t.device) if gen is not None else torch.rand_like(t)
+        t.add_(noise).floor_()
+    else:
+        t.round_()
+    return t.clamp_(0, (1 << bits) - 1).to(torch.uint8).view(-1), torch.stack([lo, step])
+
+
+def group_quantize(x: torch.Tensor, bits: int, group: int, stochastic: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(packed codes, float32 [2, groups] of min and step) of ``x`` in its memory order."""
+    flat = memory_order(x.detach())[0].reshape(-1)
+    flat = flat if flat.dtype == torch.float32 else flat.float()
+    n = flat.numel()
+    full = n // group * group
+    codes, params = _code_groups(flat[:full].view(-1, group), bits, stochastic) if full else (None, None)
+    if full < n:
+        tail_codes, tail_params = _code_groups(flat[full:].view(1, -1), bits, stochastic)
+        codes = tail_codes if codes is None else torch.cat([codes, tail_codes])
+        params = tail_params if params is None else torch.cat([params, tail_params], 1)
+    return pack_bits(codes, bits), params
+
+
+def group_dequantize(packed: torch.Tensor, params: torch.Tensor, bits: int, group: int, like: torch.Tensor
+                     ) -> torch.Tensor:
+    """The tensor ``group_quantize`` coded, rebuilt at its levels with the shape, dtype and layout of ``like``
+    (a tensor or an empty tensor of the original's strides)."""
+    out = torch.empty_like(like)
+    dense, _ = memory_order(out)
+    n = out.numel()
+    codes = unpack_bits(packed, bits, n)
+    direct = out.dtype == torch.float32  # rebuild in place, else through one float32 temporary
+    v = dense.view(-1) if direct else torch.empty(n, dtype=torch.float32, device=out.device)
+    full = n // group * group
+    if full:
+        v[:full].view(-1, group).copy_(codes[:full].view(-1, group)).mul_(params[1, :full // group, None]) \
+            .add_(params[0, :full // group, None])
+    if full < n:
+        v[full:].copy_(codes[full:]).mul_(params[1, -1]).add_(params[0, -1])
+    if not direct:
+        dense.view(-1).copy_(v)  # dense is out in its own memory order: same storage
+    return out
+
+
+def _check_backward(node: str) -> None:
+    if torch.is_grad_enabled():
+        raise MemoptError(f"double backward (create_graph=True) through the stash node {node} is not supported; "
+                          f"exclude it with memopt.StashConfig(deny=(...)) or set StashConfig(generic=False)")
+
+
+def _rebuild(ctx, packed, params) -> torch.Tensor:
+    like = torch.empty_strided(ctx.shape, ctx.stride, dtype=ctx.dtype, device=packed.device)
+    return group_dequantize(packed, params, ctx.bits, ctx.group, like)
+
+
+def _keep(ctx, x: torch.Tensor, bits: int, group: int, node: str) -> None:
+    # the strides empty_like(x) gets: x's own when dense (codes follow its memory order), else contiguous
+    stride = torch.empty_like(x, device="meta").stride()
+    ctx.shape, ctx.stride, ctx.dtype, ctx.bits, ctx.group, ctx.node = x.shape, stride, x.dtype, bits, group, node
+
+
+class LinearFromCodes(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, packed, params, bits, group, node):
+        ctx.save_for_backward(packed, params, weight)
+        _keep(ctx, x, bits, group, node)
+        ctx.has_bias = bias is not None
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        _check_backward(ctx.node)
+        packed, params, weight = ctx.saved_tensors
+        grads = linear_grads(grad, _rebuild(ctx, packed, params), weight, ctx.has_bias)
+        return (*grads, None, None, None, None, None)
+
+
+class ConvFromCodes(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, packed, params, bits, group, node, stride, padding, dilation, groups):
+        conv = {3: F.conv1d, 4: F.conv2d, 5: F.conv3d}[x.dim()]
+        ctx.save_for_backward(packed, params, weight)
+        _keep(ctx, x, bits, group, node)
+        ctx.conv = (stride, padding, dilation, groups, bias is not None)
+        return conv(x, weight, bias, stride, padding, dilation, groups)
+
+    @staticmethod
+    def backward(ctx, grad):
+        _check_backward(ctx.node)
+        packed, params, weight = ctx.saved_tensors
+        grads = conv_grads(grad, _rebuild(ctx, packed, params), weight, *ctx.conv)
+        return (*grads, None, None, None, None, None, None, None, None, None)
+
+
+class MatmulFromCodes(torch.autograd.Function):
+    """``x @ w`` with ``w`` a 2-D parameter: the gradient to ``x`` is ``grad @ wᵀ`` (exact)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, packed, params, bits, group, node):
+        ctx.save_for_backward(packed, params, weight)
+        _keep(ctx, x, bits, group, node)
+        return torch.matmul(x, weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        _check_backward(ctx.node)
+        packed, params, weight = ctx.saved_tensors
+        x_hat, weight = _rebuild(ctx, packed, params).to(grad.dtype), weight.to(grad.dtype)  # autocast: see conv_grads
+        grad_w = x_hat.reshape(-1, weight.shape[0]).t().matmul(grad.reshape(-1, weight.shape[1]))
+        return grad.matmul(weight.t()), grad_w, None, None, None, None, None
+
+
+class Dropout1Bit(torch.autograd.Function):
+    """Dropout computed by the very ops stock PyTorch runs (same RNG draws, same output bits), keeping
+    its mask as 1 bit per element and the kept elements' scale as a 0-dim tensor."""
+
+    @staticmethod
+    def forward(ctx, x, p):
+        if x.is_cuda:  # ATen's fused kernel, as F.dropout uses on CUDA
+            out, mask = torch.ops.aten.native_dropout(x, p, True)
+            scale = torch.zeros(0, device=x.device)  # the scale is 1/(1-p), a constant (ctx.p)
+        else:  # ATen's _dropout_impl: a noise tensor of 0 and 1/(1-p), multiplied in
+            noise = torch.empty_like(x).bernoulli_(1 - p).div_(1 - p)  # x's layout, as ATen's
+            out = x * noise
+            mask = noise != 0
+            del noise
+            scale = torch.ones((), dtype=x.dtype, device=x.device).div_(1 - p)
+        ctx.save_for_backward(pack_bits(mask, 1), scale)
+        ctx.shape, ctx.stride, ctx.cuda, ctx.p = mask.shape, mask.stride(), x.is_cuda, p
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        packed, scale = ctx.saved_tensors
+        mask = unpack_bits(packed, 1, ctx.shape.numel()).view(ctx.shape)
+        if ctx.cuda:
+            return torch.ops.aten.native_dropout_backward(grad, mask.bool(), 1.0 / (1.0 - ctx.p)), None
+        # the noise rebuilt bit for bit, in its own layout (the product's layout, and later sums, follow it)
+        noise = torch.empty_strided(ctx.shape, ctx.stride, dtype=grad.dtype, device=grad.device).copy_(mask)
+        return grad * noise.mul_(scale), None
+
+
+class Where1Bit(torch.autograd.Function):
+    """``torch.where(cond, a, b)`` keeping the boolean condition as 1 bit per element (of its own shape)."""
+
+    @staticmethod
+    def forward(ctx, cond, a, b):
+        ctx.save_for_backward(pack_bits(cond, 1))
+        ctx.shape = cond.shape
+        return torch.where(cond, a, b)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (packed,) = ctx.saved_tensors
+        cond = unpack_bits(packed, 1, ctx.shape.numel()).view(ctx.shape).view(torch.bool)  # 0/1 bytes: a view, no copy
+        # as ATen's where backward; the engine sums a broadcast gradient back to its operand's shape
+        grad_a = torch.where(cond, grad, 0) if ctx.needs_input_grad[1] else None
+        grad_b = torch.where(cond, 0, grad) if ctx.needs_input_grad[2] else None
+        return None, grad_a, grad_b
+
+
+@graph_leaf
+def generic_encode(x, bits: int, group: int, stochastic: bool):
+    """(packed codes, [min; step] per group) of ``x`` for the generic stash; nothing here requires grad."""
+    return group_quantize(x, bits, group, stochastic)
+
+
+def _needs_codes(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+
+
+@graph_leaf
+def linear_from_codes(x, weight, bias, packed, params, bits: int, group: int, node: str = ""):
+    if not _needs_codes(x, weight):
+        return F.linear(x, weight, bias)
+    return LinearFromCodes.apply(x, weight, bias, packed, params, bits, group, node)
+
+
+@graph_leaf
+def conv_from_codes(x, weight, bias, packed, params, bits: int, group: int, node: str, stride, padding, dilation,
+                    groups):
+    if not _needs_codes(x, weight):
+        return {3: F.conv1d, 4: F.conv2d, 5: F.conv3d}[x.dim()](x, weight, bias, stride, padding, dilation, groups)
+    return ConvFromCodes.apply(x, weight, bias, packed, params, bits, group, node, stride, padding, dilation, groups)
+
+
+@graph_leaf
+def matmul_from_codes(x, weight, packed, params, bits: int, group: int, node: str = ""):
+    if not _needs_codes(x, weight):
+        return torch.matmul(x, weight)
+    return MatmulFromCodes.apply(x, weight, packed, params, bits, group, node)
+
+
+@graph_leaf
+def dropout_1bit(x, p: float):
+    """``F.dropout(x, p, training=True)`` with a 1-bit mask for backward (0 < p < 1)."""
+    if not (torch.is_grad_enabled() and x.requires_grad):
+        return F.dropout(x, p, True)
+    return Dropout1Bit.apply(x, p)
+
+
+@graph_leaf
+def where_1bit(cond, a, b):
+    """``torch.where(cond, a, b)`` keeping ``cond`` as 1 bit per element."""
+    if not torch.is_grad_enabled():
+        return torch.where(cond, a, b)
+    return Where1Bit.apply(cond, a, b)

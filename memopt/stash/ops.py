@@ -1,0 +1,387 @@
+"""Exact forward with a K-bit stash for backward (Chakrabarti & Moseley, NeurIPS 2019).
+
+A chain BatchNorm (training) -> [+ residual] -> [ReLU/ReLU6/LeakyReLU] runs in ``BNActStash``: the
+forward is the original ops (same kernels, same order: bit-identical output, running statistics
+updated once), and backward keeps, through ``ctx.save_for_backward``, only:
+- a K-bit code of the normalised BN input x̂ (over its own standard deviation, 1 up to eps and 0 in
+  a constant channel) on a fixed per-channel grid: 2^K bins over
+  [-h, h] with h = WINDOWS[K] (3 at K = 4 as in the paper; x̂ has zero mean and unit variance per
+  channel by construction, so no min/max reduction is needed), reconstructed at bin midpoints (at K <= 4
+  at the mean of the values each bin coded: ``stash_grid.MEAN_BITS``, ``StashConfig.bin_means``);
+  values beyond ±h clip. Without a residual the exact 1-bit mask below is stored anyway and tells on
+  which side of the activation's kink (x̂ = -β/γσ) an element lies, so the code is split there:
+  2^K bins on each side, as fine as a (K+1)-bit grid for the same bytes, with h = WINDOWS[K+1]
+  (ResNet-50 stem BN weight gradient at 4 bits: cosine 0.97 -> 0.99, tools/bench_stash_gradients.py);
+- the activation's exact mask (1 bit) when there is no residual, or, after a residual add, a
+  K-bit code of the activation input z whose zero lies exactly on a bin edge, so the ReLU mask read
+  from it is exact (ReLU6 keeps its 1-bit mask too: the code does not know where it clips at 6).
+  After ReLU / ReLU6 code 0 means z <= 0 (rebuilt as exactly 0) and the other 2^K - 1 bins cover
+  (0, mean + WINDOWS[K+1] std]; LeakyReLU and identity keep a grid of 2h std around the mean. The
+  x̂ code of a residual chain is split by that mask too, each side's window ending where its values
+  end. In every split code each side's outer end is also where its values end when that is inside
+  ±h (finer bins; a per-channel reduction, ``_ends``, kept as 4 floats per channel). At K = 8 the
+  outer ends (and a one-window grid's edges, and the top of a z code) also follow the data out past
+  the window, at most 4 times as far, at K = 4 twice as far where the data end beyond 1.3 windows
+  (``stash_grid.REACH``, ``REACH_PAST``: trained activations grow tails the window would clip);
+- when the residual is itself a training-mode BatchNorm's output (a ResNet downsample), that BN runs
+  in the same Function (``x2`` ...): its gradient is the chain's, zero wherever the mask is 0, so its
+  x̂ code is split by the same exact mask (the weight gradient reads only the mask-1 side), instead of
+  one grid over ±WINDOWS[K] in a separate chain (ResNet-50 downsample BN weights at 4 bits: see
+  docs/results/stash_gradients.md);
+- per-channel statistics (mean, inverse std, and the z grid) in float32.
+BN backward uses x̂ only in its variance term: the mean term and σ are exact. The gradient flowing
+to the previous layer is therefore exact up to that term, and errors do not compound over depth. The
+rebuilt x̂ is centred per channel (the true one has zero mean), so that input gradient sums to zero per
+channel as stock's does. A stem BN -> ReLU -> max-pool runs in ``memopt/ops/stash_pool.py`` instead,
+whose BN weight gradient is exact from the pooled output.
+
+Consumers of the activation (conv, linear, max-pool) are rewritten to keep no copy of it: conv and
+linear rebuild their input from the stash for the weight gradient only (the input gradient needs
+the weight alone, so it stays exact), max-pool keeps only the window offset of each maximum
+(4 bits for a 3x3 window instead of an int64 index).
+The grids and codecs live in ``memopt/ops/stash_grid.py``.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from memopt.core.errors import MemoptError
+from memopt.core.leaf import graph_leaf
+from memopt.runtime import native
+from memopt.runtime.bitpack import pack_bits, unpack_bits
+from memopt.stash.bn import bn_backward as _bn_backward, gamma_invstd as _gamma_invstd
+from memopt.stash.pool import BNReLUMaxPoolStash
+from memopt.stash.identity import link_term, solve_rows, solved_weight_grad
+from memopt.stash.grid import (MEAN_STRIDE, REACH, WINDOWS, _act_backward, _activation, _code_, _decode_mask,
+                                   _from_codes, _grid, _mask, _per_channel, _xhat_std, add_bin_sums,
+                                   batch_norm_train, batch_slices, channel_std_mean, code_book, exact_mask,
+                                   keep_where, new_bin_sums, select_u8, wants_means, x_code, x_grid_half,
+                                   x_grid_past, x_grid_reach)
+
+__all__ = ["WINDOWS", "BNActStash", "bn_act_stash", "conv_from_stash", "conv_grads", "linear_from_stash",
+           "linear_grads", "positive_z_grid", "split_by_mask", "x_grid_half"]
+
+
+def split_by_mask(act: str, has_residual: bool) -> bool:
+    """Whether a chain's x̂ code is split by its exact activation mask. Without a residual the 1-bit mask tells
+    on which side of the kink (x̂ = -β/γσ) each element lies, so each side gets its own 2^K bins and the
+    code is as fine as a (K+1)-bit grid for the same bytes. With a residual (mask read from the z code) the
+    sides overlap where the residual moved z across 0; each side's window ends where its values end
+    (``_ends``): after a ReLU residual (r >= 0) every z <= 0 has x̂ <= -β/γσ, so the mask-0 side is as
+    fine as without a residual, and the mask-1 side, the only one the BN weight gradient reads, narrows too."""
+    return act != "identity"
+
+
+def positive_z_grid(act: str) -> bool:
+    """Whether a residual chain codes z only on its positive side: after ReLU / ReLU6 every z <= 0 rebuilds
+    as exactly 0, so one code says "z <= 0" and the other 2^K - 1 bins cover (0, top] (LeakyReLU and
+    identity keep both sides: their negative z reach the consumers)."""
+    return act in ("relu", "relu6")
+
+
+class _Stash:
+    """What a chain hands to its consumers: enough to rebuild the activation for a weight gradient."""
+
+    @staticmethod
+    def rebuild(packed: torch.Tensor, mask_packed: torch.Tensor, affine: torch.Tensor, zero_code: torch.Tensor,
+                bits: int, shape: torch.Size, act: str, params: Tuple[float, ...]) -> torch.Tensor:
+        """act(z) from ``affine`` (rows of z's grid: the bin midpoints, or a code book of z: ``stash_grid.code_book``),
+        built in place in one float buffer (backward peaks matter)."""
+        if native.applies(packed):  # one fused pass, the same values
+            has_mask = act != "identity" and mask_packed.numel()
+            mask = native.PackedMask(mask_packed) if has_mask else None  # read a block at a time
+            zero = zero_code if act != "identity" and not has_mask else None
+            return native.rebuild(packed, bits, shape, affine, act, params[0] if act == "leaky_relu" else 0.0,
+                                  mask=mask, zero_code=zero)
+        codes = unpack_bits(packed, bits, shape.numel()).view(shape)
+        if act == "identity":
+            return _from_codes(codes, None, affine)
+        mask = _decode_mask(mask_packed, codes, zero_code, shape)
+        z = _from_codes(codes, mask, affine)
+        del codes
+        # the activation of the rebuilt z, with the (exact) mask deciding which side of the kink
+        if act == "relu6":  # outside the mask: 6 above the kinks' midpoint, else 0
+            high = z > 3
+            z = keep_where(z.clamp_(0, 6), mask, out=z)
+            return z.add_(high.logical_and_(~mask), alpha=6.0)
+        if act == "leaky_relu":
+            return torch.where(mask, z.clamp_min(0), z.clamp_max_(0).mul_(params[0]))
+        return keep_where(z.clamp_min_(0), mask, out=z)
+
+
+def _split_x_codes(x, weight, bias, mean, invstd, eps, mask, bits: int, act: str, means: bool):
+    """A residual chain's x̂ code split by the exact mask, each side's window ending where its values end:
+    (packed codes, the data-dependent grid: 4 rows per channel, saved; the code book with the bins' means, else
+    an empty tensor)."""
+    codes, grid, _, _, book = x_code(x, weight, bias, mean, invstd, eps, mask, bits, act, True, True, means=means)
+    return codes, grid, _or_empty(book, x.device)
+
+
+def _or_empty(t: Optional[torch.Tensor], device) -> torch.Tensor:
+    return t if t is not None else torch.zeros(0, device=device)
+
+
+def _channel_max(z: torch.Tensor) -> torch.Tensor:
+    """Per-channel greatest value (float32; NaN where the channel has one), in one pass on the CPU."""
+    if native.applies(z, float_dtype=True):
+        return native.channel_extremes(z)[3]
+    return z.amax([d for d in range(z.dim()) if d != 1]).float()
+
+
+class BNActStash(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, running_mean, running_var, num_batches_tracked, residual, momentum, eps,
+                act, act_params, bits, need_y, node, x2=None, weight2=None, bias2=None, running_mean2=None,
+                running_var2=None, num_batches_tracked2=None, momentum2=None, eps2=1e-5, link=None, link_groups=0,
+                means=False):
+        out, mean, invstd, _, _ = batch_norm_train(x, weight, bias, running_mean, running_var, num_batches_tracked,
+                                                   momentum, eps)
+        if x2 is not None:  # the residual is a second BatchNorm's output (a downsample): its x̂ is split by our mask
+            residual, mean2, invstd2, _, _ = batch_norm_train(x2, weight2, bias2, running_mean2, running_var2,
+                                                              num_batches_tracked2, momentum2, eps2)
+        residual_input, has_residual = residual is not None and x2 is None, residual is not None
+        # out is our own temporary: the residual add and (where z is not coded afterwards) the activation
+        # overwrite it, one full-size tensor fewer at the forward peak, same kernels and values
+        if residual is None:
+            z = out
+        elif residual.shape == out.shape and torch.result_type(out, residual) == out.dtype:
+            z = out.add_(residual)
+        else:
+            z = out + residual
+        del out, residual
+        mask = _mask(z, act, act_params)
+        # a residual chain whose z is coded applies its activation (in place) once the code is taken
+        y = None if has_residual and need_y else _activation(z, act, act_params, inplace=True)
+        nd, bins, half = x.dim(), 1 << bits, WINDOWS[bits]
+        split = split_by_mask(act, has_residual)
+        x_codes, grid, data, affine, xbook = x_code(x, weight, bias, mean, invstd, eps, mask, bits, act, split,
+                                                    split and has_residual, affine=not has_residual, means=means)
+        xgrid = grid if data else torch.zeros(0, device=x.device)  # a data-dependent grid is kept
+        none = torch.zeros(0, device=x.device)
+        x2_codes, grid2, book2, mean2, invstd2 = (
+            *_split_x_codes(x2, weight2, bias2, mean2, invstd2, eps2, mask, bits, act, means), mean2, invstd2) \
+            if x2 is not None else (none, none, none, none, none)
+        empty_u8 = torch.zeros(0, dtype=torch.uint8, device=x.device)
+        zero_code = torch.zeros(0, dtype=torch.int32, device=x.device)
+        mask_packed = pack_bits(mask, 1) if mask is not None else empty_u8
+        if not has_residual:  # consumers rebuild z = γ σ x̂ + β from the x̂ code (affine: x_code's)
+            y_codes = x_codes
+        elif not need_y:  # nobody rebuilds y (e.g. it only feeds a pooling or an add): the mask is enough
+            affine = torch.zeros(2, 0, device=x.device)
+            y_codes = empty_u8
+        else:
+            std, mu = channel_std_mean(z)
+            std = std.clamp_min(torch.finfo(torch.float32).tiny)
+            if positive_z_grid(act):
+                # code 0 is "z <= 0" (rebuilt as exactly 0); bins 1..2^K-1 cover (0, top], the positive part of a
+                # (K+1)-bit grid over mu ± h' std (h' = WINDOWS[K+1]); ReLU6 stops at 6
+                top = (mu + WINDOWS[min(bits + 1, 8)] * std).clamp_min(half * std / bins)
+                if bits in REACH:  # the top follows the data out, at most to mu + reach std (stash_grid.REACH), where
+                    # the data end past mu + past std (x_grid_past; a NaN maximum keeps NaN, as before)
+                    zmax = _channel_max(z)
+                    far = torch.maximum(top, torch.minimum(zmax, mu + x_grid_reach(bits, True) * std))
+                    top = torch.where(zmax <= mu + x_grid_past(bits, True) * std, top, far)
+                zwidth = (top.clamp_max(6.0) if act == "relu6" else top) / (bins - 1)
+                j = torch.ones_like(mu)
+            else:
+                zwidth = (2 * half / bins) * std
+                # the zero of z on an edge strictly inside the window: origin = -j*w with 1 <= j <= bins-1
+                j = torch.clamp(torch.round(-mu / zwidth) + bins // 2, 1, bins - 1)
+            origin = -j * zwidth
+            # the sign as the activation's backward reads it: after ReLU / ReLU6 a NaN z passes the gradient, as in stock
+            zero_code = j.to(torch.int32)
+            relu_like = act in ("relu", "relu6")
+            zsums = new_bin_sums(z.shape[1], 1, bits, z.device) \
+                if wants_means(means, bits, 1, z.numel() // max(1, z.shape[1])) else None
+            if native.applies(z, float_dtype=True):  # one fused pass, the same codes
+                y_codes = native.encode(z, torch.stack([origin, zwidth]), bits, zero_code=zero_code,
+                                        positive_not_le=relu_like, sums=zsums, sum_stride=MEAN_STRIDE)
+            else:
+                # coded a batch slice at a time from float32 copies: no full-size temporary, z kept for the activation
+                codes = torch.empty_like(z, dtype=torch.uint8)
+                zc = _per_channel(zero_code, nd).to(torch.uint8)
+                for s in batch_slices(z):
+                    positive = ~(z[s] <= 0) if relu_like else z[s] > 0
+                    code, r = _code_(z[s].to(torch.float32, copy=True), _per_channel(origin, nd),
+                                     _per_channel(zwidth, nd), bins, keep_r=True)
+                    # rounding must never flip a sign: positive z go to bins >= j, the rest below
+                    codes[s] = select_u8(positive, torch.maximum(code, zc), torch.minimum(code, zc - 1))
+                    if zsums is not None:
+                        add_bin_sums(zsums, r, codes[s], None, bits, start=s.start * z[0].numel())
+                y_codes = pack_bits(codes, bits)
+            y = _activation(z, act, act_params, inplace=True)
+            del z
+            affine = torch.stack([origin, zwidth])
+            if zsums is not None:  # consumers rebuild z from its bins' means
+                affine = code_book(affine, bits, zsums)
+            if act != "relu6":  # the code knows the sign of z exactly (not where ReLU6 clips at 6)
+                mask_packed = empty_u8
+        del mask
+        ctx.save_for_backward(x_codes, y_codes, mask_packed, zero_code, weight, bias, mean, invstd, xgrid,
+                              _or_empty(xbook, x.device), x2_codes, weight2, grid2, book2, invstd2)
+        ctx.shape, ctx.bits, ctx.act, ctx.act_params, ctx.node, ctx.eps = x.shape, bits, act, act_params, node, eps
+        ctx.has_residual, ctx.has_weight, ctx.has_bias = residual_input, weight is not None, bias is not None
+        ctx.second = None if x2 is None else (x2.dtype, eps2, weight2 is not None, bias2 is not None)
+        # the scale identity (memopt/ops/stash_identity.py): as A, a zero per channel whose gradient brings R
+        # from B; as B, the number of A's channels to reduce R to
+        ctx.link_groups, ctx.link_in = link_groups, 0 if link is None else link.numel()
+        ctx.mark_non_differentiable(y_codes, mask_packed, affine, zero_code)
+        if link_groups:
+            return y, y_codes, mask_packed, affine, zero_code, torch.zeros(link_groups, device=x.device)
+        return y, y_codes, mask_packed, affine, zero_code
+
+    @staticmethod
+    def backward(ctx, grad_y, *rest):
+        if torch.is_grad_enabled():
+            raise MemoptError(f"double backward (create_graph=True) through the stash node {ctx.node} is not "
+                              f"supported; exclude it with memopt.StashConfig(deny=(...)) or set Config(stash=None)")
+        x_codes, y_codes, mask_packed, zero_code, weight, bias, mean, invstd, xgrid, xbook, x2_codes, weight2, grid2, \
+            book2, invstd2 = ctx.saved_tensors
+        shape, nd = ctx.shape, len(ctx.shape)
+        dtype = grad_y.dtype
+        # the fused kernels read the mask as its 1-bit stream; g is then a new tensor of ours (the downsample BN's
+        # input gradient may overwrite it below)
+        fresh_g = ctx.act != "identity" and native.applies(grad_y, y_codes) and dtype == torch.float32
+        if ctx.act == "identity":
+            mask = None
+        else:
+            mask = exact_mask(mask_packed, y_codes, zero_code, ctx.bits, shape, as_bits=fresh_g)
+        split = split_by_mask(ctx.act, ctx.has_residual or ctx.second is not None)
+        xstd = _xhat_std(invstd, ctx.eps)
+        grid = xgrid if xgrid.numel() else _grid(weight, bias, xstd, ctx.bits, ctx.act, split)
+        book = xbook if xbook.numel() else grid  # x̂ / std of each code: the bins' means, else the midpoints
+        # the scale identity (A): the weight gradient solved from R (B's, in rest[4]) once dL/dβ is known, and used
+        # in the variance term
+        rows = solve_rows(rest[4], grid, weight, bias, xstd, ctx.act, ctx.bits) if ctx.link_groups else None
+        if fresh_g:  # the activation's backward, its sum and the BN backward in two fused passes
+            # g itself is needed only as the residual's gradient and by the downsample BN: else it is never
+            # written at full size
+            grad_x, sum_gx, g, sum_g = native.bn_backward(
+                x_codes, ctx.bits, shape, book, mask, xstd, _gamma_invstd(weight, invstd), grad=grad_y,
+                act=ctx.act, slope=ctx.act_params[0] if ctx.act == "leaky_relu" else 0.0, solve=rows,
+                top=6.0 if ctx.act == "relu6" else 0.0, keep_g=ctx.has_residual or ctx.second is not None)
+            grad_z = g
+        else:
+            grad_z = _act_backward(grad_y, mask, ctx.act, ctx.act_params)
+            g = grad_z.float()
+            sum_g = g.sum([d for d in range(nd) if d != 1])
+            exact = None if rows is None else solved_weight_grad(rows, grad_y, mask, x_codes, sum_g, ctx.act,
+                                                                 ctx.bits, shape)
+            grad_x, sum_gx = _bn_backward(g, sum_g, x_codes, mask, book, weight, invstd, ctx.eps, ctx.bits, shape,
+                                          exact=exact)
+        grads2 = (None,) * 3
+        if ctx.second is not None:  # the downsample BN: same output gradient, its own x̂ code split by our mask
+            dtype2, eps2, has_w2, has_b2 = ctx.second
+            # g is read for the last time here: the fused kernel writes grad_x2 over it (elementwise), one full-size
+            # tensor fewer at the backward peak (ResNet-50's downsample blocks hold it)
+            grad_x2, sum_gx2 = _bn_backward(g, sum_g, x2_codes, mask, book2 if book2.numel() else grid2, weight2,
+                                            invstd2, eps2, ctx.bits, shape,
+                                            out=g if fresh_g and not ctx.has_residual else None)
+            grads2 = (grad_x2.to(dtype2), sum_gx2.to(weight2.dtype) if has_w2 else None,
+                      sum_g.to(weight2.dtype if weight2 is not None else dtype) if has_b2 else None)
+        del mask
+        grad_w = sum_gx if ctx.has_weight else None
+        grad_b = sum_g if ctx.has_bias else None
+        grad_r = grad_z if ctx.has_residual else None  # the residual input's
+        grad_link = link_term(weight, invstd, sum_gx, ctx.eps, ctx.link_in) if ctx.link_in else None
+        return (grad_x.to(dtype), None if grad_w is None else grad_w.to(weight.dtype),
+                None if grad_b is None else grad_b.to(weight.dtype if weight is not None else dtype),
+                None, None, None, grad_r, None, None, None, None, None, None, None, *grads2, None, None, None, None, None,
+                grad_link, None, None)
+
+
+class ConvFromStash(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, weight, bias, packed, mask_packed, affine, zero_code, bits, act, act_params, stride,
+                padding, dilation, groups):
+        out = F.conv2d(y, weight, bias, stride, padding, dilation, groups) if y.dim() == 4 else \
+            F.conv1d(y, weight, bias, stride, padding, dilation, groups)
+        ctx.save_for_backward(packed, mask_packed, affine, zero_code, weight)
+        ctx.meta = (y.shape, y.dtype, bits, act, act_params, stride, padding, dilation, groups, bias is not None)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        packed, mask_packed, affine, zero_code, weight = ctx.saved_tensors
+        shape, dtype, bits, act, act_params, stride, padding, dilation, groups, has_bias = ctx.meta
+        y_hat = _Stash.rebuild(packed, mask_packed, affine, zero_code, bits, shape, act, act_params).to(dtype)
+        grad_in, grad_w, grad_b = conv_grads(grad, y_hat, weight, stride, padding, dilation, groups, has_bias)
+        return grad_in, grad_w, grad_b, None, None, None, None, None, None, None, None, None, None, None
+
+
+class LinearFromStash(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, weight, bias, packed, mask_packed, affine, zero_code, bits, act, act_params):
+        ctx.save_for_backward(packed, mask_packed, affine, zero_code, weight)
+        ctx.meta = (y.shape, y.dtype, bits, act, act_params, bias is not None)
+        return F.linear(y, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        packed, mask_packed, affine, zero_code, weight = ctx.saved_tensors
+        shape, dtype, bits, act, act_params, has_bias = ctx.meta
+        y_hat = _Stash.rebuild(packed, mask_packed, affine, zero_code, bits, shape, act, act_params).to(dtype)
+        return (*linear_grads(grad, y_hat, weight, has_bias), None, None, None, None, None, None, None)
+
+
+def conv_grads(grad, x_hat, weight, stride, padding, dilation, groups, has_bias):
+    """(input, weight, bias) gradients of a conv whose input is rebuilt as ``x_hat``: the input gradient
+    needs the weight only (exact), the weight gradient uses ``x_hat`` (approximate). Under autocast the
+    forward's conv ran in the gradient's dtype (bf16 input and weight copies); so does this."""
+    dims = x_hat.dim() - 2
+    x_hat, weight = x_hat.to(grad.dtype), weight.to(grad.dtype)
+    return torch.ops.aten.convolution_backward(
+        grad, x_hat, weight, [weight.shape[0]] if has_bias else None, _tuple(stride, dims),
+        _tuple(padding, dims), _tuple(dilation, dims), False, [0] * dims, groups, [True, True, has_bias])
+
+
+def linear_grads(grad, x_hat, weight, has_bias):
+    """(input, weight, bias) gradients of ``F.linear`` with its input rebuilt as ``x_hat`` (see conv_grads)."""
+    x_hat, weight = x_hat.to(grad.dtype), weight.to(grad.dtype)
+    grad_in = grad.matmul(weight)
+    grad_w = grad.reshape(-1, grad.shape[-1]).t().matmul(x_hat.reshape(-1, x_hat.shape[-1]))
+    grad_b = grad.reshape(-1, grad.shape[-1]).sum(0) if has_bias else None
+    return grad_in, grad_w, grad_b
+
+
+def _tuple(v, n):
+    return list(v) if isinstance(v, (tuple, list)) else [v] * n
+
+
+@graph_leaf
+def bn_act_stash(x, weight, bias, running_mean, running_var, num_batches_tracked, residual, momentum: Optional[float],
+                 eps: float, act: str, act_params: tuple, bits: int, need_y: bool = True, node: str = "", x2=None,
+                 weight2=None, bias2=None, running_mean2=None, running_var2=None, num_batches_tracked2=None,
+                 momentum2: Optional[float] = None, eps2: float = 1e-5, pool: Optional[tuple] = None, link=None,
+                 link_groups: int = 0, means: bool = False):
+    """BatchNorm (training) [+ residual] -> activation ("identity" for none) with a K-bit stash; returns
+    (y, codes, mask, affine, zero_code). ``need_y=False`` when no consumer rebuilds y. With ``x2`` (and no
+    ``residual``) the residual is a second training-mode BatchNorm of ``x2`` (weight2 ... eps2), run here.
+    With ``pool`` = (kernel_size, stride, padding, dilation, ceil_mode) (ReLU, no residual) y is
+    max_pool2d(relu(BN(x))) and the rest empty: ``memopt/ops/stash_pool.py``. ``link_groups`` (A) adds a sixth
+    output for ``link`` (B) of the chain that its depthwise conv feeds: ``memopt/ops/stash_identity.py``.
+    ``means``: rebuild each bin at the mean of the values it coded (at K <= ``stash_grid.MEAN_BITS``;
+    ``StashConfig.bin_means``)."""
+    if pool is not None:
+        pooled = BNReLUMaxPoolStash.apply(x, weight, bias, running_mean, running_var, num_batches_tracked, momentum,
+                                          eps, bits, *pool, node, means)
+        return (pooled, *(torch.zeros(0, device=x.device) for _ in range(4)))
+    return BNActStash.apply(x, weight, bias, running_mean, running_var, num_batches_tracked, residual, momentum,
+                            eps, act, act_params, bits, need_y, node, x2, weight2, bias2, running_mean2, running_var2,
+                            num_batches_tracked2, momentum2, eps2, link, link_groups, means)
+
+
+@graph_leaf
+def conv_from_stash(y, weight, bias, packed, mask_packed, affine, zero_code, bits, act, act_params, stride, padding,
+                    dilation, groups):
+    return ConvFromStash.apply(y, weight, bias, packed, mask_packed, affine, zero_code, bits, act, act_params,
+                               stride, padding, dilation, groups)
+
+
+@graph_leaf
+def linear_from_stash(y, weight, bias, packed, mask_packed, affine, zero_code, bits, act, act_params):
+    return LinearFromStash.apply(y, weight, bias, packed, mask_packed, affine, zero_code, bits, act, act_params)
