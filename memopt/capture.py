@@ -54,7 +54,7 @@ def _rebuild_on_model(model: nn.Module, graph: fx.Graph, fallback: nn.Module | N
 
 
 class MemoptTracer(fx.Tracer):
-    """The fx tracer with memopt's runtime functions (``memopt.ops.LEAF_FUNCTIONS``) kept as leaves."""
+    """The fx tracer with memopt's runtime functions (``memopt.core.leaf.LEAF_FUNCTIONS``) kept as leaves."""
 
     def __init__(self, *args, **kwargs) -> None:
         kwargs["autowrap_functions"] = tuple(kwargs.get("autowrap_functions", ())) + tuple(LEAF_FUNCTIONS)

@@ -1,8 +1,9 @@
 """``memopt.Config``: one frozen dataclass, one field per technique (None turns it off).
 
-Technique configs (``FewBitConfig``, ``StashConfig``, ``ReversibleConfig``) join as their
-techniques land; each is a frozen dataclass validated in ``__post_init__`` whose type selects its
-pass through ``memopt.passes.base.register_pass``.
+The techniques and their order come from ``memopt.techniques.TECHNIQUES``; each technique config is a frozen
+dataclass validated in ``__post_init__`` whose type selects its pass (``memopt.passes.base.register_pass``).
+The fields are written out below for readers and type checkers; an import-time check keeps them equal to the
+registry, in its order.
 """
 from __future__ import annotations
 
@@ -16,8 +17,11 @@ from memopt.fewbit.config import FewBitConfig
 from memopt.recompute.config import RecomputeConfig
 from memopt.reversible.config import ReversibleConfig
 from memopt.stash.config import StashConfig
+from memopt.techniques import TECHNIQUES
 
 _DEVICES = ("cpu", "cuda", "meta")
+# the layout of Config.to_dict(); 1: dicts written before the key existed (same layout)
+CONFIG_SCHEMA_VERSION = 1
 
 
 @dataclass(frozen=True)
@@ -78,11 +82,18 @@ class Config:
         return cls(**{name: None for name in _TECHNIQUES}, **kwargs)
 
     def to_dict(self) -> Dict[str, Any]:
-        """A JSON-ready dict (tuples become lists); ``Config.from_dict`` reads it back."""
-        return json.loads(json.dumps(dataclasses.asdict(self)))
+        """A JSON-ready dict (tuples become lists) with its ``schema_version``; ``Config.from_dict`` reads it
+        back."""
+        return {**json.loads(json.dumps(dataclasses.asdict(self))), "schema_version": CONFIG_SCHEMA_VERSION}
 
     @classmethod
     def from_dict(cls, data: Dict[str, Any]) -> "Config":
+        """Read ``to_dict``'s output; dicts without ``schema_version`` (written before it existed) are version 1."""
+        data = dict(data)
+        version = data.pop("schema_version", 1)
+        if not isinstance(version, int) or not 1 <= version <= CONFIG_SCHEMA_VERSION:
+            raise ValueError(f"Config schema_version {version!r} is not one this memopt reads (1 to "
+                             f"{CONFIG_SCHEMA_VERSION}): upgrade memopt or rebuild the Config")
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - names)
         if unknown:
@@ -97,5 +108,17 @@ class Config:
 # Default headroom for CUDA workspaces (Config.workspace_mb): above the largest gap measured on ResNet-50 (37 MiB)
 CUDA_WORKSPACE_MB = 64
 
-# Config field -> its technique's config class; a new technique adds its line here and its field above.
-_TECHNIQUES = {"reversible": ReversibleConfig, "recompute": RecomputeConfig, "stash": StashConfig, "fewbit": FewBitConfig}
+# Config field -> its technique's config class, from the one registry
+_TECHNIQUES = {t.name: t.config_type for t in TECHNIQUES}
+
+
+def _check_fields() -> None:
+    """Config's technique fields are the registry's, in its order (which is the order passes run in)."""
+    fields = [(f.name, f.type) for f in dataclasses.fields(Config) if f.name in _TECHNIQUES]
+    expected = [t.name for t in TECHNIQUES]
+    if [name for name, _ in fields] != expected:
+        raise TypeError(f"memopt.Config's technique fields {[name for name, _ in fields]} differ from "
+                        f"memopt.techniques.TECHNIQUES {expected}: add or reorder the fields in memopt/config.py")
+
+
+_check_fields()

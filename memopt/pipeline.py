@@ -16,7 +16,8 @@ from memopt.core.errors import BudgetError, MemoptError
 from memopt.plan import NodePlan, Plan, node_plans
 from memopt.core.meta import DECISION_KEY
 from memopt.core.units import fmt_bytes
-from memopt.reversible.check import example_inputs
+from memopt.reversible.check import real_examples
+from memopt.passes.base import PassContext
 from memopt.passes.candidates import rewritten_units
 from memopt.passes.manager import passes_for, run_passes
 from memopt.passes.planner import BudgetPlan, apply_config, config_for_units, plan_for_budget, plan_units
@@ -79,26 +80,26 @@ def build(model: nn.Module, args: tuple, kwargs: dict, config: Config, budget_by
     baseline = annotate(gm, args, kwargs, device=config.device, optimizer=optimizer)
     if config.fewbit is not None and config.fewbit.weight == "data" and not _has_meta(args, kwargs):
         record_input_histograms(gm, flat_inputs(gm, args, kwargs), TABLE_ACTIVATIONS, config.fewbit.domain)
-    with example_inputs(None if _has_meta(args, kwargs) else flat_inputs(gm, args, kwargs), args, kwargs,
-                        config.device):
-        return _rewrite(model, captured, args, kwargs, config, budget_bytes, optimizer, plan, baseline)
+    ctx = PassContext(args, kwargs, config.device,
+                      None if _has_meta(args, kwargs) else real_examples(flat_inputs(gm, args, kwargs)))
+    return _rewrite(model, captured, args, kwargs, config, budget_bytes, optimizer, plan, baseline, ctx)
 
 
 def _rewrite(model: nn.Module, captured: Any, args: tuple, kwargs: dict, config: Config, budget_bytes: Optional[int],
-             optimizer: Any, plan: Optional[Plan], baseline: Estimate) -> Built:
+             optimizer: Any, plan: Optional[Plan], baseline: Estimate, ctx: PassContext) -> Built:
     """Apply ``plan``, every technique, or the planner's choice (real example inputs visible to checks)."""
     gm = captured.graph_module
     planned: Optional[BudgetPlan] = None
     target = None if budget_bytes is None else budget_bytes - config.workspace_bytes(baseline.device)
     if plan is not None:
-        gm, records = apply_config(gm, config_for_units(config, plan.chosen_units()))
+        gm, records = apply_config(gm, config_for_units(config, plan.chosen_units()), ctx)
         _check_applied(gm, plan)
     elif budget_bytes is None:
-        gm, records = run_passes(gm, passes_for(config))
+        gm, records = run_passes(gm, passes_for(config), ctx)
     elif baseline.peak_bytes <= target:
         records = []
     else:
-        planned, best = plan_for_budget(gm, args, kwargs, config, baseline, target, optimizer)
+        planned, best = plan_for_budget(gm, args, kwargs, config, baseline, target, optimizer, ctx)
         if planned is None:
             least = _make_plan(model, captured.method, args, kwargs, config, budget_bytes, baseline, best.estimate,
                                best.records, best.graph_module, best)

@@ -15,6 +15,10 @@ from memopt.cost_model.analysis import Estimate, NodeCost
 # exact (with the reason).
 
 
+# the layout of plan.json; 1: files written before the field existed (same layout)
+PLAN_SCHEMA_VERSION = 2
+
+
 @dataclass
 class NodePlan:
     """The decision for one graph node."""
@@ -34,7 +38,11 @@ class NodePlan:
 
 @dataclass
 class Plan:
-    """Every decision memopt made for one input signature. Bytes are ints."""
+    """Every decision memopt made for one input signature. Bytes are ints.
+
+    ``schema_version`` says which layout a saved plan.json has: files without one are version 1 (written
+    before it existed, same layout) and load as they are; a newer version than this memopt knows is refused.
+    """
 
     model: str
     capture: str
@@ -58,6 +66,7 @@ class Plan:
     units: List[Dict[str, Any]] = field(default_factory=list)
     # How the budget planner got here (empty without a budget to plan for).
     planner: Dict[str, Any] = field(default_factory=dict)
+    schema_version: int = PLAN_SCHEMA_VERSION
 
     def chosen_units(self) -> Dict[str, Dict[str, int]]:
         """{technique: {unit: bits}} of every rewritten unit."""
@@ -78,14 +87,32 @@ class Plan:
         Path(path).write_text(self.to_json())
 
     @classmethod
-    def from_dict(cls, data: Dict[str, Any]) -> "Plan":
+    def from_dict(cls, data: Dict[str, Any], source: str = "the plan") -> "Plan":
+        if not isinstance(data, dict):
+            raise ValueError(f"{source} must hold a JSON object (a memopt plan), got {type(data).__name__}")
         data = dict(data)
+        version = data.setdefault("schema_version", 1)
+        if not isinstance(version, int) or not 1 <= version <= PLAN_SCHEMA_VERSION:
+            raise ValueError(f"{source} has schema_version {version!r}; this memopt reads versions 1 to "
+                             f"{PLAN_SCHEMA_VERSION}: re-plan with this memopt, or upgrade memopt")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown, missing = sorted(set(data) - names), sorted(n for n in _REQUIRED if n not in data)
+        if unknown or missing:
+            raise ValueError(f"{source} is not a memopt plan of schema {version}: "
+                             + (f"unknown keys {unknown}" if unknown else "")
+                             + ("; " if unknown and missing else "") + (f"missing keys {missing}" if missing else ""))
         data["nodes"] = [NodePlan(**n) for n in data.get("nodes", [])]
         return cls(**data)
 
     @classmethod
     def load(cls, path: Union[str, Path]) -> "Plan":
-        return cls.from_dict(json.loads(Path(path).read_text()))
+        text = Path(path).read_text()
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} is not valid JSON ({e.msg} at line {e.lineno}, column {e.colno}); a plan "
+                             f"file is what Plan.save / om.plan.save wrote") from None
+        return cls.from_dict(data, source=str(path))
 
 
 def node_plans(baseline: Estimate, after: Estimate, decisions: Dict[str, Dict[str, Any]]) -> List[NodePlan]:
@@ -122,3 +149,7 @@ class PartialPlan(Plan):
     # {"path", "class", "captured": bool, "method", "calls", "saved_bytes_before", "saved_bytes_after", "why"}
     submodules: List[Dict[str, Any]] = field(default_factory=list)
     totals: str = ""  # where the whole-model totals come from
+
+
+_REQUIRED = [f.name for f in dataclasses.fields(Plan) if f.default is dataclasses.MISSING
+             and f.default_factory is dataclasses.MISSING]

@@ -1,13 +1,22 @@
-"""What a pass is: a function ``(GraphModule, its config) -> PassResult``, registered per config type.
+"""What a pass is, and the registry of techniques' handlers.
 
-As in torchao, each technique has one frozen config dataclass and a registry maps the config type
-to its pass, so ``Config`` fields select passes without if-chains.
+A pass is a function ``(GraphModule, its config, PassContext) -> PassResult``. As in torchao
+(``transform_module.py``: one dict from config type to handler), each technique registers its pass and
+its planner hooks against its config type, once, with ``register_pass``; the technique list itself
+(Config's fields and the order passes run in) is ``memopt.techniques.TECHNIQUES``. The pass manager and
+the planner read both, so no third list exists.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, NamedTuple, Tuple, Type
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple, Type
 
 from torch import fx
+
+from memopt.core.inputs import Examples
+from memopt.cost_model.analysis import Estimate
+from memopt.techniques import technique_for
 
 
 class PassResult(NamedTuple):
@@ -15,22 +24,76 @@ class PassResult(NamedTuple):
     modified: bool
 
 
-PassFn = Callable[[fx.GraphModule, Any], PassResult]
+@dataclass
+class PassContext:
+    """What a pass may know besides its graph and config, passed explicitly (never through globals).
 
-_PASSES: Dict[Type, Tuple[str, PassFn]] = {}
+    Attributes:
+        args, kwargs: the model-level example inputs (real, fake or meta), to re-annotate a graph.
+        device: the device the cost model plans for (``Config.device``; None: the inputs' own).
+        examples: the graph's real placeholder values for plan-time numeric checks (reversible segments), with
+            a cache shared by every pass run of one plan; None on fake or meta inputs (checks are skipped).
+    """
+
+    args: tuple = ()
+    kwargs: Dict[str, Any] = field(default_factory=dict)
+    device: Optional[str] = None
+    examples: Optional[Examples] = None
 
 
-def register_pass(config_type: Type, name: str) -> Callable[[PassFn], PassFn]:
-    """Register ``fn`` as the pass run when a ``Config`` field holds a ``config_type`` instance."""
+PassFn = Callable[[fx.GraphModule, Any, PassContext], PassResult]
+
+
+@dataclass(frozen=True)
+class PlannerHooks:
+    """How the planner drives one technique's pass: its config at one bit width for every unit (``uniform``),
+    its config for a chosen set of units with their bits (``choose``), a gradient-error proxy per new node
+    (``fidelity``), the bit widths it may use (``levels``). ``last_resort`` techniques are considered only
+    when the others at their fewest bits do not fit."""
+
+    uniform: Callable[[Any, Optional[int]], Any]
+    choose: Callable[[Any, Dict[str, Optional[int]]], Any]
+    fidelity: Callable[[fx.Node, Estimate, str], float]
+    levels: Callable[[Any], Tuple[Optional[int], ...]] = lambda cfg: cfg.plan_bits
+    last_resort: bool = False
+
+
+@dataclass(frozen=True)
+class Handler:
+    name: str  # the technique's name (its Config field)
+    run: PassFn
+    planner: Optional[PlannerHooks]
+
+
+_HANDLERS: Dict[Type, Handler] = {}
+
+
+def register_pass(config_type: Type, name: Optional[str] = None, *,
+                  planner: Optional[PlannerHooks] = None) -> Callable[[PassFn], PassFn]:
+    """Register ``fn`` as the pass run when a ``Config`` field holds a ``config_type`` instance (and, with
+    ``planner``, the hooks the budget planner drives it with). ``name`` defaults to the technique's name in
+    ``memopt.techniques.TECHNIQUES``; a config type outside it (a test's) must name its pass."""
 
     def decorate(fn: PassFn) -> PassFn:
-        if config_type in _PASSES:
-            raise ValueError(f"a pass is already registered for {config_type.__name__}: {_PASSES[config_type][0]}")
-        _PASSES[config_type] = (name, fn)
+        if config_type in _HANDLERS:
+            raise ValueError(f"a pass is already registered for {config_type.__name__}: {_HANDLERS[config_type].name}")
+        technique = technique_for(config_type)
+        label = name or (technique.name if technique is not None else None)
+        if label is None:
+            raise ValueError(f"{config_type.__name__} is not a technique of memopt.techniques.TECHNIQUES: pass "
+                             f"name= to register_pass")
+        _HANDLERS[config_type] = Handler(label, fn, planner)
         return fn
 
     return decorate
 
 
-def registered_pass(config_type: Type) -> Tuple[str, PassFn] | None:
-    return _PASSES.get(config_type)
+def registered_pass(config_type: Type) -> Optional[Handler]:
+    return _HANDLERS.get(config_type)
+
+
+def node_numel(baseline: Estimate, node: str) -> int:
+    """Elements of ``node``'s first output in the baseline estimate (0 when unknown): the fidelity proxies'
+    scale."""
+    cost = baseline.nodes.get(node)
+    return math.prod(cost.shapes[0]) if cost is not None and cost.shapes else 0

@@ -27,7 +27,7 @@ import torch
 from torch import fx
 
 from memopt.cost_model.analysis import Estimate, annotate
-from memopt.core.meta import META_KEY
+from memopt.core.meta import CHAIN_KEY, META_KEY
 from memopt.fewbit.activations import ACTIVATIONS
 from memopt.fewbit.config import FewBitConfig
 from memopt.fewbit.tables import table_error
@@ -39,7 +39,7 @@ from memopt.reversible.ops import reversible_segment
 from memopt.recompute.config import RecomputeConfig
 from memopt.reversible.config import ReversibleConfig
 from memopt.stash.config import StashConfig
-from memopt.passes.base import registered_pass
+from memopt.passes.base import Handler, PassContext, node_numel, registered_pass
 
 # Extra elementwise passes over a unit's activation that its rewrite adds (encode in forward, decode
 # in backward): the time proxy. Stash also rebuilds the conv input from the codes.
@@ -78,109 +78,6 @@ class Group:
     options: List[Option]
 
 
-@dataclass(frozen=True)
-class Technique:
-    """How the planner drives one technique's pass: its config at one bit width for every unit,
-    and its config for a chosen set of units with their bits. ``last_resort`` techniques are
-    considered only when the others at their fewest bits do not fit."""
-
-    field: str
-    uniform: Callable[[Any, Optional[int]], Any]
-    choose: Callable[[Any, Dict[str, Optional[int]]], Any]
-    fidelity: Callable[[fx.Node, Estimate, str], float]
-    levels: Callable[[Any], Tuple[Optional[int], ...]] = lambda cfg: cfg.plan_bits
-    last_resort: bool = False
-
-
-def _stash_fidelity(new: fx.Node, baseline: Estimate, unit: str) -> float:
-    """Mean squared error of the stashed x̂ ~ N(0, 1) on its K-bit grid (bin width 2h/2^K, clipping at
-    ±h; 2h/2^(K+1) when the mask splits it), times the elements of the BN output: (width²/12)·P(|z|<h) + E[(|z|−h)²; |z|>h];
-    twice that when a second BatchNorm (a downsample, split by the same mask) joined the chain."""
-    if new.target is generic_encode:
-        return _generic_fidelity(new)
-    if new.target is not bn_act_stash:
-        return 0.0  # its consumers reuse the same codes
-    bits = new.meta[DECISION_KEY]["bits"]
-    split = split_by_mask(new.args[9], new.args[6] is not None)  # then a (K+1)-bit grid
-    joined = len(new.args) > 14 and new.args[14] is not None  # x2: the second BatchNorm's input
-    half = x_grid_half(bits, split)
-    width = 2 * half / (1 << (bits + split))
-    tail = math.erfc(half / math.sqrt(2))  # P(|z| > h)
-    pdf = math.exp(-half * half / 2) / math.sqrt(2 * math.pi)
-    clip = (1 + half * half) * tail - 2 * half * pdf
-    return (width * width / 12 * (1 - tail) + clip) * _numel(baseline, unit) * (2 if joined else 1)
-
-
-def _generic_fidelity(new: fx.Node) -> float:
-    """The generic stash on the same scale as the chains' (a unit-variance input): per group of G normal
-    values the range is about 2·Φ⁻¹((G − 3/8)/(G + 1/4)) (Blom; 5.6 for G = 256), the step that over
-    2^K − 1, the mean squared error step²/12 (nearest) or step²/6 (stochastic), times the elements."""
-    _, bits, group, stochastic = new.args
-    cost = new.args[0].meta.get(META_KEY)
-    numel = math.prod(cost.shapes[0]) if cost is not None and cost.shapes else 0
-    span = 2 * NormalDist().inv_cdf((group - 0.375) / (group + 0.25)) if group > 1 else 0.0
-    step = span / ((1 << bits) - 1)
-    return step * step / (6 if stochastic else 12) * numel
-
-
-_TABLE_ERRORS: Dict[Tuple, float] = {}
-
-
-def _fewbit_fidelity(new: fx.Node, baseline: Estimate, unit: str) -> float:
-    """The table's ∫(f'−q)² w (w: standard normal) times the elements; 0 for exact 1-bit masks."""
-    if new.target is not fewbit_activation:
-        return 0.0
-    _, kind, params, bits, borders, levels = new.args[:6]
-    if ACTIVATIONS[kind].exact:
-        return 0.0
-    key = (kind, tuple(params), borders, levels)
-    if key not in _TABLE_ERRORS:
-        _TABLE_ERRORS[key] = table_error(kind, torch.tensor(borders, dtype=torch.float64),
-                                         torch.tensor(levels, dtype=torch.float64), params=dict(params),
-                                         weight="normal")
-    return _TABLE_ERRORS[key] * _numel(baseline, unit)
-
-
-def _numel(baseline: Estimate, node: str) -> int:
-    cost = baseline.nodes.get(node)
-    return math.prod(cost.shapes[0]) if cost is not None and cost.shapes else 0
-
-
-def _reversible_fidelity(new: fx.Node, baseline: Estimate, unit: str) -> float:
-    """The checked relative gradient error squared times the elements the piece replaces (an MSE
-    on the same scale as the others'); unchecked pieces (fake inputs) count as exact."""
-    decision = new.meta[DECISION_KEY]
-    if new.target is not reversible_segment or not decision.get("grad_error"):
-        return 0.0
-    return decision["grad_error"] ** 2 * sum(_numel(baseline, n) for n in decision["replaces"])
-
-
-TECHNIQUES: Dict[type, Technique] = {
-    ReversibleConfig: Technique(
-        "reversible",
-        uniform=lambda cfg, bits: dataclasses.replace(cfg, segments=None),
-        choose=lambda cfg, chosen: dataclasses.replace(cfg, segments=tuple(sorted(chosen))),
-        fidelity=_reversible_fidelity,
-        levels=lambda cfg: (None,)),
-    RecomputeConfig: Technique(
-        "recompute",
-        uniform=lambda cfg, bits: dataclasses.replace(cfg, segments=None),
-        choose=lambda cfg, chosen: dataclasses.replace(cfg, segments=tuple(sorted(chosen))),
-        fidelity=lambda new, baseline, unit: 0.0,  # exact
-        levels=lambda cfg: (None,), last_resort=True),
-    StashConfig: Technique(
-        "stash",
-        uniform=lambda cfg, bits: dataclasses.replace(cfg, bits=bits, node_bits=()),
-        choose=lambda cfg, chosen: dataclasses.replace(cfg, allow=tuple(sorted(chosen)), node_bits=chosen),
-        fidelity=_stash_fidelity),
-    FewBitConfig: Technique(
-        "fewbit",
-        uniform=lambda cfg, bits: dataclasses.replace(cfg, bits=bits, bits_by_kind=(), node_bits=()),
-        choose=lambda cfg, chosen: dataclasses.replace(cfg, allow=tuple(sorted(chosen)), node_bits=chosen),
-        fidelity=_fewbit_fidelity),
-}
-
-
 def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     """A GraphModule over a copy of ``gm``'s graph (node.meta copied shallowly) sharing its attributes,
     so a pass can rewrite the copy without touching ``gm``."""
@@ -190,35 +87,35 @@ def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     return fx.GraphModule(gm, graph, class_name=type(gm).__name__)
 
 
-def technique_passes(config: Any, last_resort: Optional[bool] = None) -> List[Tuple[Technique, Any]]:
-    """The enabled techniques the planner can drive, in ``Config`` field order (``last_resort``:
-    only those, or only the others; None: all)."""
+def technique_passes(config: Any, last_resort: Optional[bool] = None) -> List[Tuple[Handler, Any]]:
+    """The enabled techniques the planner can drive (a registered pass with planner hooks), in ``Config``
+    field order (``last_resort``: only those, or only the others; None: all)."""
     out = []
     for f in dataclasses.fields(config):
         value = getattr(config, f.name)
-        if value is not None and type(value) in TECHNIQUES:
-            technique = TECHNIQUES[type(value)]
-            if last_resort is None or technique.last_resort == last_resort:
-                out.append((technique, value))
+        handler = registered_pass(type(value)) if value is not None else None
+        if handler is not None and handler.planner is not None:
+            if last_resort is None or handler.planner.last_resort == last_resort:
+                out.append((handler, value))
     return out
 
 
 def candidates(gm: fx.GraphModule, args: tuple, kwargs: dict, config: Any, baseline: Estimate,
-               optimizer: Any = None, last_resort: bool = False) -> List[Group]:
+               optimizer: Any = None, last_resort: bool = False, ctx: Optional[PassContext] = None) -> List[Group]:
     """Every unit of every enabled technique (the last-resort ones, or the others) with its options,
     grouped into exclusive groups."""
+    ctx = PassContext(args, kwargs, config.device) if ctx is None else ctx
     per_unit: Dict[str, List[Option]] = {}
     covered: Dict[str, Set[str]] = {}
     for technique, cfg in technique_passes(config, last_resort):
-        name, fn = registered_pass(type(cfg))
-        for bits in technique.levels(cfg):
+        for bits in technique.planner.levels(cfg):
             variant = copy_graph_module(gm)
-            fn(variant, technique.uniform(cfg, bits))
+            technique.run(variant, technique.planner.uniform(cfg, bits), ctx)
             variant.graph.lint()
             variant.recompile()
             after = annotate(variant, args, kwargs, device=config.device, optimizer=optimizer, simulate=False)
-            for unit, (nodes, new_nodes) in rewritten_units(variant, technique.field).items():
-                key = f"{technique.field}:{unit}"
+            for unit, (nodes, new_nodes) in rewritten_units(variant, technique.name).items():
+                key = f"{technique.name}:{unit}"
                 covered.setdefault(key, set()).update(nodes)
                 option = make_option(technique, unit, nodes, new_nodes, baseline, after)
                 if option not in per_unit.setdefault(key, []):
@@ -226,13 +123,13 @@ def candidates(gm: fx.GraphModule, args: tuple, kwargs: dict, config: Any, basel
     return _group(per_unit, covered)
 
 
-def make_option(technique: Technique, unit: str, nodes: Set[str], new_nodes: Sequence[fx.Node], baseline: Estimate,
+def make_option(technique: Handler, unit: str, nodes: Set[str], new_nodes: Sequence[fx.Node], baseline: Estimate,
                 after: Estimate) -> Option:
     """The option a rewritten unit realises, with its bytes from the two estimates."""
     freed = int(freed_bytes(baseline, after, nodes, new_nodes))
-    return Option(technique.field, bits_of(new_nodes), unit, freed,
-                  float(sum(technique.fidelity(n, baseline, unit) for n in new_nodes)),
-                  _time(technique.field, unit, nodes, baseline), _peak_freed(baseline, nodes, freed))
+    return Option(technique.name, bits_of(new_nodes), unit, freed,
+                  float(sum(technique.planner.fidelity(n, baseline, unit) for n in new_nodes)),
+                  _time(technique.name, unit, nodes, baseline), _peak_freed(baseline, nodes, freed))
 
 
 def _peak_freed(baseline: Estimate, nodes: Set[str], freed: int) -> int:
@@ -249,7 +146,7 @@ def _time(technique: str, unit: str, nodes: Set[str], baseline: Estimate) -> flo
     if technique in ("recompute", "reversible"):  # one extra forward of the block / of each H
         costs = [baseline.nodes[n] for n in nodes if n in baseline.nodes]
         return float(sum(c.flops for c in costs) + sum(math.prod(s) for c in costs for s in c.shapes))
-    return _EXTRA_PASSES[technique] * _numel(baseline, unit)
+    return _EXTRA_PASSES[technique] * node_numel(baseline, unit)
 
 
 def rewritten_units(gm: fx.GraphModule, technique: str) -> Dict[str, Tuple[Set[str], List[fx.Node]]]:

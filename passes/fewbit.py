@@ -7,6 +7,7 @@ left exact gets its reason too.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Dict, Optional, Tuple, Union
 
 import torch
@@ -18,10 +19,11 @@ from memopt.cost_model.op_registry import op_kind
 from memopt.capture import has_hooks
 from memopt.fewbit.activations import ACTIVATIONS, Params
 from memopt.fewbit.config import FewBitConfig
-from memopt.fewbit.tables import fewbit_table
+from memopt.fewbit.tables import fewbit_table, table_error
+from memopt.cost_model.analysis import Estimate
 from memopt.fewbit.ops import SUPPORTED_DTYPES, fewbit_activation
 from memopt.core.meta import DECISION_KEY
-from memopt.passes.base import PassResult, register_pass
+from memopt.passes.base import PassContext, PassResult, PlannerHooks, node_numel, register_pass
 
 
 # kind -> hyper-parameters as (name, positional index after the input or None for keyword-only);
@@ -111,8 +113,32 @@ def _why_not(node: fx.Node, kind: str, module: Optional[nn.Module], cfg: FewBitC
     return None
 
 
-@register_pass(FewBitConfig, "fewbit")
-def fewbit_pass(gm: fx.GraphModule, cfg: FewBitConfig) -> PassResult:
+_TABLE_ERRORS: Dict[Tuple, float] = {}
+
+
+def _fewbit_fidelity(new: fx.Node, baseline: Estimate, unit: str) -> float:
+    """The table's ∫(f'−q)² w (w: standard normal) times the elements; 0 for exact 1-bit masks."""
+    if new.target is not fewbit_activation:
+        return 0.0
+    _, kind, params, bits, borders, levels = new.args[:6]
+    if ACTIVATIONS[kind].exact:
+        return 0.0
+    key = (kind, tuple(params), borders, levels)
+    if key not in _TABLE_ERRORS:
+        _TABLE_ERRORS[key] = table_error(kind, torch.tensor(borders, dtype=torch.float64),
+                                         torch.tensor(levels, dtype=torch.float64), params=dict(params),
+                                         weight="normal")
+    return _TABLE_ERRORS[key] * node_numel(baseline, unit)
+
+
+_PLANNER = PlannerHooks(
+    uniform=lambda cfg, bits: dataclasses.replace(cfg, bits=bits, bits_by_kind=(), node_bits=()),
+    choose=lambda cfg, chosen: dataclasses.replace(cfg, allow=tuple(sorted(chosen)), node_bits=chosen),
+    fidelity=_fewbit_fidelity)
+
+
+@register_pass(FewBitConfig, planner=_PLANNER)
+def fewbit_pass(gm: fx.GraphModule, cfg: FewBitConfig, ctx: PassContext) -> PassResult:
     """Rewrite every eligible pointwise activation to ``memopt.fewbit.ops.fewbit_activation``."""
     modules = dict(gm.named_modules())
     modified = False

@@ -1,14 +1,15 @@
-"""The pass manager: run passes in order, lint and recompile after each, name the pass on failure."""
+"""The pass manager: run passes in ``memopt.techniques.TECHNIQUES`` order, lint and recompile after each,
+name the pass on failure."""
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, List, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 from torch import fx
 
 from memopt.core.errors import MemoptError, PassError
-from memopt.passes.base import PassFn, PassResult, registered_pass
+from memopt.passes.base import PassContext, PassFn, PassResult, registered_pass
 
 
 @dataclass
@@ -18,23 +19,26 @@ class PassRecord:
 
 
 def passes_for(config: Any) -> List[Tuple[str, PassFn, Any]]:
-    """The passes a ``memopt.Config`` turns on, in field order: one per technique field not None."""
+    """The passes a ``memopt.Config`` turns on, in field order (``Config``'s technique fields follow
+    ``TECHNIQUES``): one per technique field not None whose config type has a registered pass."""
     selected = []
     for f in dataclasses.fields(config):
         value = getattr(config, f.name)
         if value is None or not dataclasses.is_dataclass(value):
             continue
-        entry = registered_pass(type(value))
-        if entry is not None:
-            selected.append((entry[0], entry[1], value))
+        handler = registered_pass(type(value))
+        if handler is not None:
+            selected.append((handler.name, handler.run, value))
     return selected
 
 
-def run_passes(gm: fx.GraphModule, passes: Sequence[Tuple[str, PassFn, Any]]) -> Tuple[fx.GraphModule, List[PassRecord]]:
+def run_passes(gm: fx.GraphModule, passes: Sequence[Tuple[str, PassFn, Any]],
+               ctx: Optional[PassContext] = None) -> Tuple[fx.GraphModule, List[PassRecord]]:
+    ctx = PassContext() if ctx is None else ctx
     records = []
     for name, fn, cfg in passes:
         try:
-            result = fn(gm, cfg)
+            result = fn(gm, cfg, ctx)
             if not isinstance(result, PassResult):
                 raise TypeError(f"a pass must return PassResult, got {type(result).__name__}")
             gm = result.graph_module

@@ -37,8 +37,10 @@ from torch import fx
 
 from memopt.cost_model.analysis import Estimate, annotate
 from memopt.core.errors import MemoptError
-from memopt.passes.candidates import (TECHNIQUES, Group, Option, candidates, copy_graph_module, make_option,
-                               rewritten_units, technique_passes)
+from memopt.techniques import TECHNIQUES
+from memopt.passes.base import PassContext, registered_pass
+from memopt.passes.candidates import (Group, Option, candidates, copy_graph_module, make_option, rewritten_units,
+                                      technique_passes)
 from memopt.passes.manager import passes_for, run_passes
 
 TIME_WEIGHT = 1e-3
@@ -151,7 +153,7 @@ def config_for_units(config: Any, chosen: Dict[str, Dict[str, int]]) -> Any:
     """``config`` whose technique fields rewrite exactly ``chosen[field]`` ({unit: bits}) and nothing else."""
     changes = {}
     for technique, cfg in technique_passes(config):
-        changes[technique.field] = technique.choose(cfg, dict(chosen.get(technique.field, {})))
+        changes[technique.name] = technique.planner.choose(cfg, dict(chosen.get(technique.name, {})))
     unknown = sorted(set(chosen) - set(changes))
     if unknown:
         raise MemoptError(f"the plan uses {unknown} but the config turns {'it' if len(unknown) == 1 else 'them'} "
@@ -159,9 +161,9 @@ def config_for_units(config: Any, chosen: Dict[str, Dict[str, int]]) -> Any:
     return dataclasses.replace(config, **changes)
 
 
-def apply_config(gm: fx.GraphModule, config: Any) -> Tuple[fx.GraphModule, list]:
+def apply_config(gm: fx.GraphModule, config: Any, ctx: Optional[PassContext] = None) -> Tuple[fx.GraphModule, list]:
     """Run ``config``'s passes on a copy of ``gm`` (``gm`` keeps the baseline graph)."""
-    return run_passes(copy_graph_module(gm), passes_for(config))
+    return run_passes(copy_graph_module(gm), passes_for(config), ctx)
 
 
 @dataclass
@@ -180,13 +182,14 @@ class BudgetPlan:
 
 
 def plan_for_budget(gm: fx.GraphModule, args: tuple, kwargs: dict, config: Any, baseline: Estimate,
-                    budget_bytes: int, optimizer: Any = None) -> Tuple[Optional[BudgetPlan], BudgetPlan]:
+                    budget_bytes: int, optimizer: Any = None, ctx: Optional[PassContext] = None) -> Tuple[Optional[BudgetPlan], BudgetPlan]:
     """(the least-cost plan that fits, or None; the maximum-saving plan, applied, for the error message).
 
     The second element is only computed when the first is None (otherwise it is the same plan).
     """
     start = time.perf_counter()
-    groups = candidates(gm, args, kwargs, config, baseline, optimizer)
+    ctx = PassContext(args, kwargs, config.device) if ctx is None else ctx
+    groups = candidates(gm, args, kwargs, config, baseline, optimizer, ctx=ctx)
     required = baseline.peak_bytes - budget_bytes
     # Count only the bytes alive at the baseline's peak when they can cover the request: freeing the
     # last layers' activations does not lower a peak reached after backward released them.
@@ -196,17 +199,17 @@ def plan_for_budget(gm: fx.GraphModule, args: tuple, kwargs: dict, config: Any, 
     rounds = 1
     solution = solve_or_max(groups, required, weight)
     if solution is not None:
-        found = _applied(gm, args, kwargs, config, groups, solution, optimizer, required, rounds, start)
+        found = _applied(gm, ctx, args, kwargs, config, groups, solution, optimizer, required, rounds, start)
         if found.estimate.peak_bytes <= budget_bytes:
             return found, found
     # Freed saved bytes did not all come off the peak (the peak moved, or decode temporaries add to
     # it): search the bytes to free between what failed and the maximum saving, keeping the
     # cheapest plan that fits.
     rounds += 1
-    best = _applied(gm, args, kwargs, config, groups, max_saving(groups), optimizer, max_saving(groups).freed_bytes,
+    best = _applied(gm, ctx, args, kwargs, config, groups, max_saving(groups), optimizer, max_saving(groups).freed_bytes,
                     rounds, start)
     if best.estimate.peak_bytes > budget_bytes:
-        return _last_resort(gm, args, kwargs, config, baseline, budget_bytes, optimizer, groups, best, start)
+        return _last_resort(gm, ctx, args, kwargs, config, baseline, budget_bytes, optimizer, groups, best, start)
     # regula falsi on (bytes asked -> estimated peak), clipped away from the ends of the interval
     low, high = required, weighted(groups, best.solution.choice, weight)
     peak_low, peak_high = (found.estimate.peak_bytes if solution is not None else baseline.peak_bytes), \
@@ -216,7 +219,7 @@ def plan_for_budget(gm: fx.GraphModule, args: tuple, kwargs: dict, config: Any, 
         slope = (peak_low - budget_bytes) / max(peak_low - peak_high, 1)
         middle = int(low + (high - low) * min(max(slope, 0.1), 0.9))
         solution = solve_or_max(groups, middle, weight)
-        found = _applied(gm, args, kwargs, config, groups, solution, optimizer, middle, rounds, start)
+        found = _applied(gm, ctx, args, kwargs, config, groups, solution, optimizer, middle, rounds, start)
         if found.estimate.peak_bytes <= budget_bytes:
             best, high, peak_high = found, middle, found.estimate.peak_bytes
         else:
@@ -225,7 +228,7 @@ def plan_for_budget(gm: fx.GraphModule, args: tuple, kwargs: dict, config: Any, 
     return best, best
 
 
-def _last_resort(gm, args, kwargs, config, baseline: Estimate, budget_bytes: int, optimizer, groups: List[Group],
+def _last_resort(gm, ctx: PassContext, args, kwargs, config, baseline: Estimate, budget_bytes: int, optimizer, groups: List[Group],
                  best: BudgetPlan, start: float) -> Tuple[Optional[BudgetPlan], BudgetPlan]:
     """The maximum saving of the other techniques does not fit: recompute blocks on top of it.
 
@@ -234,7 +237,7 @@ def _last_resort(gm, args, kwargs, config, baseline: Estimate, budget_bytes: int
     of extra work (FLOPs) until the predicted gain covers the shortfall, then re-estimated; when the
     peak still misses the budget, more blocks are asked for.
     """
-    blocks = candidates(gm, args, kwargs, config, baseline, optimizer, last_resort=True)
+    blocks = candidates(gm, args, kwargs, config, baseline, optimizer, last_resort=True, ctx=ctx)
     base = best.solution.choice
     owner: Dict[str, List[int]] = {}
     for index, group in enumerate(groups):
@@ -259,7 +262,7 @@ def _last_resort(gm, args, kwargs, config, baseline: Estimate, budget_bytes: int
         choice = [len(b.options) - 1 if id(b) in chosen_blocks else 0 for b in blocks] + \
                  [0 if i in replaced else base[i] for i in range(len(groups))]
         rounds += 1
-        best = _applied(gm, args, kwargs, config, every, _solution(every, choice), optimizer,
+        best = _applied(gm, ctx, args, kwargs, config, every, _solution(every, choice), optimizer,
                         best.required_bytes + gained, rounds, start)
         if best.estimate.peak_bytes <= budget_bytes:
             return best, best
@@ -267,9 +270,10 @@ def _last_resort(gm, args, kwargs, config, baseline: Estimate, budget_bytes: int
     return None, best
 
 
-def _applied(gm, args, kwargs, config, groups, solution, optimizer, required, rounds, start) -> BudgetPlan:
+def _applied(gm, ctx: PassContext, args, kwargs, config, groups, solution, optimizer, required, rounds,
+             start) -> BudgetPlan:
     chosen = chosen_config(config, groups, solution.choice)
-    applied, records = apply_config(gm, chosen)
+    applied, records = apply_config(gm, chosen, ctx)
     estimate = annotate(applied, args, kwargs, device=config.device, optimizer=optimizer)
     return BudgetPlan(chosen, list(groups), solution, applied, records, estimate, required, rounds,
                       time.perf_counter() - start)
@@ -284,9 +288,12 @@ def plan_units(gm: fx.GraphModule, baseline: Estimate, estimate: Estimate,
                  "alternatives": [o.to_dict() for o in g.options]}
                 for g, i in zip(planned.groups, planned.solution.choice)]
     entries = []
-    for technique in TECHNIQUES.values():
-        for unit, (nodes, new) in sorted(rewritten_units(gm, technique.field).items()):
+    for entry in TECHNIQUES:
+        technique = registered_pass(entry.config_type)
+        if technique is None or technique.planner is None:
+            continue
+        for unit, (nodes, new) in sorted(rewritten_units(gm, technique.name).items()):
             option = make_option(technique, unit, nodes, new, baseline, estimate)
-            entries.append({"name": f"{technique.field}:{unit}", "nodes": sorted(nodes), "chosen": option.to_dict(),
+            entries.append({"name": f"{technique.name}:{unit}", "nodes": sorted(nodes), "chosen": option.to_dict(),
                             "alternatives": []})
     return entries

@@ -19,7 +19,7 @@ from memopt.cost_model.op_registry import op_kind
 from memopt.recompute.ops import recompute_block
 from memopt.core.meta import DECISION_KEY
 from memopt.recompute.config import RecomputeConfig
-from memopt.passes.base import PassResult, register_pass
+from memopt.passes.base import PassContext, PassResult, PlannerHooks, register_pass
 
 
 @dataclass
@@ -124,8 +124,15 @@ def _extract(gm: fx.GraphModule, block: Block, inputs: List[fx.Node], output: fx
     return fx.GraphModule(gm, graph, class_name=f"Recomputed_{block.name}")
 
 
-@register_pass(RecomputeConfig, "recompute")
-def recompute_pass(gm: fx.GraphModule, cfg: RecomputeConfig) -> PassResult:
+_PLANNER = PlannerHooks(
+    uniform=lambda cfg, bits: dataclasses.replace(cfg, segments=None),
+    choose=lambda cfg, chosen: dataclasses.replace(cfg, segments=tuple(sorted(chosen))),
+    fidelity=lambda new, baseline, unit: 0.0,  # exact
+    levels=lambda cfg: (None,), last_resort=True)
+
+
+@register_pass(RecomputeConfig, planner=_PLANNER)
+def recompute_pass(gm: fx.GraphModule, cfg: RecomputeConfig, ctx: PassContext) -> PassResult:
     if cfg.segments == ():
         return PassResult(gm, False)
     modules = dict(gm.named_modules())

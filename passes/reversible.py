@@ -1,7 +1,7 @@
 """The reversible pass: checked pieces of reversible segments become one call that keeps its outputs.
 
 Segments come from ``passes/reversible_find.py``; each is turned into a ``ReversibleSegment``
-(memopt/ops/reversible.py: one sub-graph per step, H for a coupling, the op for glue), checked on
+(memopt/reversible/ops.py: one sub-graph per step, H for a coupling, the op for glue), checked on
 the example inputs (memopt/reversible/check.py) and cut into pieces; every piece with a coupling is
 replaced in the graph by one ``reversible_segment`` call. Steps that fail the check, and whole
 candidates that break a rule, stay exact with the reason in ``node.meta["memopt_decision"]``.
@@ -17,13 +17,13 @@ import torch.nn.functional as F
 
 from torch import fx, nn
 
-from memopt.cost_model.analysis import annotate
+from memopt.cost_model.analysis import Estimate, annotate
 from memopt.core.meta import META_KEY
 from memopt.reversible.ops import ReversibleSegment, StepSpec, reversible_segment
 from memopt.core.meta import DECISION_KEY
-from memopt.reversible.check import check_segment, current_call, current_examples, sub_segment, true_values
+from memopt.reversible.check import check_segment, sub_segment, true_values
 from memopt.reversible.config import ReversibleConfig
-from memopt.passes.base import PassResult, register_pass
+from memopt.passes.base import PassContext, PassResult, PlannerHooks, node_numel, register_pass
 from memopt.passes.reversible_find import CATS, SPLITS, FoundStep, Segment, find_segments, is_random, op_key
 
 aten = torch.ops.aten
@@ -192,12 +192,28 @@ def _mark(nodes: Sequence[fx.Node], reason: str) -> None:
         node.meta.setdefault(DECISION_KEY, {"technique": "exact", "reason": f"reversible: {reason}"})
 
 
-@register_pass(ReversibleConfig, "reversible")
-def reversible_pass(gm: fx.GraphModule, cfg: ReversibleConfig) -> PassResult:
+def _reversible_fidelity(new: fx.Node, baseline: Estimate, unit: str) -> float:
+    """The checked relative gradient error squared times the elements the piece replaces (an MSE
+    on the same scale as the others'); unchecked pieces (fake inputs) count as exact."""
+    decision = new.meta[DECISION_KEY]
+    if new.target is not reversible_segment or not decision.get("grad_error"):
+        return 0.0
+    return decision["grad_error"] ** 2 * sum(node_numel(baseline, n) for n in decision["replaces"])
+
+
+_PLANNER = PlannerHooks(
+    uniform=lambda cfg, bits: dataclasses.replace(cfg, segments=None),
+    choose=lambda cfg, chosen: dataclasses.replace(cfg, segments=tuple(sorted(chosen))),
+    fidelity=_reversible_fidelity,
+    levels=lambda cfg: (None,))
+
+
+@register_pass(ReversibleConfig, planner=_PLANNER)
+def reversible_pass(gm: fx.GraphModule, cfg: ReversibleConfig, ctx: PassContext) -> PassResult:
     segments, reasons = find_segments(gm, aggressive=cfg.mode == "aggressive")
     for node, why in reasons.items():
         _mark([node], why)
-    examples = current_examples()
+    examples = ctx.examples
     modified = False
     for segment in segments:
         bounds = boundaries(segment)
@@ -245,13 +261,12 @@ def reversible_pass(gm: fx.GraphModule, cfg: ReversibleConfig) -> PassResult:
             if cfg.segments is not None and name not in cfg.segments:
                 continue
             modified |= _install(gm, segment, runtime, start, end, bounds, reason, grad_errors.get((start, end)))
-    call = current_call()
-    if modified and call is not None:
+    if modified and (ctx.args or ctx.kwargs):
         # later passes read which nodes keep which storage: a segment input is no longer kept by the
         # ops now inside the segment (e.g. few-bit on the stem's ReLU frees its output now)
         gm.graph.lint()
         gm.recompile()
-        annotate(gm, call.args, call.kwargs, device=call.device, simulate=False)
+        annotate(gm, ctx.args, ctx.kwargs, device=ctx.device, simulate=False)
     return PassResult(gm, modified)
 
 

@@ -17,22 +17,27 @@ Then, in ``passes/stash_generic.py``: the generic stash of the remaining conv / 
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import operator
+from statistics import NormalDist
 from typing import List, Optional, Tuple, Union
 
 from torch import fx, nn
 
-from memopt.core.meta import META_KEY
+from memopt.core.meta import CHAIN_KEY, META_KEY
 from memopt.cost_model.op_registry import op_kind
 from memopt.capture import has_hooks
-from memopt.stash.ops import bn_act_stash, conv_from_stash, linear_from_stash
+from memopt.stash.generic import generic_encode
+from memopt.stash.grid import x_grid_half
+from memopt.stash.ops import ChainSpec, bn_act_stash, conv_from_stash, linear_from_stash, split_by_mask
 from memopt.stash.pool import max_pool2d_indices_only
 from memopt.stash.grid import MEAN_BITS, wants_means
 from memopt.stash.identity import bn_exact_link
 from memopt.core.meta import DECISION_KEY
+from memopt.cost_model.analysis import Estimate
 from memopt.stash.config import StashConfig
-from memopt.passes.base import PassResult, register_pass
+from memopt.passes.base import PassContext, PassResult, PlannerHooks, node_numel, register_pass
 from memopt.passes.stash_generic import compact_extras, generic_stash
 
 _ACTS = ("relu", "relu6", "leaky_relu")
@@ -173,12 +178,11 @@ def _rewrite_pool(gm: fx.GraphModule, modules, bn: fx.Node, act: fx.Node, pool: 
     graph, module, pm = gm.graph, modules[bn.target], modules[pool.target]
     with graph.inserting_before(pool):
         attrs = _bn_attrs(graph, bn.target, module)
-        stash = graph.create_node("call_function", bn_act_stash,
-                                  (bn.args[0], *attrs, None, module.momentum, module.eps, "relu", (), bits, False,
-                                   bn.format_node()),
-                                  {"pool": (pm.kernel_size, pm.stride, pm.padding, pm.dilation, pm.ceil_mode),
-                                   "means": means},
+        spec = ChainSpec("relu", bits, module.momentum, module.eps, need_y=False, node=bn.format_node(),
+                         pool=(pm.kernel_size, pm.stride, pm.padding, pm.dilation, pm.ceil_mode), means=means)
+        stash = graph.create_node("call_function", bn_act_stash, (bn.args[0], *attrs, None, spec),
                                   name=f"{bn.name}_stash")
+        stash.meta[CHAIN_KEY] = spec
         new = graph.call_function(operator.getitem, (stash, 0))
     stash.meta[DECISION_KEY] = {"technique": "stash", "bits": bits, "replaces": [bn.name, act.name, pool.name],
                                 "unit": bn.name, "reason": f"BN + relu + max-pool: exact forward, "
@@ -189,8 +193,46 @@ def _rewrite_pool(gm: fx.GraphModule, modules, bn: fx.Node, act: fx.Node, pool: 
         graph.erase_node(node)
 
 
-@register_pass(StashConfig, "stash")
-def stash_pass(gm: fx.GraphModule, cfg: StashConfig) -> PassResult:
+def _stash_fidelity(new: fx.Node, baseline: Estimate, unit: str) -> float:
+    """Mean squared error of the stashed x̂ ~ N(0, 1) on its K-bit grid (bin width 2h/2^K, clipping at
+    ±h; 2h/2^(K+1) when the mask splits it), times the elements of the BN output: (width²/12)·P(|z|<h) + E[(|z|−h)²; |z|>h];
+    twice that when a second BatchNorm (a downsample, split by the same mask) joined the chain."""
+    if new.target is generic_encode:
+        return _generic_fidelity(new)
+    if new.target is not bn_act_stash:
+        return 0.0  # its consumers reuse the same codes
+    bits = new.meta[DECISION_KEY]["bits"]
+    spec = new.meta[CHAIN_KEY]
+    split = split_by_mask(spec.act, spec.residual)  # then a (K+1)-bit grid
+    joined = spec.joined  # a second BatchNorm (a downsample) coded with the same mask
+    half = x_grid_half(bits, split)
+    width = 2 * half / (1 << (bits + split))
+    tail = math.erfc(half / math.sqrt(2))  # P(|z| > h)
+    pdf = math.exp(-half * half / 2) / math.sqrt(2 * math.pi)
+    clip = (1 + half * half) * tail - 2 * half * pdf
+    return (width * width / 12 * (1 - tail) + clip) * node_numel(baseline, unit) * (2 if joined else 1)
+
+
+def _generic_fidelity(new: fx.Node) -> float:
+    """The generic stash on the same scale as the chains' (a unit-variance input): per group of G normal
+    values the range is about 2·Φ⁻¹((G − 3/8)/(G + 1/4)) (Blom; 5.6 for G = 256), the step that over
+    2^K − 1, the mean squared error step²/12 (nearest) or step²/6 (stochastic), times the elements."""
+    _, bits, group, stochastic = new.args
+    cost = new.args[0].meta.get(META_KEY)
+    numel = math.prod(cost.shapes[0]) if cost is not None and cost.shapes else 0
+    span = 2 * NormalDist().inv_cdf((group - 0.375) / (group + 0.25)) if group > 1 else 0.0
+    step = span / ((1 << bits) - 1)
+    return step * step / (6 if stochastic else 12) * numel
+
+
+_PLANNER = PlannerHooks(
+    uniform=lambda cfg, bits: dataclasses.replace(cfg, bits=bits, node_bits=()),
+    choose=lambda cfg, chosen: dataclasses.replace(cfg, allow=tuple(sorted(chosen)), node_bits=chosen),
+    fidelity=_stash_fidelity)
+
+
+@register_pass(StashConfig, planner=_PLANNER)
+def stash_pass(gm: fx.GraphModule, cfg: StashConfig, ctx: PassContext) -> PassResult:
     modules = dict(gm.named_modules())
     graph = gm.graph
     modified = False
@@ -242,7 +284,7 @@ def _stash_output(node: fx.Node, index: int) -> Optional[fx.Node]:
 
 
 def _identity_links(gm: fx.GraphModule, modules) -> List[Tuple[fx.Node, fx.Node, fx.Node]]:
-    """(A, conv, B) where the scale identity of ``memopt/ops/stash_identity.py`` holds: chain A (weight, no
+    """(A, conv, B) where the scale identity of ``memopt/stash/identity.py`` holds: chain A (weight, no
     residual, not pooled) feeds only a depthwise conv (one input channel per group) read from its stash, whose
     output feeds only B: another chain's BatchNorm input, or a training-mode BatchNorm module left exact."""
     links = []
@@ -269,13 +311,15 @@ def _identity_links(gm: fx.GraphModule, modules) -> List[Tuple[fx.Node, fx.Node,
 
 def _chain_without_residual(node: fx.Node) -> bool:
     """A rewritten chain (not the pooled stem form) whose BatchNorm output is not added to a residual."""
-    return node.target is bn_act_stash and node.args[6] is None and node.kwargs.get("pool") is None and \
-        (len(node.args) <= 14 or node.args[14] is None)
+    spec = node.meta.get(CHAIN_KEY) if node.target is bn_act_stash else None
+    return spec is not None and not spec.residual and not spec.joined and spec.pool is None
 
 
 def _link(gm: fx.GraphModule, modules, first: fx.Node, conv: fx.Node, following: fx.Node) -> None:
     graph = gm.graph
-    first.kwargs = {**first.kwargs, "link_groups": conv.args[13]}  # groups = the conv's input channels = A's
+    spec = first.meta[CHAIN_KEY]._replace(link_groups=conv.args[13])  # groups = the conv's input channels = A's
+    first.args = (*first.args[:7], spec, *first.args[8:])
+    first.meta[CHAIN_KEY] = spec
     with graph.inserting_after(first):
         link = graph.call_function(operator.getitem, (first, 5))
     if following.target is bn_act_stash:
@@ -322,13 +366,15 @@ def _rewrite(gm: fx.GraphModule, modules, bn: fx.Node, add: Optional[fx.Node], a
         extra = ()
         if second is not None:
             module2 = modules[second.target]
-            extra = (second.args[0], *_bn_attrs(graph, second.target, module2), module2.momentum,
-                     module2.eps)
+            extra = (second.args[0], *_bn_attrs(graph, second.target, module2))
             residual = None
-        stash = graph.create_node("call_function", bn_act_stash,
-                                  (bn.args[0], *attrs, residual, module.momentum, module.eps, kind, params, bits,
-                                   need_y, bn.format_node(), *extra), {"means": means} if means else {},
+        spec = ChainSpec(kind, bits, module.momentum, module.eps, params, need_y, bn.format_node(),
+                         residual=residual is not None, joined=second is not None,
+                         momentum2=modules[second.target].momentum if second is not None else None,
+                         eps2=modules[second.target].eps if second is not None else 1e-5, means=means)
+        stash = graph.create_node("call_function", bn_act_stash, (bn.args[0], *attrs, residual, spec, *extra),
                                   name=f"{bn.name}_stash")
+        stash.meta[CHAIN_KEY] = spec
         y, codes, mask, affine, zero = (graph.call_function(operator.getitem, (stash, i)) for i in range(5))
     stash.meta[DECISION_KEY] = {"technique": "stash", "bits": bits, "level": bits if level is None else level,
                                 "replaces": replaced, "unit": bn.name,

@@ -1,7 +1,8 @@
 """Example inputs in one shape: ``(args, kwargs)``."""
 from __future__ import annotations
 
-from typing import Any, Dict, Tuple
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Tuple
 
 import torch
 
@@ -20,3 +21,12 @@ def normalize_inputs(example_inputs: Any) -> Inputs:
         f"example_inputs must be a tensor, a tuple/list of positional inputs or a dict of keyword "
         f"inputs, got {type(example_inputs).__name__}: {example_inputs!r:.80}"
     )
+
+
+@dataclass
+class Examples:
+    """A graph's real placeholder values, for plan-time numeric checks, and a cache the checks share
+    across the pass runs of one plan (the planner runs each pass several times)."""
+
+    inputs: List[Any]
+    cache: Dict[Any, Any] = field(default_factory=dict)

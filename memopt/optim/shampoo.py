@@ -6,112 +6,56 @@ its eigenvalues in fp32 and its eigenvector matrix in 4 bits (quantizing the eig
 more accurate than quantizing the statistic), and per inverse root its diagonal in fp32 and its
 off-diagonal in 4 bits. Per preconditioned block and side (order d):
 
-Every ``stat_every`` steps (the current gradient only, as published):
+At a statistic update (the current gradient only, as published):
     V = bjorck(deq(Vᵀ)ᵀ, rectify_iters[0]);  A = V diag(λ) Vᵀ
     A = stat_decay · A + (1 - stat_decay) · GGᵀ   (GᵀG for R)
-    P = qr(A V).Q (V by descending λ);  λ = diag(Pᵀ A P);  store quant(Pᵀ), λ          -- no eigh
-Every ``root_every`` steps:
+    qr_iters times: P = qr(A V).Q (V by descending λ);  λ = diag(Pᵀ A P);  V = P
+    (every ``eigh_every``-th update instead: λ, V = eigh(A));  store quant(Vᵀ), λ
+At a root update:
     V = bjorck(deq(Vᵀ)ᵀ, rectify_iters[1])
     Â = V diag((λ + eps · max λ)^(-1/4)) Vᵀ;  store diag(Â) in fp32, quant(offdiag(Â))
-Every step: D = L̂ G R̂ per block, D *= ||G||_F / ||D||_F (grafting, whole tensor), then AdamW
-(decoupled weight decay) or SGD-momentum (L2 weight decay added to D) steps with D as the gradient.
+Every step once a root exists: D = L̂ G R̂ per block, D *= ||G||_F / ||D||_F (grafting, whole
+tensor); before that D = G. Then AdamW (decoupled weight decay) or SGD-momentum (L2 weight decay
+added to D) steps with D as the gradient.
 
-Updates happen at steps k >= ``start_step`` with (k - start_step) % every == 0, so by default the
-statistics and roots are first built at step 1 (from L = R = eps·I, whose eigenvectors are I)
-and the preconditioner is used from then on; before ``start_step`` D = G. All state is allocated
-at full size at a parameter's first step, so state memory is constant from step 1 (the budget
-accounting in ``cost_model`` relies on that). Statistics and first-order state are fp32 whatever
-the parameter dtype. ``bits=32`` runs the same code with fp32 storage (the 32-bit baseline);
-``quantize="statistics"`` is the naive baseline that stores L and R themselves (fp32 diagonal,
-quantized off-diagonal) and takes roots with ``torch.linalg.eigh`` at root updates.
+When updates happen is ``schedule`` (``memopt.optim.config``): "reference" (default) gathers
+statistics from ``start_step`` on and takes the first roots once statistics exist, as the
+published code does; "eager" builds both at ``start_step`` from that one gradient. Why: under
+"eager" with the published root interval the first preconditioner, built from a single gradient,
+is used unchanged for ``root_every`` steps.
+
+Non-finite gradients: a parameter whose gradient holds a NaN or an infinity skips that step
+entirely (parameter, statistics, roots, moments and its step count stay as they were) and a
+``RuntimeWarning`` names it once. Why skip rather than fall back to the grafted direction: the
+grafted optimizer's moments would take the non-finite values in just the same, and a step count
+that does not advance keeps the statistic/root schedule on finite gradients only.
+
+All state is allocated at full size at a parameter's first step, so state memory is constant from
+step 1 (the budget accounting in ``cost_model`` relies on that). Statistics and first-order state
+are fp32 whatever the parameter dtype. ``bits=32`` runs the same code with fp32 storage (the
+32-bit baseline); ``quantize="statistics"`` is the naive baseline that stores L and R themselves
+(fp32 diagonal, quantized off-diagonal) and takes roots with ``torch.linalg.eigh`` at root updates.
 """
 from __future__ import annotations
 
+import copy
 import math
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch._guards import detect_fake_mode
 
 from memopt.core.storage import distinct_bytes
+from memopt.optim.config import (FIRST_ORDER_KEYS, LEGACY_GROUP_DEFAULTS, ShampooConfig, check_layout,
+                                 preconditioned, root_due, stat_due, stat_update_index, state_layout)
 from memopt.optim.linalg import bjorck, eigh_inverse_root, inverse_root, subspace_step
-from memopt.optim.quant import QUANT_MAPS, QuantSpec, dequantize, quantize
+from memopt.optim.quant import dequantize, quantize
 
 ADAM_EPS = 1e-8  # AdamW's denominator epsilon (the API's ``eps`` is Shampoo's ridge and initial statistic)
 PRECONDITIONER_PREFIX = "pre."  # state keys of the preconditioner; everything else is first-order state
-_FIRST_ORDER_KEYS = {"adamw": ("exp_avg", "exp_avg_sq"), "sgd": ("momentum_buffer",)}
-
-
-def _positive_int(name: str, value: Any, minimum: int = 1) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name}={value!r} must be an int >= {minimum}")
-
-
-def _unit_interval(name: str, value: Any) -> None:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0.0 <= value < 1.0:
-        raise ValueError(f"{name}={value!r} must be a float in [0, 1)")
-
-
-@dataclass(frozen=True)
-class ShampooConfig:
-    """One param group's hyperparameters, validated (see ``Shampoo`` for their meaning)."""
-
-    lr: float
-    bits: int
-    betas: tuple[float, float]
-    weight_decay: float
-    graft: str
-    momentum: float
-    stat_decay: float
-    eps: float
-    stat_every: int
-    root_every: int
-    start_step: int
-    block_size: int
-    max_order: int
-    min_quant_numel: int
-    quant_map: str
-    rectify_iters: tuple[int, int]
-    quantize: str
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.lr, (int, float)) or isinstance(self.lr, bool) or not self.lr >= 0:
-            raise ValueError(f"lr={self.lr!r} must be a float >= 0")
-        if self.bits not in (4, 8, 32) or isinstance(self.bits, bool):
-            raise ValueError(f"bits={self.bits!r} is not supported; use 4, 8 or 32 (32 = unquantized)")
-        if not isinstance(self.betas, (tuple, list)) or len(self.betas) != 2:
-            raise ValueError(f"betas={self.betas!r} must be a pair (beta1, beta2)")
-        for i, beta in enumerate(self.betas):
-            _unit_interval(f"betas[{i}]", beta)
-        if not isinstance(self.weight_decay, (int, float)) or not self.weight_decay >= 0:
-            raise ValueError(f"weight_decay={self.weight_decay!r} must be a float >= 0")
-        if self.graft not in _FIRST_ORDER_KEYS:
-            raise ValueError(f"graft={self.graft!r} is not known; use 'adamw' or 'sgd'")
-        _unit_interval("momentum", self.momentum)
-        _unit_interval("stat_decay", self.stat_decay)
-        if not isinstance(self.eps, (int, float)) or isinstance(self.eps, bool) or not self.eps > 0:
-            raise ValueError(f"eps={self.eps!r} must be a float > 0 (1e-6 is published)")
-        for name in ("stat_every", "root_every", "start_step", "block_size", "max_order"):
-            _positive_int(name, getattr(self, name))
-        _positive_int("min_quant_numel", self.min_quant_numel, 0)
-        if self.quant_map not in QUANT_MAPS:
-            raise ValueError(f"quant_map={self.quant_map!r} is not known; use one of {QUANT_MAPS}")
-        iters = self.rectify_iters
-        if (not isinstance(iters, (tuple, list)) or len(iters) != 2
-                or any(not isinstance(i, int) or isinstance(i, bool) or i < 0 for i in iters)):
-            raise ValueError(f"rectify_iters={iters!r} must be a pair of ints >= 0 "
-                             f"(Björck steps at statistic and at root updates)")
-        if self.quantize not in ("eigenvectors", "statistics"):
-            raise ValueError(f"quantize={self.quantize!r} is not known; use 'eigenvectors' or 'statistics'")
-
-    @classmethod
-    def from_group(cls, group: dict[str, Any]) -> ShampooConfig:
-        return cls(**{name: group[name] for name in cls.__dataclass_fields__})
-
-    @property
-    def spec(self) -> QuantSpec | None:
-        return None if self.bits == 32 else QuantSpec(self.bits, self.block_size, self.quant_map)
 
 
 @dataclass(frozen=True)
@@ -195,46 +139,69 @@ class Shampoo(torch.optim.Optimizer):
         stat_decay: β of L = βL + (1-β)GGᵀ, 0.95.
         eps: 1e-6, the initial L = R = eps·I and the relative ridge eps·max λ of the inverse root.
         stat_every, root_every: T1 = 100 and T2 = 500 steps between statistic / root updates.
-        start_step: 1, the first step that updates and uses the preconditioner.
+        start_step: 1, the first step counted by the schedule.
+        schedule: "reference" (default: statistics from ``start_step``, roots once statistics exist,
+            the grafted optimizer alone until then) or "eager" (statistics and roots at
+            ``start_step``, preconditioned from then on; this class's behaviour before the option).
         block_size: 64 elements per fp32 quantization scale.
         max_order: 1200; larger dimensions are split into blocks with their own L and R.
         min_quant_numel: 4096; smaller matrices (order < 64) stay fp32.
         quant_map: "linear2" (default, signed squares) or "dynamic" (dynamic tree).
         rectify_iters: (1, 4) Björck steps at statistic and at root updates.
+        qr_iters: 1 (published) warm-started QR iterations per statistic update; more iterations
+            bring the tracked eigenvectors closer to the statistic's at the cost of one QR each.
+        eigh_every: 0 (never); N > 0 replaces every N-th statistic update's QR iterations by an
+            exact ``torch.linalg.eigh``, which resets the eigenvector tracking error.
         quantize: "eigenvectors" (the method) or "statistics" (the naive baseline).
     Parameters of rank <= 1 after squeezing are not preconditioned (D = G). Each param group may
-    override any of these. ``p.grad`` is never modified.
+    override any of these; bits, quantize, graft, max_order and (below 32 bits) block_size,
+    quant_map and min_quant_numel are fixed once a parameter has state. ``p.grad`` is never modified.
     """
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, *, bits: int = 4,
                  betas: tuple[float, float] = (0.9, 0.999), weight_decay: float = 0.0, graft: str = "adamw",
                  momentum: float = 0.9, stat_decay: float = 0.95, eps: float = 1e-6, stat_every: int = 100,
-                 root_every: int = 500, start_step: int = 1, block_size: int = 64, max_order: int = 1200,
-                 min_quant_numel: int = 4096, quant_map: str = "linear2", rectify_iters: tuple[int, int] = (1, 4),
+                 root_every: int = 500, start_step: int = 1, schedule: str = "reference", block_size: int = 64,
+                 max_order: int = 1200, min_quant_numel: int = 4096, quant_map: str = "linear2",
+                 rectify_iters: tuple[int, int] = (1, 4), qr_iters: int = 1, eigh_every: int = 0,
                  quantize: str = "eigenvectors") -> None:
         defaults = {"lr": lr, "bits": bits, "betas": tuple(betas) if isinstance(betas, list) else betas,
                     "weight_decay": weight_decay, "graft": graft, "momentum": momentum,
                     "stat_decay": stat_decay, "eps": eps, "stat_every": stat_every, "root_every": root_every,
-                    "start_step": start_step, "block_size": block_size, "max_order": max_order,
-                    "min_quant_numel": min_quant_numel, "quant_map": quant_map,
-                    "rectify_iters": rectify_iters, "quantize": quantize}
+                    "start_step": start_step, "schedule": schedule, "block_size": block_size,
+                    "max_order": max_order, "min_quant_numel": min_quant_numel, "quant_map": quant_map,
+                    "rectify_iters": rectify_iters, "qr_iters": qr_iters, "eigh_every": eigh_every,
+                    "quantize": quantize}
         ShampooConfig(**defaults)  # fail at construction, naming the bad value
+        self._warned_nonfinite: set[int] = set()  # ids of parameters already warned about
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """As ``torch.optim.Optimizer``'s, but the group is validated first, so a bad one is never added."""
+        if isinstance(param_group, dict):
+            filled = {key: value for key, value in param_group.items() if key not in ("params", "param_names")}
+            for key, value in self.defaults.items():
+                filled.setdefault(key, value)
+            ShampooConfig.from_group(filled)
         super().add_param_group(param_group)
-        ShampooConfig.from_group(self.param_groups[-1])
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """As ``torch.optim.Optimizer``'s, but state tensors keep their saved dtype: the stock
-        method casts every state tensor to the parameter's dtype (uint8 codes, fp32 statistics)."""
+        method casts every state tensor to the parameter's dtype (uint8 codes, fp32 statistics)
+        and mangles strings inside dicts (the ``layout`` record).
+        Groups saved before an option existed get the value that reproduces their run."""
         super().load_state_dict(state_dict)
+        for group in self.param_groups:
+            for key, value in LEGACY_GROUP_DEFAULTS.items():
+                group.setdefault(key, value)
         saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]
         for pid, p in zip(saved_ids, params):
             for key, value in state_dict["state"].get(pid, {}).items():
                 if isinstance(value, torch.Tensor):
                     self.state[p][key] = value.to(device=p.device, copy=True)
+                elif isinstance(value, dict):  # the stock method turns strings inside into generators
+                    self.state[p][key] = copy.deepcopy(value)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
@@ -242,20 +209,54 @@ class Shampoo(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for group in self.param_groups:
+        work = []  # validate every group before any parameter moves: an error leaves all untouched
+        for index, group in enumerate(self.param_groups):
             cfg = ShampooConfig.from_group(group)
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
+            params = [p for p in group["params"] if p.grad is not None]
+            for p in params:
                 if p.grad.is_sparse:
                     raise RuntimeError("Shampoo does not support sparse gradients")
-                self._step_param(p, cfg)
+                if "layout" in self.state[p]:
+                    check_layout(self.state[p]["layout"], cfg, index)
+            work.append((index, group, cfg, params))
+        for index, group, cfg, params in work:
+            for p, finite in zip(params, self._finite(params)):
+                if finite:
+                    self._step_param(p, cfg)
+                else:
+                    self._warn_nonfinite(p, group, index)
         return loss
+
+    @staticmethod
+    def _finite(params: list[torch.Tensor]) -> list[bool]:
+        """Whether each gradient is all finite, with one host sync for the group. Under a fake-tensor
+        mode (the cost model) the same ops run and every gradient counts as finite."""
+        if not params:
+            return []
+        flags = torch.stack([torch.isfinite(p.grad).all() for p in params])
+        if detect_fake_mode(flags) is not None:
+            return [True] * len(params)
+        return flags.tolist()
+
+    def _warn_nonfinite(self, p: torch.Tensor, group: dict[str, Any], index: int) -> None:
+        if id(p) in self._warned_nonfinite:
+            return
+        self._warned_nonfinite.add(id(p))
+        position = next(i for i, q in enumerate(group["params"]) if q is p)
+        names = group.get("param_names")
+        name = repr(names[position]) if names else f"param_groups[{index}]['params'][{position}]"
+        bad = (~torch.isfinite(p.grad)).sum().item()
+        warnings.warn(
+            f"Shampoo: parameter {name} (shape {tuple(p.shape)}) has a non-finite gradient ({bad} of "
+            f"{p.grad.numel()} elements NaN or inf); its step was skipped and its state left unchanged. "
+            f"Later skips of this parameter are not warned about; lower the learning rate or clip or "
+            f"scale the loss if this repeats", RuntimeWarning, stacklevel=3)
 
     def _init_state(self, p: torch.Tensor, state: dict[str, Any], cfg: ShampooConfig,
                     layout: _Layout | None) -> None:
         state["step"] = 0
-        for key in _FIRST_ORDER_KEYS[cfg.graft]:
+        state["layout"] = state_layout(cfg)
+        for key in FIRST_ORDER_KEYS[cfg.graft]:
             state[key] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
         store = _MatrixStore(state, cfg)
         for b, rows, cols in layout.blocks() if layout else ():
@@ -270,16 +271,22 @@ class Shampoo(torch.optim.Optimizer):
                     store.put(key + ".stat", eye * cfg.eps, sym=True)
                 store.put(key + ".root", inverse_root(eye, vals, cfg.eps), sym=True)
 
-    def _update_stat(self, store: _MatrixStore, key: str, gg: torch.Tensor, cfg: ShampooConfig) -> None:
+    def _update_stat(self, store: _MatrixStore, key: str, gg: torch.Tensor, cfg: ShampooConfig, k: int) -> None:
         n, beta = gg.shape[0], cfg.stat_decay
         if cfg.quantize == "statistics":
             store.put(key + ".stat", beta * store.get(key + ".stat", n, sym=True) + (1 - beta) * gg, sym=True)
             return
+        vals = store.state[key + ".vals"]
         v = bjorck(store.get(key + ".vecs", n).mT, cfg.rectify_iters[0])
-        a = beta * ((v * store.state[key + ".vals"]) @ v.mT) + (1 - beta) * gg
-        p, vals = subspace_step(a, v, store.state[key + ".vals"])
-        store.put(key + ".vecs", p.mT)  # stored as Vᵀ: a quantization block lies in one eigenvector
-        store.state[key + ".vals"].copy_(vals)
+        a = beta * ((v * vals) @ v.mT) + (1 - beta) * gg
+        if cfg.eigh_every and stat_update_index(cfg, k) % cfg.eigh_every == 0:
+            vals_new, v = torch.linalg.eigh(a)
+        else:
+            vals_new = vals
+            for _ in range(cfg.qr_iters):
+                v, vals_new = subspace_step(a, v, vals_new)
+        store.put(key + ".vecs", v.mT)  # stored as Vᵀ: a quantization block lies in one eigenvector
+        vals.copy_(vals_new)
 
     def _update_root(self, store: _MatrixStore, key: str, n: int, cfg: ShampooConfig) -> None:
         if cfg.quantize == "statistics":
@@ -290,8 +297,12 @@ class Shampoo(torch.optim.Optimizer):
         store.put(key + ".root", root, sym=True)
 
     def _direction(self, g: torch.Tensor, state: dict[str, Any], cfg: ShampooConfig, layout: _Layout) -> torch.Tensor:
-        """The grafted preconditioned direction for the fp32 gradient ``g``."""
-        k = state["step"] - cfg.start_step
+        """The grafted preconditioned direction for the fp32 gradient ``g`` (updating statistics
+        and roots when the schedule says so); ``g`` itself before the first root."""
+        k = state["step"]
+        update_stat, update_root = stat_due(cfg, k), root_due(cfg, k)
+        if not (update_stat or update_root or preconditioned(cfg, k)):
+            return g
         gm = g.reshape(layout.rows, layout.cols)
         store = _MatrixStore(state, cfg)
         out = torch.empty_like(gm)
@@ -300,12 +311,14 @@ class Shampoo(torch.optim.Optimizer):
             roots = []
             for side, n in (("L", gb.shape[0]), ("R", gb.shape[1])):
                 key = f"{PRECONDITIONER_PREFIX}{b}.{side}"
-                if k % cfg.stat_every == 0:  # GGᵀ / GᵀG only when the statistic is updated
-                    self._update_stat(store, key, gb @ gb.mT if side == "L" else gb.mT @ gb, cfg)
-                if k % cfg.root_every == 0:
+                if update_stat:  # GGᵀ / GᵀG only when the statistic is updated
+                    self._update_stat(store, key, gb @ gb.mT if side == "L" else gb.mT @ gb, cfg, k)
+                if update_root:
                     self._update_root(store, key, n, cfg)
                 roots.append(store.get(key + ".root", n, sym=True))
             out[rows, cols] = roots[0] @ gb @ roots[1]
+        if not preconditioned(cfg, k):  # statistics gathered, no root yet: the grafted optimizer alone
+            return g
         # grafting: the preconditioner picks the direction, the gradient's norm the step length
         scale = torch.linalg.vector_norm(gm) / torch.linalg.vector_norm(out).clamp_min(torch.finfo(out.dtype).tiny)
         return (out * scale).view(g.shape)
@@ -315,10 +328,11 @@ class Shampoo(torch.optim.Optimizer):
         layout = _layout(p.shape, cfg.max_order)
         if not state:
             self._init_state(p, state, cfg, layout)
+        state.setdefault("layout", state_layout(cfg))  # state saved before the key existed
         state["step"] += 1
         step = state["step"]
         g = p.grad.detach().to(torch.float32)  # may alias p.grad: only out-of-place ops on g below
-        d = self._direction(g, state, cfg, layout) if layout and step >= cfg.start_step else g
+        d = self._direction(g, state, cfg, layout) if layout else g
         if cfg.graft == "adamw":
             beta1, beta2 = cfg.betas
             exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]

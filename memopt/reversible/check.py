@@ -8,70 +8,31 @@ step that fails even from its true output stays exact. Each piece's gradients ar
 with plain autograd. Everything runs on the real example inputs with the model's state (buffers,
 RNG, grads) restored afterwards.
 
-The example inputs reach the pass through ``example_inputs`` (a context set by the pipeline), so a
-pass keeps its ``(GraphModule, config)`` signature.
+The example inputs reach the pass explicitly (``PassContext.examples``: ``real_examples`` of the graph's
+placeholder values, None on fake or meta inputs, when the check is skipped).
 """
 from __future__ import annotations
 
-import contextlib
-import contextvars
-from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import fx
+from torch._subclasses.fake_tensor import FakeTensor
+
+from memopt.core.inputs import Examples
 
 from memopt.reversible.ops import ReversibleSegment, _Reversible, relative_error, run_forward, undo_steps
 from memopt.runtime.rng import rng_state, set_rng_state
 from memopt.core.state import preserved_state
 
 
-@dataclass
-class Examples:
-    inputs: List[Any]  # the graph's placeholder values
-    cache: Dict[Any, Any] = field(default_factory=dict)
-
-
-@dataclass
-class Call:
-    """The model-level inputs and target device of the graph being rewritten (for re-annotation)."""
-
-    args: tuple
-    kwargs: dict
-    device: Optional[str]
-
-
-_EXAMPLES: contextvars.ContextVar[Optional[Examples]] = contextvars.ContextVar("memopt_examples", default=None)
-_CALL: contextvars.ContextVar[Optional[Call]] = contextvars.ContextVar("memopt_call", default=None)
-
-
-@contextlib.contextmanager
-def example_inputs(flat: Optional[List[Any]], args: tuple = (), kwargs: Optional[dict] = None,
-                   device: Optional[str] = None) -> Iterator[None]:
-    """Make the example inputs visible to passes: the real placeholder values ``flat`` for numeric
-    checks (None or fake/meta: no check), and the model-level inputs to re-annotate a graph."""
-    real = flat is not None and not any(isinstance(t, torch.Tensor) and (t.is_meta or _is_fake(t)) for t in flat)
-    token = _EXAMPLES.set(Examples(list(flat)) if real else None)
-    call = _CALL.set(Call(args, kwargs or {}, device))
-    try:
-        yield
-    finally:
-        _EXAMPLES.reset(token)
-        _CALL.reset(call)
-
-
-def current_call() -> Optional[Call]:
-    return _CALL.get()
-
-
-def _is_fake(t: torch.Tensor) -> bool:
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    return isinstance(t, FakeTensor)
-
-
-def current_examples() -> Optional[Examples]:
-    return _EXAMPLES.get()
+def real_examples(flat: Optional[List[Any]]) -> Optional[Examples]:
+    """``Examples`` of the real placeholder values ``flat``; None when there are none or they are fake or meta
+    (then nothing can be checked)."""
+    if flat is None or any(isinstance(t, torch.Tensor) and (t.is_meta or isinstance(t, FakeTensor)) for t in flat):
+        return None
+    return Examples(list(flat))
 
 
 def true_values(gm: fx.GraphModule, examples: Examples, wanted: Sequence[fx.Node]) -> Dict[str, torch.Tensor]:

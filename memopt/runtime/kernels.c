@@ -1,7 +1,7 @@
-/* Fused CPU kernels for the K-bit stash (memopt/ops/native.py compiles and loads this file).
+/* Fused CPU kernels for the K-bit stash (memopt/runtime/native.py compiles and loads this file).
  *
- * Each kernel does in one pass over memory what the plain-PyTorch path (memopt/ops/stash_grid.py,
- * memopt/ops/bitpack.py) does in several full-size elementwise ops, with the same float32 arithmetic in the
+ * Each kernel does in one pass over memory what the plain-PyTorch path (memopt/stash/grid.py,
+ * memopt/runtime/bitpack.py) does in several full-size elementwise ops, with the same float32 arithmetic in the
  * same order (built with -ffp-contract=off, no fast-math; -fno-trapping-math only lets the compiler turn
  * selects into vector blends), so codes, grids and rebuilt values are bit-identical to that path
  * (tests/test_native.py); only the BN backward's per-channel sums are accumulated in another order (float
@@ -9,7 +9,7 @@
  *
  * Layout: a contiguous float32 / uint8 tensor of n elements, shape (N, C, S...) flattened, so element i
  * belongs to channel (i / S) % C. Codes are an LSB-first bit stream: element i occupies stream bits
- * [i*bits, (i+1)*bits) (memopt/ops/bitpack.py). Work is split into blocks of BLOCK elements, a multiple of 8,
+ * [i*bits, (i+1)*bits) (memopt/runtime/bitpack.py). Work is split into blocks of BLOCK elements, a multiple of 8,
  * so that every block starts on a byte of every stream; masks may be 0/1 bytes or the saved 1-bit stream,
  * unpacked a block at a time.
  */
@@ -800,7 +800,7 @@ void mo_bn_backward(const uint8_t *packed, int64_t nbytes, int bits, int64_t n, 
                     const float *grad, int act, float slope, float *g,
                     float *sum_g, const float *gamma_invstd, const float *exact_val, const uint8_t *exact_ok,
                     const float *solve, float top, float *out, float *sum_gx, int nthreads) {
-    /* solve (memopt/ops/stash_identity.py, with grad and a mask): rows R, beta, gamma, threshold, sign, ok per
+    /* solve (memopt/stash/identity.py, with grad and a mask): rows R, beta, gamma, threshold, sign, ok per
        channel; the weight gradient becomes (R - top * clip - beta * sum_g) / gamma where ok and finite, clip
        being the sum of grad over the mask-false elements whose code satisfies sign * code >= threshold */
     int threads = nthreads < 1 ? 1 : nthreads;

@@ -32,19 +32,19 @@ updated once), and backward keeps, through ``ctx.save_for_backward``, only:
 BN backward uses x̂ only in its variance term: the mean term and σ are exact. The gradient flowing
 to the previous layer is therefore exact up to that term, and errors do not compound over depth. The
 rebuilt x̂ is centred per channel (the true one has zero mean), so that input gradient sums to zero per
-channel as stock's does. A stem BN -> ReLU -> max-pool runs in ``memopt/ops/stash_pool.py`` instead,
+channel as stock's does. A stem BN -> ReLU -> max-pool runs in ``memopt/stash/pool.py`` instead,
 whose BN weight gradient is exact from the pooled output.
 
 Consumers of the activation (conv, linear, max-pool) are rewritten to keep no copy of it: conv and
 linear rebuild their input from the stash for the weight gradient only (the input gradient needs
 the weight alone, so it stays exact), max-pool keeps only the window offset of each maximum
 (4 bits for a 3x3 window instead of an int64 index).
-The grids and codecs live in ``memopt/ops/stash_grid.py``.
+The grids and codecs live in ``memopt/stash/grid.py``.
 """
 from __future__ import annotations
 
 import math
-from typing import Optional, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -62,7 +62,7 @@ from memopt.stash.grid import (MEAN_STRIDE, REACH, WINDOWS, _act_backward, _acti
                                    keep_where, new_bin_sums, select_u8, wants_means, x_code, x_grid_half,
                                    x_grid_past, x_grid_reach)
 
-__all__ = ["WINDOWS", "BNActStash", "bn_act_stash", "conv_from_stash", "conv_grads", "linear_from_stash",
+__all__ = ["WINDOWS", "BNActStash", "ChainSpec", "bn_act_stash", "conv_from_stash", "conv_grads", "linear_from_stash",
            "linear_grads", "positive_z_grid", "split_by_mask", "x_grid_half"]
 
 
@@ -226,7 +226,7 @@ class BNActStash(torch.autograd.Function):
         ctx.shape, ctx.bits, ctx.act, ctx.act_params, ctx.node, ctx.eps = x.shape, bits, act, act_params, node, eps
         ctx.has_residual, ctx.has_weight, ctx.has_bias = residual_input, weight is not None, bias is not None
         ctx.second = None if x2 is None else (x2.dtype, eps2, weight2 is not None, bias2 is not None)
-        # the scale identity (memopt/ops/stash_identity.py): as A, a zero per channel whose gradient brings R
+        # the scale identity (memopt/stash/identity.py): as A, a zero per channel whose gradient brings R
         # from B; as B, the number of A's channels to reduce R to
         ctx.link_groups, ctx.link_in = link_groups, 0 if link is None else link.numel()
         ctx.mark_non_differentiable(y_codes, mask_packed, affine, zero_code)
@@ -352,27 +352,66 @@ def _tuple(v, n):
     return list(v) if isinstance(v, (tuple, list)) else [v] * n
 
 
+class ChainSpec(NamedTuple):
+    """A chain's non-tensor parameters: one typed constant in the rewritten graph, and the record the planner
+    reads (``node.meta[CHAIN_KEY]``), so no caller decodes positions. A NamedTuple because fx keeps it whole:
+    its code generator imports the class, so printed, pickled and re-traced graphs re-create it.
+
+    Attributes:
+        act: "identity" (no activation), "relu", "relu6" or "leaky_relu".
+        bits: K, the bits of the codes.
+        momentum, eps: the BatchNorm's (momentum None: cumulative average, as ``nn.BatchNorm``).
+        act_params: the activation's parameters (LeakyReLU: (negative_slope,)).
+        need_y: False when no consumer rebuilds the output from the codes (only the mask is needed).
+        node: the BatchNorm node's text, for error messages.
+        residual: True when a residual tensor is added before the activation (the ``residual`` argument).
+        joined: True when the residual is a second training-mode BatchNorm run here (``x2`` ... arguments).
+        momentum2, eps2: that second BatchNorm's.
+        pool: (kernel_size, stride, padding, dilation, ceil_mode): y is max_pool2d(relu(BN(x))) (``pool.py``).
+        link_groups: > 0 when this chain's weight gradient is solved by the scale identity from the chain its
+            depthwise conv feeds (``identity.py``): a sixth output, the link, of that many channels.
+        means: rebuild each bin at the mean of the values it coded (``StashConfig.bin_means``).
+    """
+
+    act: str
+    bits: int
+    momentum: Optional[float] = 0.1
+    eps: float = 1e-5
+    act_params: tuple = ()
+    need_y: bool = True
+    node: str = ""
+    residual: bool = False
+    joined: bool = False
+    momentum2: Optional[float] = None
+    eps2: float = 1e-5
+    pool: Optional[tuple] = None
+    link_groups: int = 0
+    means: bool = False
+
+
 @graph_leaf
-def bn_act_stash(x, weight, bias, running_mean, running_var, num_batches_tracked, residual, momentum: Optional[float],
-                 eps: float, act: str, act_params: tuple, bits: int, need_y: bool = True, node: str = "", x2=None,
+def bn_act_stash(x, weight, bias, running_mean, running_var, num_batches_tracked, residual, spec: ChainSpec, x2=None,
                  weight2=None, bias2=None, running_mean2=None, running_var2=None, num_batches_tracked2=None,
-                 momentum2: Optional[float] = None, eps2: float = 1e-5, pool: Optional[tuple] = None, link=None,
-                 link_groups: int = 0, means: bool = False):
-    """BatchNorm (training) [+ residual] -> activation ("identity" for none) with a K-bit stash; returns
-    (y, codes, mask, affine, zero_code). ``need_y=False`` when no consumer rebuilds y. With ``x2`` (and no
-    ``residual``) the residual is a second training-mode BatchNorm of ``x2`` (weight2 ... eps2), run here.
-    With ``pool`` = (kernel_size, stride, padding, dilation, ceil_mode) (ReLU, no residual) y is
-    max_pool2d(relu(BN(x))) and the rest empty: ``memopt/ops/stash_pool.py``. ``link_groups`` (A) adds a sixth
-    output for ``link`` (B) of the chain that its depthwise conv feeds: ``memopt/ops/stash_identity.py``.
-    ``means``: rebuild each bin at the mean of the values it coded (at K <= ``stash_grid.MEAN_BITS``;
-    ``StashConfig.bin_means``)."""
-    if pool is not None:
-        pooled = BNReLUMaxPoolStash.apply(x, weight, bias, running_mean, running_var, num_batches_tracked, momentum,
-                                          eps, bits, *pool, node, means)
+                 link=None):
+    """BatchNorm (training) [+ residual] -> activation with a K-bit stash (``spec``: ``ChainSpec``); returns
+    (y, codes, mask, affine, zero_code) and, with ``spec.link_groups``, the link. With ``x2`` (and no
+    ``residual``) the residual is a second training-mode BatchNorm of ``x2`` (weight2 ...), run here. ``link``:
+    the link of the chain whose weight gradient this chain's solves (``identity.py``)."""
+    if not isinstance(spec, ChainSpec):
+        raise MemoptError(f"bn_act_stash takes a memopt.stash.ops.ChainSpec after the residual, got "
+                          f"{type(spec).__name__}: {spec!r:.80}; build the call with ChainSpec(act=..., bits=...)")
+    if spec.residual != (residual is not None) or spec.joined != (x2 is not None):
+        raise MemoptError(f"bn_act_stash at {spec.node or 'a chain'}: spec says residual={spec.residual}, "
+                          f"joined={spec.joined} but the call passes residual={residual is not None}, "
+                          f"x2={x2 is not None}; the spec must describe the tensors passed")
+    if spec.pool is not None:
+        pooled = BNReLUMaxPoolStash.apply(x, weight, bias, running_mean, running_var, num_batches_tracked,
+                                          spec.momentum, spec.eps, spec.bits, *spec.pool, spec.node, spec.means)
         return (pooled, *(torch.zeros(0, device=x.device) for _ in range(4)))
-    return BNActStash.apply(x, weight, bias, running_mean, running_var, num_batches_tracked, residual, momentum,
-                            eps, act, act_params, bits, need_y, node, x2, weight2, bias2, running_mean2, running_var2,
-                            num_batches_tracked2, momentum2, eps2, link, link_groups, means)
+    return BNActStash.apply(x, weight, bias, running_mean, running_var, num_batches_tracked, residual, spec.momentum,
+                            spec.eps, spec.act, spec.act_params, spec.bits, spec.need_y, spec.node, x2, weight2, bias2,
+                            running_mean2, running_var2, num_batches_tracked2, spec.momentum2, spec.eps2, link,
+                            spec.link_groups, spec.means)
 
 
 @graph_leaf

@@ -77,7 +77,7 @@ def test_ranks_agree_and_match_the_stock_run(kind, tmp_path):
         delta_stock, delta_default = stock - _initial(), default - _initial()
         cosine = F.cosine_similarity(delta_stock.double(), delta_default.double(), dim=0)
         # the 4-bit stash approximates weight gradients (median relative error ~0.14,
-        # docs/results/stash_depth.md); after 3 momentum steps the update's cosine measured 0.98
+        # docs/results/stash/stash_depth.md); after 3 momentum steps the update's cosine measured 0.98
         assert cosine > 0.95, f"{kind}: the 4-bit stash run moved the parameters differently (cosine {cosine:.4f})"
 
 

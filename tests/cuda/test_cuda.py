@@ -1,7 +1,7 @@
 """The same guarantees on a CUDA GPU: forward bit-identical, saved bytes measured = estimated, gradients
 within each technique's bound, BatchNorm statistics once per step, exact 1-bit extras, bf16 autocast,
 reversible segments and 4-bit Shampoo. Skipped without a GPU (CI has none; run on a lent one, see
-docs/results/cuda.md). cuDNN runs deterministically here so that stock and memopt take the same kernels."""
+docs/results/cuda/cuda.md). cuDNN runs deterministically here so that stock and memopt take the same kernels."""
 import copy
 
 import pytest
@@ -153,7 +153,7 @@ def test_four_bit_shampoo_on_cuda_follows_its_cpu_run():
 
 def test_budget_is_met_by_the_measured_peak_on_cuda():
     # the planner keeps Config.workspace_mb (64 MiB by default on CUDA) free for cuDNN workspaces: a plan made to
-    # the byte measured 37 MiB over its budget without it (ResNet-50, batch 32, docs/results/cuda.md)
+    # the byte measured 37 MiB over its budget without it (ResNet-50, batch 32, docs/results/cuda/cuda.md)
     torchvision = pytest.importorskip("torchvision")
     torch.manual_seed(0)
     model, x = torchvision.models.resnet18().cuda().train(), torch.randn(32, 3, 224, 224, device="cuda")

@@ -8,7 +8,7 @@ from torch import fx
 
 import memopt
 from memopt.cost_model.op_registry import op_kind
-from memopt.passes.base import PassResult, register_pass, registered_pass
+from memopt.passes.base import PassContext, PassResult, register_pass, registered_pass
 from memopt.passes.manager import passes_for, run_passes
 from memopt.capture import capture
 from memopt.testing.zoo import build
@@ -39,7 +39,7 @@ class _TanhConfig:
 
 
 @register_pass(_TanhConfig, "test_exact_tanh")
-def _tanh_pass(gm: fx.GraphModule, cfg: _TanhConfig) -> PassResult:
+def _tanh_pass(gm: fx.GraphModule, cfg: _TanhConfig, ctx: PassContext) -> PassResult:
     modules = dict(gm.named_modules())
     modified = False
     for node in list(gm.graph.nodes):
@@ -59,7 +59,7 @@ class _Holder:
 
 
 def test_registry_selects_passes_from_config_fields():
-    assert registered_pass(_TanhConfig)[0] == "test_exact_tanh"
+    assert registered_pass(_TanhConfig).name == "test_exact_tanh"
     assert [name for name, _, _ in passes_for(_Holder())] == ["test_exact_tanh"]
     assert passes_for(_Holder(tanh=None)) == []
     assert [name for name, _, _ in passes_for(memopt.Config())] == ["reversible", "recompute", "stash", "fewbit"]
@@ -79,7 +79,7 @@ def test_pass_rewrites_recompiles_and_keeps_forward_exact():
 
 
 def test_a_failing_pass_is_named():
-    def broken(gm, cfg):
+    def broken(gm, cfg, ctx):
         raise RuntimeError("boom at node fc1")
 
     model, inputs = build("mlp")
@@ -89,7 +89,7 @@ def test_a_failing_pass_is_named():
 
 
 def test_a_pass_that_breaks_the_graph_is_caught_by_lint():
-    def dangling(gm, cfg):
+    def dangling(gm, cfg, ctx):
         node = next(n for n in gm.graph.nodes if n.op == "call_module")
         node.args = (fx.Node(gm.graph, "ghost", "placeholder", "ghost", (), {}),)  # not in the graph
         return PassResult(gm, True)
@@ -104,4 +104,4 @@ def test_a_pass_must_return_pass_result():
     model, inputs = build("mlp")
     gm = capture(model, (inputs,), {}).graph_module
     with pytest.raises(memopt.PassError, match="must return PassResult, got MLPGraph"):
-        run_passes(gm, [("sloppy", lambda gm, cfg: gm, None)])
+        run_passes(gm, [("sloppy", lambda gm, cfg, ctx: gm, None)])

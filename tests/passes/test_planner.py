@@ -178,7 +178,7 @@ def test_planner_config_errors_quote_the_value(field, value, match):
 
 def test_cuda_budget_keeps_workspace_headroom(resnet):
     # planning for CUDA (fake tensors, no GPU needed): the planner keeps Config.workspace_mb free for the cuDNN
-    # workspaces the estimate does not count (measured up to 37 MiB above the estimate on an H200, docs/results/cuda.md)
+    # workspaces the estimate does not count (measured up to 37 MiB above the estimate on an H200, docs/results/cuda/cuda.md)
     model, x, _, _ = resnet
     cuda = memopt.estimate(model, x, optimizer="sgd", device="cuda").peak_bytes
     budget_mb = cuda / MiB + 1  # meets the estimate, not the default 64 MiB headroom

@@ -75,7 +75,7 @@ def test_regression_stash_of_a_constant_channel_rebuilds_zero():
 # ---------------------------------------------------------------- property-based: random models, random Configs
 # Documented whole-gradient bounds (cosine of all parameter gradients against stock autograd):
 # stash at 4 bits >= 0.98 and at 8 bits >= 0.999 (tests/stash/test_stash.py); few-bit tables at >= 3 bits:
-# worst per-parameter cosine 0.9773 (uniform, 3 bits; docs/results/fewbit_gradients.md); exact masks,
+# worst per-parameter cosine 0.9773 (uniform, 3 bits; docs/results/fewbit/fewbit_gradients.md); exact masks,
 # max-pool offsets and the exact config: identical.
 STASH_BOUND = {4: 0.98, 8: 0.999}
 FEWBIT_BOUND = 0.97

@@ -1,6 +1,6 @@
-"""A short soak (the 200-step version of tools/bench_soak.py): memory flat after warm-up, no packed
+"""A short soak (the 200-step version of tools/bench/reliability/bench_soak.py): memory flat after warm-up, no packed
 tensor outlives its step, one captured graph, every step the same work (operators dispatched and
-storages packed; step times are measured in tools/bench_soak.py, not asserted here); and a leaking
+storages packed; step times are measured in tools/bench/reliability/bench_soak.py, not asserted here); and a leaking
 model and a model whose steps grow are caught."""
 import pytest
 import torch

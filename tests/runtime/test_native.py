@@ -1,4 +1,4 @@
-"""The fused CPU kernels (memopt/ops/native.py, stash_kernels.c) against the plain-PyTorch codecs they replace:
+"""The fused CPU kernels (memopt/runtime/native.py, kernels.c) against the plain-PyTorch codecs they replace:
 the same packed bytes, codes and rebuilt values bit for bit, the BN backward up to summation order, the same
 memory estimate, and a loud fallback when they cannot be built."""
 import contextlib
@@ -12,7 +12,7 @@ from torch import nn
 import memopt
 from memopt.runtime import native
 from memopt.runtime.bitpack import pack_bits, unpack_bits
-from memopt.stash.ops import _Stash, bn_act_stash
+from memopt.stash.ops import ChainSpec, _Stash, bn_act_stash
 from memopt.testing.zoo import build
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="the fused kernels could not be built here")
@@ -62,11 +62,13 @@ def _chain(act, residual, bits, shape, dtype=torch.float32, tails=False, means=F
         elif residual == "bn":
             x2 = torch.randn(shape).requires_grad_()
             extra = dict(x2=x2, weight2=bn2.weight, bias2=bn2.bias, running_mean2=bn2.running_mean,
-                         running_var2=bn2.running_var, num_batches_tracked2=bn2.num_batches_tracked, momentum2=0.1)
+                         running_var2=bn2.running_var, num_batches_tracked2=bn2.num_batches_tracked)
         params = (0.1,) if act == "leaky_relu" else ()
         y, codes, mask, affine, zero = bn_act_stash(x, bn.weight, bn.bias, bn.running_mean, bn.running_var,
-                                                    bn.num_batches_tracked, r, 0.1, 1e-5, act, params, bits,
-                                                    means=means, **extra)
+                                                    bn.num_batches_tracked, r,
+                                                    ChainSpec(act, bits, act_params=params, residual=r is not None,
+                                                              joined=bool(extra), momentum2=0.1, means=means),
+                                                    **extra)
         saved = [t.detach().clone() for t in y.grad_fn.saved_tensors if t is not None]
         rebuilt = _Stash.rebuild(codes, mask, affine, zero, bits, torch.Size(shape), act, params) \
             if codes.numel() else torch.zeros(0)
@@ -140,8 +142,8 @@ def test_nan_and_inf_inputs_give_stocks_non_finite_gradients(means):
         x[1, 2, 0, 0] = float("inf")
         x.requires_grad_()
         bn = nn.BatchNorm2d(3)
-        y = bn_act_stash(x, bn.weight, bn.bias, bn.running_mean, bn.running_var, bn.num_batches_tracked, None, 0.1,
-                         1e-5, "relu", (), 4, means=means)[0]
+        y = bn_act_stash(x, bn.weight, bn.bias, bn.running_mean, bn.running_var, bn.num_batches_tracked, None,
+                         ChainSpec("relu", 4, means=means))[0]
         assert any(t is not None and t.dim() == 3 for t in y.grad_fn.saved_tensors) == means
         y.backward(torch.ones_like(y))
         return x.grad, bn.weight.grad

@@ -11,7 +11,7 @@ from torch import nn
 import memopt
 from conftest import zoo_params
 from memopt.cost_model.storage import SavedTensorRecorder
-from memopt.stash.ops import bn_act_stash, conv_from_stash
+from memopt.stash.ops import ChainSpec, bn_act_stash, conv_from_stash
 from memopt.stash.pool import max_pool2d_indices_only
 from memopt.testing.zoo import build
 
@@ -80,8 +80,8 @@ def _chain(residual: bool, bits: int, weight=None, act="relu", shape=(4, 6, 5, 5
 def test_saved_bytes_are_the_codes_plus_per_channel_statistics(bits, residual):
     x, r, bn = _chain(residual, bits)
     with SavedTensorRecorder() as rec:
-        bn_act_stash(x, bn.weight, bn.bias, bn.running_mean, bn.running_var, bn.num_batches_tracked, r, 0.1, 1e-5,
-                     "relu", (), bits)
+        bn_act_stash(x, bn.weight, bn.bias, bn.running_mean, bn.running_var, bn.num_batches_tracked, r,
+                     ChainSpec("relu", bits, residual=r is not None))
     keys = {s.key: s.nbytes for s in rec.saved}
     n, c = x.numel(), x.shape[1]
     codes = math.ceil(n * bits / 8)
@@ -104,7 +104,7 @@ def test_residual_and_bias_gradients_are_exact_for_any_gamma_sign(act, sign):
         x, r, bn = _chain(residual, 2, weight)
         ref_bn = copy.deepcopy(bn)
         y, *_ = bn_act_stash(x, bn.weight, bn.bias, bn.running_mean, bn.running_var, bn.num_batches_tracked, r,
-                             0.1, 1e-5, act, params, 2)
+                             ChainSpec(act, 2, act_params=params, residual=r is not None))
         x2 = x.detach().clone().requires_grad_()
         r2 = r.detach().clone().requires_grad_() if residual else None
         z = ref_bn(x2) + (r2 if residual else 0)
@@ -122,7 +122,7 @@ def test_residual_and_bias_gradients_are_exact_for_any_gamma_sign(act, sign):
 def test_consumer_input_gradient_is_exact_and_maxpool_keeps_only_indices():
     x, _, bn = _chain(False, 4)
     y, codes, mask, affine, zero = bn_act_stash(x, bn.weight, bn.bias, bn.running_mean, bn.running_var,
-                                                bn.num_batches_tracked, None, 0.1, 1e-5, "relu", (), 4)
+                                                bn.num_batches_tracked, None, ChainSpec("relu", 4))
     conv = nn.Conv2d(6, 3, 3, padding=1, stride=2)
     y1 = y.detach().requires_grad_()
     out = conv_from_stash(y1, conv.weight, conv.bias, codes, mask, affine, zero, 4, "relu", (), conv.stride,
@@ -160,7 +160,7 @@ def test_max_pool_keeps_window_offsets_only(kernel, stride, padding, dilation, c
 
 @pytest.mark.parametrize("name", zoo_params(["cnn", "tiny_resnet", "resnet18", "resnet50"]))
 def test_gradient_error_at_8_and_4_bits(name):
-    # Documented bound (docs/results/stash_gradients.md): per parameter cosine >= 0.99 at 8 bits; at 4 bits the
+    # Documented bound (docs/results/stash/stash_gradients.md): per parameter cosine >= 0.99 at 8 bits; at 4 bits the
     # worst parameter measured 0.9985 / 0.9883 / 0.9947 / 0.9913 (cnn / tiny_resnet / resnet18 / resnet50: residual
     # BN weights), with downsample BNs joined to their residual chain, split windows ending where their values end
     # inside ±h, the stem BN -> ReLU -> max-pool fused and x̂ centred; before (commit 552fb46) 0.9955 / 0.9883 /
@@ -308,7 +308,8 @@ def test_residual_chain_splits_xhat_by_its_mask_and_codes_z_only_where_positive(
     reference = torch.relu(F.batch_norm(x, bn.running_mean.clone(), bn.running_var.clone(), bn.weight, bn.bias,
                                         True, 0.1, 1e-5) + r)
     y, packed, mask_packed, affine, zero = bn_act_stash(x, bn.weight, bn.bias, bn.running_mean, bn.running_var,
-                                                        bn.num_batches_tracked, r, 0.1, 1e-5, "relu", (), bits)
+                                                        bn.num_batches_tracked, r,
+                                                        ChainSpec("relu", bits, residual=r is not None))
     assert torch.equal(y, reference)
     saved = y.grad_fn.saved_tensors
     x_packed, grid = saved[0], saved[8]  # grid: per channel (lo0, w0, lo1, w1)
@@ -355,8 +356,8 @@ def test_downsample_bn_joins_the_chain_and_splits_its_xhat_by_the_mask(bits):
     ref_bn, ref_bn2 = copy.deepcopy(bn), copy.deepcopy(bn2)
     with SavedTensorRecorder() as rec:
         y, *_ = bn_act_stash(x, bn.weight, bn.bias, bn.running_mean, bn.running_var, bn.num_batches_tracked, None,
-                             0.1, 1e-5, "relu", (), bits, True, "", x2, bn2.weight, bn2.bias, bn2.running_mean,
-                             bn2.running_var, bn2.num_batches_tracked, 0.1, 1e-5)
+                             ChainSpec("relu", bits, joined=True, momentum2=0.1), x2, bn2.weight, bn2.bias,
+                             bn2.running_mean, bn2.running_var, bn2.num_batches_tracked)
     xr, x2r = x.detach().clone().requires_grad_(), x2.detach().clone().requires_grad_()
     ref = torch.relu(ref_bn(xr) + ref_bn2(x2r))
     assert torch.equal(y, ref)
@@ -397,7 +398,7 @@ def test_stem_bn_relu_max_pool_weight_gradient_is_exact_from_the_pooled_output(b
     ref_bn = copy.deepcopy(bn)
     with SavedTensorRecorder() as rec:
         out, *_ = bn_act_stash(x, bn.weight, bn.bias, bn.running_mean, bn.running_var, bn.num_batches_tracked, None,
-                               0.1, 1e-5, "relu", (), bits, False, "", pool=(3, 2, 1, 1, False))
+                               ChainSpec("relu", bits, need_y=False, pool=(3, 2, 1, 1, False)))
     xr = x.detach().clone().requires_grad_()
     ref = F.max_pool2d(torch.relu(ref_bn(xr)), 3, 2, 1)
     assert torch.equal(out, ref)
@@ -432,7 +433,7 @@ def test_cpu_selects_and_gpu_selects_give_identical_gradients(name, monkeypatch)
     # lerp by a 0/1 mask) and sums and statistics go by batch slices; CUDA keeps where, std_mean and bigger slices.
     # This runs the CUDA branch on CPU tensors by forcing the switch: the selections are exact, so only summation
     # order differs (and a z code whose value sits on a bin edge), measured at most 1.7e-7 relative per parameter.
-    from memopt.ops import stash_grid
+    from memopt.stash import grid as stash_grid
 
     if name == "mobilenet_v2":
         pytest.importorskip("torchvision")

@@ -1,4 +1,4 @@
-"""The stash's bin means (StashConfig.bin_means, memopt/ops/stash_grid.py MEAN_BITS): each bin rebuilds at the
+"""The stash's bin means (StashConfig.bin_means, memopt/stash/grid.py MEAN_BITS): each bin rebuilds at the
 mean of the values it coded, taken from exact integer sums; small channels keep the midpoints."""
 import contextlib
 
@@ -9,7 +9,7 @@ from torch import nn
 import memopt
 from memopt.cost_model.storage import SavedTensorRecorder
 from memopt.runtime import native
-from memopt.stash.ops import _Stash, bn_act_stash
+from memopt.stash.ops import ChainSpec, _Stash, bn_act_stash
 from memopt.stash.grid import MEAN_BITS, MEAN_STRIDE, _xhat_std, wants_means, x_code
 
 
@@ -28,7 +28,7 @@ def _run(x, bits=4, means=True, act="relu", residual=None):
     bn = _bn(x.shape[1])
     with SavedTensorRecorder() as rec:
         out = bn_act_stash(x, bn.weight, bn.bias, bn.running_mean, bn.running_var, bn.num_batches_tracked, residual,
-                           0.1, 1e-5, act, (), bits, means=means)
+                           ChainSpec(act, bits, residual=residual is not None, means=means))
     return (*out, bn, sum(s.nbytes for s in rec.saved))
 
 
