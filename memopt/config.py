@@ -45,8 +45,9 @@ class Config:
         workspace_mb: MiB the budget planner keeps free below ``budget_mb`` for what the cost model does
             not see: cuDNN / cuBLAS workspaces and the caching allocator's 512-byte rounding. Default
             None: ``CUDA_WORKSPACE_MB`` (64) when planning for CUDA, 0 on CPU, where the estimated peak
-            is the measured one. On an H200 a ResNet-50 step peaked up to 37 MiB above its estimate
-            (docs/results/cuda.md); with cuDNN autotuning on a large free GPU, more may be taken.
+            is the measured one. The CUDA default sits above the largest gap measured between a step's
+            peak and its estimate (see docs/results/cuda/cuda.md); with cuDNN autotuning on a large free
+            GPU, more may be taken.
     """
 
     reversible: Optional[ReversibleConfig] = ReversibleConfig()

@@ -20,7 +20,7 @@ from memopt.reversible.check import real_examples
 from memopt.passes.base import PassContext
 from memopt.passes.candidates import rewritten_units
 from memopt.passes.manager import passes_for, run_passes
-from memopt.passes.planner import BudgetPlan, apply_config, config_for_units, plan_for_budget, plan_units
+from memopt.passes.planner import BudgetPlan, apply_decision, plan_for_budget, plan_units
 from memopt.cost_model.histograms import record_input_histograms
 from memopt.fewbit.activations import TABLE_ACTIVATIONS
 from memopt.fewbit.activations import ACTIVATIONS
@@ -92,7 +92,7 @@ def _rewrite(model: nn.Module, captured: Any, args: tuple, kwargs: dict, config:
     planned: Optional[BudgetPlan] = None
     target = None if budget_bytes is None else budget_bytes - config.workspace_bytes(baseline.device)
     if plan is not None:
-        gm, records = apply_config(gm, config_for_units(config, plan.chosen_units()), ctx)
+        gm, records = apply_decision(gm, config, plan.chosen_units(), ctx)
         _check_applied(gm, plan)
     elif budget_bytes is None:
         gm, records = run_passes(gm, passes_for(config), ctx)

@@ -19,6 +19,10 @@ from memopt.cost_model.analysis import Estimate
 from memopt.techniques import technique_for
 
 
+# the planner's choice: {technique: {unit: bits}} (bits None for techniques without a bit width)
+Decision = Dict[str, Dict[str, Optional[int]]]
+
+
 class PassResult(NamedTuple):
     graph_module: fx.GraphModule
     modified: bool
@@ -33,12 +37,38 @@ class PassContext:
         device: the device the cost model plans for (``Config.device``; None: the inputs' own).
         examples: the graph's real placeholder values for plan-time numeric checks (reversible segments), with
             a cache shared by every pass run of one plan; None on fake or meta inputs (checks are skipped).
+        decision: the planner's choice, {technique: {unit: bits}}: each pass rewrites exactly those units at
+            those bits (a plan re-applied with ``plan=`` gives the same). None: the config decides (its
+            allow / deny / node_bits / segments). The user's config objects are never edited to carry it.
+        explore: the planner's candidate runs: every unit the config does not deny, at ``level`` bits (None:
+            the technique has no bit width), so the planner sees every option.
     """
 
     args: tuple = ()
     kwargs: Dict[str, Any] = field(default_factory=dict)
     device: Optional[str] = None
     examples: Optional[Examples] = None
+    decision: Optional[Decision] = None
+    explore: bool = False
+    level: Optional[int] = None
+
+    def chosen(self, technique: str, unit: str) -> Optional[bool]:
+        """Whether the planner's decision rewrites ``unit``; None when there is no decision (the config says)."""
+        return None if self.decision is None else unit in self.decision.get(technique, {})
+
+    def selects(self, technique: str, unit: str, segments: Optional[Tuple[str, ...]]) -> bool:
+        """For techniques whose config lists units by name (``segments``, None: all): the decision when there
+        is one, every unit when exploring, else the config's list."""
+        chosen = self.chosen(technique, unit)
+        if chosen is not None:
+            return chosen
+        return self.explore or segments is None or unit in segments
+
+    def bits(self, technique: str, unit: str, configured: Optional[int]) -> Optional[int]:
+        """The bits ``unit`` is rewritten with: the decision's, the explored level, else the config's."""
+        if self.decision is not None and unit in self.decision.get(technique, {}):
+            return self.decision[technique][unit]
+        return self.level if self.explore else configured
 
 
 PassFn = Callable[[fx.GraphModule, Any, PassContext], PassResult]
@@ -46,13 +76,11 @@ PassFn = Callable[[fx.GraphModule, Any, PassContext], PassResult]
 
 @dataclass(frozen=True)
 class PlannerHooks:
-    """How the planner drives one technique's pass: its config at one bit width for every unit (``uniform``),
-    its config for a chosen set of units with their bits (``choose``), a gradient-error proxy per new node
-    (``fidelity``), the bit widths it may use (``levels``). ``last_resort`` techniques are considered only
-    when the others at their fewest bits do not fit."""
+    """What the planner needs of one technique beyond its pass (which it drives through ``PassContext``:
+    ``explore`` at each level, then ``decision``): a gradient-error proxy per new node (``fidelity``) and the
+    bit widths it may use (``levels``). ``last_resort`` techniques are considered only when the others at
+    their fewest bits do not fit."""
 
-    uniform: Callable[[Any, Optional[int]], Any]
-    choose: Callable[[Any, Dict[str, Optional[int]]], Any]
     fidelity: Callable[[fx.Node, Estimate, str], float]
     levels: Callable[[Any], Tuple[Optional[int], ...]] = lambda cfg: cfg.plan_bits
     last_resort: bool = False

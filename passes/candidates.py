@@ -110,7 +110,7 @@ def candidates(gm: fx.GraphModule, args: tuple, kwargs: dict, config: Any, basel
     for technique, cfg in technique_passes(config, last_resort):
         for bits in technique.planner.levels(cfg):
             variant = copy_graph_module(gm)
-            technique.run(variant, technique.planner.uniform(cfg, bits), ctx)
+            technique.run(variant, cfg, dataclasses.replace(ctx, decision=None, explore=True, level=bits))
             variant.graph.lint()
             variant.recompile()
             after = annotate(variant, args, kwargs, device=config.device, optimizer=optimizer, simulate=False)

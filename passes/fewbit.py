@@ -80,11 +80,14 @@ def _input(node: fx.Node) -> Optional[fx.Node]:
     return value if isinstance(value, fx.Node) else None
 
 
-def _why_not(node: fx.Node, kind: str, module: Optional[nn.Module], cfg: FewBitConfig) -> Optional[str]:
+def _why_not(node: fx.Node, kind: str, module: Optional[nn.Module], cfg: FewBitConfig, ctx: PassContext) -> Optional[str]:
     """None when the node can be rewritten, else the reason it stays exact."""
     if module is not None and has_hooks(module):
         return "its module has hooks, which a rewrite would skip"
-    if cfg.allow is not None and node.name not in cfg.allow:
+    chosen = ctx.chosen("fewbit", node.name)
+    if chosen is False:
+        return "not chosen by the budget planner"
+    if chosen is None and cfg.allow is not None and node.name not in cfg.allow:
         return "not in FewBitConfig.allow"
     if node.name in cfg.deny:
         return "in FewBitConfig.deny"
@@ -132,8 +135,6 @@ def _fewbit_fidelity(new: fx.Node, baseline: Estimate, unit: str) -> float:
 
 
 _PLANNER = PlannerHooks(
-    uniform=lambda cfg, bits: dataclasses.replace(cfg, bits=bits, bits_by_kind=(), node_bits=()),
-    choose=lambda cfg, chosen: dataclasses.replace(cfg, allow=tuple(sorted(chosen)), node_bits=chosen),
     fidelity=_fewbit_fidelity)
 
 
@@ -148,7 +149,7 @@ def fewbit_pass(gm: fx.GraphModule, cfg: FewBitConfig, ctx: PassContext) -> Pass
             continue
         module = modules.get(node.target) if node.op == "call_module" else None
         params = _hyper_parameters(node, kind, module)
-        reason = params if isinstance(params, str) else _why_not(node, kind, module, cfg)
+        reason = params if isinstance(params, str) else _why_not(node, kind, module, cfg, ctx)
         if reason is not None:
             node.meta[DECISION_KEY] = {"technique": "exact", "reason": f"few-bit: {reason}"}
             continue
@@ -157,7 +158,7 @@ def fewbit_pass(gm: fx.GraphModule, cfg: FewBitConfig, ctx: PassContext) -> Pass
             bits, borders, levels = 1, (), tuple(float(v) for v in act.mask_levels(dict(params)))
             note = "exact 1-bit mask"
         else:
-            bits = cfg.bits_for(kind, node.name)
+            bits = ctx.bits("fewbit", node.name, cfg.bits_for(kind, node.name))
             weight, domain = _weight(node, cfg)
             b, lv = fewbit_table(kind, bits, domain=domain, weight=weight, grid=cfg.grid, params=dict(params),
                                  scale=cfg.scale)

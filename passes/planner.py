@@ -38,7 +38,7 @@ from torch import fx
 from memopt.cost_model.analysis import Estimate, annotate
 from memopt.core.errors import MemoptError
 from memopt.techniques import TECHNIQUES
-from memopt.passes.base import PassContext, registered_pass
+from memopt.passes.base import Decision, PassContext, registered_pass
 from memopt.passes.candidates import (Group, Option, candidates, copy_graph_module, make_option, rewritten_units,
                                       technique_passes)
 from memopt.passes.manager import passes_for, run_passes
@@ -139,30 +139,31 @@ def solve_or_max(groups: Sequence[Group], required: int, weight: str = "freed_by
 
 
 # ---------------------------------------------------------------- applying a choice
-def chosen_config(config: Any, groups: Sequence[Group], choice: Sequence[int]) -> Any:
-    """``config`` with every technique restricted to the chosen units at the chosen bits."""
-    chosen: Dict[str, Dict[str, int]] = {}
+def chosen_decision(groups: Sequence[Group], choice: Sequence[int]) -> Decision:
+    """{technique: {unit: bits}} of the options ``choice`` picks (exact options rewrite nothing)."""
+    chosen: Decision = {}
     for group, i in zip(groups, choice):
         option = group.options[i]
         if option.technique != "exact":
             chosen.setdefault(option.technique, {})[option.unit] = option.bits
-    return config_for_units(config, chosen)
+    return chosen
 
 
-def config_for_units(config: Any, chosen: Dict[str, Dict[str, int]]) -> Any:
-    """``config`` whose technique fields rewrite exactly ``chosen[field]`` ({unit: bits}) and nothing else."""
-    changes = {}
-    for technique, cfg in technique_passes(config):
-        changes[technique.name] = technique.planner.choose(cfg, dict(chosen.get(technique.name, {})))
-    unknown = sorted(set(chosen) - set(changes))
+def check_decision(config: Any, decision: Decision) -> None:
+    """A decision (a saved plan's chosen units) may only use techniques the config turns on."""
+    enabled = {name for name, _, _ in passes_for(config)}
+    unknown = sorted(set(decision) - enabled)
     if unknown:
         raise MemoptError(f"the plan uses {unknown} but the config turns {'it' if len(unknown) == 1 else 'them'} "
                           f"off (Config.{unknown[0]}=None); enable it or drop those units from the plan")
-    return dataclasses.replace(config, **changes)
 
 
-def apply_config(gm: fx.GraphModule, config: Any, ctx: Optional[PassContext] = None) -> Tuple[fx.GraphModule, list]:
-    """Run ``config``'s passes on a copy of ``gm`` (``gm`` keeps the baseline graph)."""
+def apply_decision(gm: fx.GraphModule, config: Any, decision: Decision,
+                   ctx: Optional[PassContext] = None) -> Tuple[fx.GraphModule, list]:
+    """Run ``config``'s passes on a copy of ``gm`` (``gm`` keeps the baseline graph), rewriting exactly the units
+    of ``decision`` at their bits."""
+    check_decision(config, decision)
+    ctx = dataclasses.replace(ctx or PassContext(), decision=decision, explore=False, level=None)
     return run_passes(copy_graph_module(gm), passes_for(config), ctx)
 
 
@@ -170,7 +171,7 @@ def apply_config(gm: fx.GraphModule, config: Any, ctx: Optional[PassContext] = N
 class BudgetPlan:
     """What ``plan_for_budget`` found: the applied graph, its estimate, and how it got there."""
 
-    config: Any
+    decision: Decision
     groups: List[Group]
     solution: Solution
     graph_module: fx.GraphModule
@@ -272,8 +273,8 @@ def _last_resort(gm, ctx: PassContext, args, kwargs, config, baseline: Estimate,
 
 def _applied(gm, ctx: PassContext, args, kwargs, config, groups, solution, optimizer, required, rounds,
              start) -> BudgetPlan:
-    chosen = chosen_config(config, groups, solution.choice)
-    applied, records = apply_config(gm, chosen, ctx)
+    chosen = chosen_decision(groups, solution.choice)
+    applied, records = apply_decision(gm, config, chosen, ctx)
     estimate = annotate(applied, args, kwargs, device=config.device, optimizer=optimizer)
     return BudgetPlan(chosen, list(groups), solution, applied, records, estimate, required, rounds,
                       time.perf_counter() - start)

@@ -125,20 +125,18 @@ def _extract(gm: fx.GraphModule, block: Block, inputs: List[fx.Node], output: fx
 
 
 _PLANNER = PlannerHooks(
-    uniform=lambda cfg, bits: dataclasses.replace(cfg, segments=None),
-    choose=lambda cfg, chosen: dataclasses.replace(cfg, segments=tuple(sorted(chosen))),
     fidelity=lambda new, baseline, unit: 0.0,  # exact
     levels=lambda cfg: (None,), last_resort=True)
 
 
 @register_pass(RecomputeConfig, planner=_PLANNER)
 def recompute_pass(gm: fx.GraphModule, cfg: RecomputeConfig, ctx: PassContext) -> PassResult:
-    if cfg.segments == ():
+    if cfg.segments == () and ctx.decision is None and not ctx.explore:
         return PassResult(gm, False)
     modules = dict(gm.named_modules())
     modified = False
     for block in find_blocks(gm):
-        if cfg.segments is not None and block.name not in cfg.segments:
+        if not ctx.selects("recompute", block.name, cfg.segments):
             continue
         found = why_not(block)
         if isinstance(found, str):

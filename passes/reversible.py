@@ -202,8 +202,6 @@ def _reversible_fidelity(new: fx.Node, baseline: Estimate, unit: str) -> float:
 
 
 _PLANNER = PlannerHooks(
-    uniform=lambda cfg, bits: dataclasses.replace(cfg, segments=None),
-    choose=lambda cfg, chosen: dataclasses.replace(cfg, segments=tuple(sorted(chosen))),
     fidelity=_reversible_fidelity,
     levels=lambda cfg: (None,))
 
@@ -258,7 +256,7 @@ def reversible_pass(gm: fx.GraphModule, cfg: ReversibleConfig, ctx: PassContext)
             if not any(s.kind == "coupling" for s in segment.steps[start:end]):
                 continue
             name = _piece_name(segment, start, end)
-            if cfg.segments is not None and name not in cfg.segments:
+            if not ctx.selects("reversible", name, cfg.segments):
                 continue
             modified |= _install(gm, segment, runtime, start, end, bounds, reason, grad_errors.get((start, end)))
     if modified and (ctx.args or ctx.kwargs):

@@ -226,8 +226,6 @@ def _generic_fidelity(new: fx.Node) -> float:
 
 
 _PLANNER = PlannerHooks(
-    uniform=lambda cfg, bits: dataclasses.replace(cfg, bits=bits, node_bits=()),
-    choose=lambda cfg, chosen: dataclasses.replace(cfg, allow=tuple(sorted(chosen)), node_bits=chosen),
     fidelity=_stash_fidelity)
 
 
@@ -242,7 +240,11 @@ def stash_pass(gm: fx.GraphModule, cfg: StashConfig, ctx: PassContext) -> PassRe
         if bn in joined or bn.op != "call_module" or \
                 not isinstance(modules.get(bn.target), (nn.BatchNorm1d, nn.BatchNorm2d)):
             continue
-        if (cfg.allow is not None and bn.name not in cfg.allow) or bn.name in cfg.deny:
+        chosen = ctx.chosen("stash", bn.name)
+        if chosen is False:
+            bn.meta[DECISION_KEY] = {"technique": "exact", "reason": "stash: not chosen by the budget planner"}
+            continue
+        if (chosen is None and cfg.allow is not None and bn.name not in cfg.allow) or bn.name in cfg.deny:
             bn.meta[DECISION_KEY] = {"technique": "exact", "reason": "stash: excluded by StashConfig allow/deny"}
             continue
         found = _match(bn, modules)
@@ -258,13 +260,14 @@ def stash_pass(gm: fx.GraphModule, cfg: StashConfig, ctx: PassContext) -> PassRe
         add, end, kind = found
         pool = _fusable_pool(bn, add, end, kind, modules, cfg)
         if pool is not None:
-            _rewrite_pool(gm, modules, bn, end, pool, cfg.bits_for(bn.name), _means(cfg.bits_for(bn.name), cfg))
+            level = ctx.bits("stash", bn.name, cfg.bits_for(bn.name))
+            _rewrite_pool(gm, modules, bn, end, pool, level, _means(level, cfg))
             modified = True
             continue
         second = _second_bn(bn, add, kind, modules, cfg, order)
         if second is not None:
             joined.add(second)
-        level = cfg.bits_for(bn.name)
+        level = ctx.bits("stash", bn.name, cfg.bits_for(bn.name))
         # no activation, no mask: its codes get the bit an activation chain's mask gives (StashConfig.identity_extra_bit)
         bits = min(level + 1, 8) if kind == "identity" and cfg.identity_extra_bit else level
         _rewrite(gm, modules, bn, add, end, kind, bits, second, level, _means(bits, cfg))
@@ -273,7 +276,7 @@ def stash_pass(gm: fx.GraphModule, cfg: StashConfig, ctx: PassContext) -> PassRe
         for first, conv, following in _identity_links(gm, modules):
             _link(gm, modules, first, conv, following)
     if cfg.generic:  # after the chains: what they cover is no longer a plain conv / linear input
-        modified |= generic_stash(gm, cfg)
+        modified |= generic_stash(gm, cfg, ctx)
     if cfg.compact_extras:
         modified |= compact_extras(gm, cfg)
     return PassResult(gm, modified)

@@ -28,6 +28,7 @@ from memopt.stash.generic import (conv_from_codes, dropout_1bit, generic_encode,
                                       matmul_from_codes, where_1bit)
 from memopt.core.meta import DECISION_KEY
 from memopt.stash.config import StashConfig
+from memopt.passes.base import PassContext
 
 aten = torch.ops.aten
 _FLOATS = ("float32", "bfloat16", "float16")
@@ -111,7 +112,7 @@ def _decide(node: fx.Node, reason: str) -> None:
     node.meta[DECISION_KEY] = {"technique": "exact", "reason": f"stash: {reason}"}
 
 
-def generic_stash(gm: fx.GraphModule, cfg: StashConfig) -> bool:
+def generic_stash(gm: fx.GraphModule, cfg: StashConfig, ctx: PassContext) -> bool:
     """Rewrite every eligible weight-op input (see the module docstring); True when anything changed."""
     modules = dict(gm.named_modules())
     units: Dict[int, Tuple[str, List[str], List[fx.Node]]] = {}  # storage key -> (unit, savers, consumers)
@@ -145,7 +146,10 @@ def generic_stash(gm: fx.GraphModule, cfg: StashConfig) -> bool:
         if reason is None and not set(savers) <= names:
             others = sorted(set(savers) - names)
             reason = f"the tensor it keeps is also kept by {', '.join(others[:3])}, which have no generic stash form"
-        if reason is None and ((cfg.allow is not None and unit not in cfg.allow) or unit in cfg.deny):
+        chosen = ctx.chosen("stash", unit)
+        if reason is None and chosen is False:
+            reason = f"the unit {unit} was not chosen by the budget planner"
+        if reason is None and ((chosen is None and cfg.allow is not None and unit not in cfg.allow) or unit in cfg.deny):
             reason = f"the unit {unit} is excluded by StashConfig allow/deny"
         if reason is None and unit in taken:
             reason = f"another storage of {unit} is already a unit"
@@ -154,14 +158,15 @@ def generic_stash(gm: fx.GraphModule, cfg: StashConfig) -> bool:
                 _decide(c, f"generic stash: {reason}")
             continue
         taken.add(unit)
-        _rewrite_unit(gm, modules, unit, consumers, cfg)
+        _rewrite_unit(gm, modules, unit, consumers, cfg, ctx.bits("stash", unit, cfg.bits_for(unit)))
         modified = True
     return modified
 
 
-def _rewrite_unit(gm: fx.GraphModule, modules, unit: str, consumers: List[fx.Node], cfg: StashConfig) -> None:
+def _rewrite_unit(gm: fx.GraphModule, modules, unit: str, consumers: List[fx.Node], cfg: StashConfig,
+                  bits: int) -> None:
     graph = gm.graph
-    bits, group = cfg.bits_for(unit), cfg.group_size
+    group = cfg.group_size
     rounding = "stochastic" if cfg.stochastic else "nearest"
     encoded: Dict[fx.Node, Tuple[fx.Node, fx.Node]] = {}
     for node in consumers:

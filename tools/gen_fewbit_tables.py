@@ -1,11 +1,13 @@
-"""Regenerate memopt/fewbit/default_tables.json: the uniform-weight tables on (-10, 10), 4096 cells,
+"""python -m tools.gen_fewbit_tables   (about a minute)
+
+Regenerate memopt/fewbit/default_tables.json: the uniform-weight tables on (-10, 10), 4096 cells,
 for every table activation at its default hyper-parameters (plus tanh-approximated GELU), bits 1-8.
 
-Run: python tools/gen_fewbit_tables.py   (about a minute; tests/fewbit/test_fewbit_tables.py checks that the
-shipped data equals a fresh computation)
+tests/fewbit/test_fewbit_tables.py checks that the shipped data equals a fresh computation.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import time
 
@@ -22,6 +24,7 @@ def shipped_entries():
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     data = {}
     start = time.perf_counter()
     for name, params in shipped_entries():

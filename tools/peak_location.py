@@ -1,9 +1,10 @@
-"""Where one training step of a memopt-optimized torchvision model peaks: the line of memopt's code (or of the
+"""python -m tools.peak_location --model resnet50 --batch 32 --bits 4
+
+Where one training step of a memopt-optimized torchvision model peaks: the line of memopt's code (or of the
 rewritten graph) that was running when the live bytes were highest, the phase, and the largest storages alive.
 
 A real run on CPU under the same storage tracker ``memopt.measure`` uses (``memopt.cost_model.storage.LiveStorageTracker``),
-counting from the model's parameters, buffers and input. Example:
-    python tools/peak_location.py --model resnet50 --batch 32 --bits 4
+counting from the model's parameters, buffers and input. Prints; writes no file.
 """
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ class _Locating(LiveStorageTracker):
 def main() -> None:
     import torchvision
 
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="resnet50")
     parser.add_argument("--size", type=int, default=224)
     parser.add_argument("--batch", type=int, default=8)

@@ -1,12 +1,15 @@
-"""Which model families memopt captures, rewrites and trains: tries each and writes a table.
+"""python -m tools.support_table   (a few minutes on 2 CPU cores)
+
+Which model families memopt captures, rewrites and trains: tries each and writes a table.
 
 For each model (random weights, built from configs; nothing is downloaded): capture path, whether
 a training forward is bit-identical to the original, saved activation bytes before/after at the
 defaults (estimated; checked against memopt.measure), and the techniques that applied.
-Writes docs/support.md. Run: python tools/support_table.py  (a few minutes on 2 CPU cores)
+Writes docs/support.md.
 """
 from __future__ import annotations
 
+import argparse
 import copy
 import traceback
 from pathlib import Path
@@ -93,6 +96,9 @@ def try_model(make, inputs) -> Dict[str, str]:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="docs/support.md")
+    args = parser.parse_args()
     rows = []
     for name, (family, make, inputs) in _models().items():
         try:
@@ -105,10 +111,10 @@ def main() -> None:
     headers = ["family", "model", "capture", "forward identical", "saved before", "saved after",
                "estimate = measured", "techniques", "note"]
     table = tabulate([[r.get(h, "") for h in headers] for r in rows], headers=headers, tablefmt="github")
-    text = ("# Model support\n\nCommand: `python tools/support_table.py` (torch "
+    text = ("# Model support\n\nCommand: `python -m tools.support_table` (torch "
             f"{torch.__version__}, CPU). Defaults (`memopt.Config()`, no budget), AdamW, small inputs; "
             "saved bytes are the cost model's estimate, compared with `memopt.measure`.\n\n" + table + "\n")
-    Path("docs/support.md").write_text(text)
+    Path(args.out).write_text(text)
     print(text)
 
 

@@ -23,19 +23,18 @@ class FewBitConfig:
         weight: the weight of the table fit: "normal" (default): a Gaussian with standard deviation
             ``scale`` (1.0), the typical scale of normalised pre-activations; "uniform" on ``domain``
             (the paper's choice); or "data": one table per node, fitted to the histogram of that
-            node's pre-activations on the example inputs (plus a 0.1% uniform floor). Measured
-            (docs/results/fewbit_gradients.md, fewbit_mnist1d_*.md): at 3 bits "normal" has worst
-            per-parameter gradient cosine 0.9911 on the zoo and trains MNIST-1D within 0.2 points
-            of stock; "uniform" trains as well but its gradients at initialisation are worse
-            (0.9773); "data" has the best gradients at initialisation (0.9956) but its tables go
-            stale as training moves the pre-activations (-1.5 points on the GELU MLP at 3 bits).
+            node's pre-activations on the example inputs (plus a 0.1% uniform floor). "normal" is the
+            default because it trains as well as "uniform" with better gradients at initialisation,
+            while "data", best at initialisation, has tables that go stale as training moves the
+            pre-activations (see docs/results/fewbit/fewbit_gradients.md and fewbit_mnist1d_*.md).
             Without real example values (meta inputs) "data" falls back to "uniform".
         domain, grid, scale: the table fit's domain (default (-10, 10)), grid cells (default
             4096) and the normal weight's scale (default 1.0).
         allow: if given, only these node names are rewritten. deny: node names never rewritten.
         exact_masks: rewrite the piecewise-linear ops with their exact 1-bit masks (default True).
         node_bits: per-node overrides {node name: bits} for table activations, ahead of
-            ``bits_by_kind``; the budget planner writes its choices here.
+            ``bits_by_kind``; the budget planner's
+            choices do not go here but to the pass (``PassContext.decision``).
         plan_bits: the bits the budget planner may choose from for table activations (default
             (1, 2, 3, 4)).
     """

@@ -4,7 +4,7 @@ Element i occupies stream bits [i*b, (i+1)*b), least significant bit first; stre
 in byte s // 8 at bit s % 8. For b in {1, 2, 4, 8} a byte holds 8/b whole codes, combined with
 shifts in uint8. Otherwise eight codes of b bits fill exactly b bytes: the group's 8*b-bit
 little-endian word is sum(code_j << b*j), split into b bytes. Transient memory is about n bytes.
-Plain torch, any device; contiguous CPU tensors take a fused kernel (``memopt/ops/native.py``)
+Plain torch, any device; contiguous CPU tensors take a fused kernel (``memopt/runtime/native.py``)
 that writes the same bytes in one pass.
 """
 from __future__ import annotations

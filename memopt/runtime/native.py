@@ -6,7 +6,7 @@ here does one pass with the same float32 arithmetic in the same order, so the co
 bit-identical to the plain path (tests/runtime/test_native.py) and only the BN backward's per-channel sums are
 accumulated in another order (float lanes, then double). The backward also keeps less: no full-size x̂ or
 byte mask (the saved 1-bit mask is read a block at a time). ResNet-50 step time with and without them:
-docs/results/stash_memory.md.
+docs/results/stash/stash_memory.md.
 
 The kernels run on contiguous CPU tensors only (float32 where a float is read); everything else (CUDA,
 half precision, strided views) takes the plain path. The library is built with the system's C compiler
@@ -175,8 +175,8 @@ def _geometry(shape: Sequence[int]) -> Tuple[int, int, int]:
 
 
 def _book(book: torch.Tensor) -> Tuple[torch.Tensor, int, int]:
-    """What the kernels decode from, per channel: a code book (``stash_grid.code_book``: C x sides x 2^K), or a
-    grid's rows (2 x sides, C: lo, w per side; the midpoints, computed in the kernel), transposed to C x rows.
+    """What the kernels decode from, per channel: a code book (``memopt.stash.grid.code_book``: C x sides x 2^K),
+    or a grid's rows (2 x sides, C: lo, w per side; the midpoints, computed in the kernel), transposed to C x rows.
     Returns (table, whether it is a book, whether it has two sides)."""
     if book.dim() == 3:
         return book.float().contiguous(), 1, int(book.shape[1] == 2)
@@ -242,9 +242,10 @@ def encode(x: torch.Tensor, grid: torch.Tensor, bits: int, *, mean: Optional[tor
            zero_code: Optional[torch.Tensor] = None, positive_not_le: bool = False,
            sums: Optional[torch.Tensor] = None, sum_stride: int = 1) -> torch.Tensor:
     """Packed codes of ``(x - mean) * scale`` (or of ``x``) on ``grid`` (rows lo0, w0[, lo1, w1], widths already
-    clamped), split by ``mask``; with ``zero_code`` the sign fix of a z code (``stash.BNActStash``); with ``sums``
-    (``stash_grid.new_bin_sums``) the fixed-point offset in its bin of each element whose index is a multiple of
-    ``sum_stride``, and their counts, are added there (``stash_grid.add_bin_sums``, the same integers)."""
+    clamped), split by ``mask``; with ``zero_code`` the sign fix of a z code (``memopt.stash.ops.BNActStash``);
+    with ``sums`` (``memopt.stash.grid.new_bin_sums``) the fixed-point offset in its bin of each element whose
+    index is a multiple of ``sum_stride``, and their counts, are added there (``memopt.stash.grid.add_bin_sums``,
+    the same integers)."""
     n, channels, inner = _geometry(x.shape)
     nbytes = (n * bits + 7) // 8
     out = torch.empty(nbytes, dtype=torch.uint8)
@@ -300,7 +301,7 @@ def bn_backward(packed: torch.Tensor, bits: int, shape: torch.Size, book: torch.
     backward through ``mask`` (a bool tensor or a ``PackedMask``) gives g and sum_g in the same first pass. The
     input gradient goes to ``out`` (which may be ``g``: each element is read before it is written).
     ``solve`` (with ``grad``): the scale identity's rows (R, β, γ, threshold, sign, ok) per channel
-    (``stash_identity.solve_rows``): the weight gradient is solved in between the two passes, ``top`` (6 for
+    (``memopt.stash.identity.solve_rows``): the weight gradient is solved in between the two passes, ``top`` (6 for
     ReLU6, else 0) times the clipped elements' gradient summed in the first.
     ``keep_g`` False (with ``grad`` and a mask): g is not returned (None) and never exists at full size; each
     pass makes it a block at a time (a full-size write and read fewer, the same grad_x).
@@ -331,7 +332,7 @@ def bn_backward(packed: torch.Tensor, bits: int, shape: torch.Size, book: torch.
 
 
 def act_mask(z: torch.Tensor, act: str) -> torch.Tensor:
-    """``stash_grid._mask`` (ReLU / ReLU6 / LeakyReLU) of a float32 tensor in one pass, as bool."""
+    """``memopt.stash.grid._mask`` (ReLU / ReLU6 / LeakyReLU) of a float32 tensor in one pass, as bool."""
     out = torch.empty(z.shape, dtype=torch.uint8)
     if _runs(z) and z.numel():
         _library().mo_act_mask(z.data_ptr(), z.numel(), _ACTS[act], out.data_ptr(), _threads(z.numel()))
@@ -352,8 +353,8 @@ def chain_grid(invstd: torch.Tensor, xstd: torch.Tensor, weight: Optional[torch.
                mean: torch.Tensor, raw: Optional[torch.Tensor], inner: bool, bits: int, half: float, reach: float,
                past: float, split: bool, relu6: bool, residual: bool, data_ends: bool, affine: bool
                ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-    """A chain's per-channel constants in one call (``stash_grid.x_code``): the encode scale, the grid, the grid
-    as the encoder takes it (widths at least FLT_MIN) and, with ``affine``, the consumers' rows."""
+    """A chain's per-channel constants in one call (``memopt.stash.grid.x_code``): the encode scale, the grid,
+    the grid as the encoder takes it (widths at least FLT_MIN) and, with ``affine``, the consumers' rows."""
     channels = invstd.numel()
     rows = 4 if split else 2
     per = [None if t is None else t.detach().float().contiguous() for t in (invstd, xstd, weight, bias, mean, raw)]

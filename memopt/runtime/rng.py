@@ -1,7 +1,7 @@
 """Random-generator states for replaying random ops (dropout) in backward or in a check: the CPU
 generator's state, then that of each CUDA device the tensors live on (dropout on a GPU draws from the
-device's generator). Shared by recomputed blocks (``memopt/ops/recompute.py``), reversible segments
-(``memopt/ops/reversible.py``) and their plan-time check (``memopt/reversible/check.py``)."""
+device's generator). Shared by recomputed blocks (``memopt/recompute/ops.py``), reversible segments
+(``memopt/reversible/ops.py``) and their plan-time check (``memopt/reversible/check.py``)."""
 from __future__ import annotations
 
 import contextlib

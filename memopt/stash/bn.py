@@ -16,11 +16,12 @@ def gamma_invstd(weight, invstd):
 
 def bn_backward(g, sum_g, x_codes, mask, grid, weight, invstd, eps, bits: int, shape, exact=None, out=None):
     """BN input and weight gradients from the output gradient ``g`` (float32) and the x̂ code, rebuilt from
-    ``grid`` (rows, the bin midpoints, or a code book: ``stash_grid.code_book``): the mean term
+    ``grid`` (rows, the bin midpoints, or a code book: ``memopt.stash.grid.code_book``): the mean term
     (``sum_g``) and σ are exact; x̂ enters only through the variance term and the weight gradient
-    sum(g x̂) (``exact``: (values, where to use them) instead). At most two full-size temporaries. The rebuilt x̂ is centred per
-    channel as the true one is, so the input gradient sums to zero per channel exactly as stock's does
-    (a conv bias before a training-mode BN gets no quantisation noise: docs/results/stash_gradients*.md)."""
+    sum(g x̂) (``exact``: (values, where to use them) instead). At most two full-size temporaries. The
+    rebuilt x̂ is centred per channel as the true one is, so the input gradient sums to zero per channel
+    exactly as stock's does (a conv bias before a training-mode BN gets no quantisation noise:
+    docs/results/stash/stash_gradients*.md)."""
     nd, n = len(shape), shape.numel()
     xstd = _xhat_std(invstd, eps)
     scale = gamma_invstd(weight, invstd)
@@ -36,7 +37,7 @@ def bn_backward(g, sum_g, x_codes, mask, grid, weight, invstd, eps, bits: int, s
     dims = [d for d in range(nd) if d != 1]
     xhat.sub_(_per_channel(xhat.mean(dims), nd))
     # a batch slice at a time: the product g * x̂ at full size was a third full-size temporary at the backward
-    # peak (ResNet-50 at batch 32: backward temporaries are most of the step's peak, docs/results/stash_memory.md)
+    # peak (ResNet-50 at batch 32: backward temporaries are most of the step's peak, docs/results/stash/stash_memory.md)
     sum_gx = sum((g[s] * xhat[s]).sum(dims) for s in batch_slices(g))
     if exact is not None:
         sum_gx = torch.where(exact[1], exact[0], sum_gx)

@@ -18,9 +18,12 @@ class StashConfig:
     Attributes:
         bits: K, bits per element of each code, 1..8 (default 4; the paper uses 4 and 8; chains without an
             activation use K + 1, see ``identity_extra_bit``; at 8 bits the grids reach out to the data's
-            extremes, at 4 bits where those lie far past the window, ``memopt/ops/stash_grid.py`` REACH).
+            extremes, at 4 bits where those lie far past the window, ``memopt/stash/grid.py`` REACH).
         allow: if given, only chains whose BatchNorm node is named here are rewritten.
         deny: BatchNorm node names whose chains stay exact.
+        node_bits: per-unit overrides {unit: bits}; the budget planner's choices do not go
+            here but to the pass (``PassContext.decision``).
+        plan_bits: the bits the budget planner may choose from (default (2, 3, 4, 8)).
         min_per_channel: BatchNorms that normalise fewer elements per channel than this (batch x
             spatial size) stay exact (default 32). With few elements the BN input gradient is a
             near-total cancellation (with 2 it is exactly zero up to eps) that a quantized x̂
@@ -32,15 +35,14 @@ class StashConfig:
             stay exact; the weight gradients of those layers become approximate. Off by default
             (opt-in): unlike a BN chain, whose x̂ has unit variance by construction, these inputs
             have no known scale, so the error depends on the data (outlier features in a group
-            widen its step: at 4 bits the Gaussian relative error of the rebuilt input is about
-            0.12), and every conv / linear of a model would change its weight gradient without the
-            user asking. With ``generic=True`` the budget planner also offers these units (unit =
-            the node whose output is coded; ``allow``, ``deny`` and ``node_bits`` take that name).
+            widen its step), and every conv / linear of a model would change its weight gradient
+            without the user asking. With ``generic=True`` the budget planner also offers these units
+            (unit = the node whose output is coded; ``allow``, ``deny`` and ``node_bits`` take that name).
         group_size: elements per group of the generic stash (default 256, as ActNN): 8 bytes of
             metadata per group, 6% on top of 4-bit codes.
-        stochastic: stochastic rounding for the generic stash (unbiased in expectation, about twice
-            the squared error of rounding to nearest: worst weight-gradient cosine 0.9917 vs 0.9953 on
-            TinyViT, docs/results/stash_generic.md); default False: deterministic.
+        stochastic: stochastic rounding for the generic stash (unbiased in expectation, but about twice
+            the squared error of rounding to nearest: see docs/results/stash/stash_generic.md); default
+            False: deterministic.
         consumers: which op kinds the generic stash rewrites, a subset of ("conv", "linear",
             "matmul"); a matmul qualifies only with a 2-D parameter as its second operand.
         scale_identity: solve the BN weight gradient of a chain whose every channel feeds one depthwise conv
@@ -48,23 +50,24 @@ class StashConfig:
             that BN's weight gradient, by the exact scale identity γ dL/dγ + β dL/dβ = Σ_o γ_o dL/dγ_o eps /
             (var_o + eps) − 6 Σ_clip dL/dz, instead of summing over its rebuilt x̂ (default True; such weights
             are nearly scale-invariant, their true gradient tiny beside the code's rounding noise:
-            ``memopt/ops/stash_identity.py``). Forward outputs and every other gradient's formula unchanged.
+            ``memopt/stash/identity.py``, docs/results/stash/stash_invariance.md). Forward outputs and every
+            other gradient's formula unchanged.
         identity_extra_bit: chains without an activation (MobileNetV2's projection BNs) code with K + 1 bits
             (at most 8; default True). An activation chain's codes get one bit of resolution from its exact
             1-bit mask (each side of the kink has its own 2^K bins; after a residual z is coded only where
             z > 0); a chain without an activation has no mask to give it, and at K bits its BN weight and the
-            next conv's weight gradients fell to cosine 0.98-0.99 in MobileNetV2 at 4 bits
-            (docs/results/stash_gradients_models.md). The report shows the bits used; the planner's levels
+            next conv's weight gradients missed a cosine of 0.99 in MobileNetV2 at 4 bits (see
+            memopt/stash/README.md, "Why the defaults"). The report shows the bits used; the planner's levels
             stay K.
         bin_means: rebuild each bin of a chain's codes at the mean of the values it coded instead of its midpoint,
-            at K <= 4 (default True; ``memopt/ops/stash_grid.py`` MEAN_BITS). The forward sums the offsets inside
+            at K <= 4 (default True; ``memopt/stash/grid.py`` MEAN_BITS). The forward sums the offsets inside
             their bins of every 4th value per channel (exact integer sums, so both code paths agree bit for bit);
             the means cost 2^K floats per side and channel (128 bytes per channel for a split 4-bit code, counted
             by the cost model). They matter on real data: a bin holding one repeated value (flat image
-            backgrounds) rebuilds it exactly, and a clipped outer bin rebuilds at its tail's mean. ResNet-18 on
-            digits at 224x224, 4 bits, parameters with cosine >= 0.99: 41 -> 59 of 62 at init, 14 -> 32 after
-            100 SGD steps (docs/results/stash_trained_224.md). Only codes whose means cost at most half their
-            packed bytes get them (at 4 bits, channels of at least 512 elements); the report says which.
+            backgrounds) rebuilds it exactly, and a clipped outer bin rebuilds at its tail's mean (see
+            docs/results/stash/stash_trained_224.md, with and without the means). Only codes whose means
+            cost at most half their packed bytes get them (at 4 bits, channels of at least 512 elements);
+            the report says which.
         compact_extras: keep training-dropout masks and ``torch.where`` boolean conditions as 1 bit
             per element (default True: exact, same ops and random draws, bit-identical outputs
             and gradients; CPU dropout otherwise keeps a float32 noise tensor).

@@ -1,4 +1,4 @@
-"""The stash's per-channel grids and codecs (``memopt/ops/stash.py``): where each x̂ / z code's bins lie,
+"""The stash's per-channel grids and codecs (``memopt/stash/ops.py``): where each x̂ / z code's bins lie,
 coding in place, the code books a code is rebuilt from (bin midpoints, or at K <= ``MEAN_BITS`` the mean of the
 values each bin coded), and the activations' exact masks."""
 from __future__ import annotations
@@ -12,56 +12,46 @@ import torch.nn.functional as F
 from memopt.runtime import native
 from memopt.runtime.bitpack import pack_bits, unpack_bits
 
-# Half-width of the grid in standard deviations, per K. The paper uses 3 for K = 4 and 8; we
-# measured the weight-gradient error of a pre-activation ResNet-20 (tools/bench_stash_depth.py
-# setup) for half-widths 2..6: best 2.0 at K=2, 3.0 at K=4, 3.5 at K=6, 4.0 at K=8 (3x less error
-# than 3.0 there, where clipping dominates). K = 1, 3, 5, 7 are interpolated.
-# False: every split window keeps its outer ends at ±WINDOWS[K+1] (tools/bench_stash_gradients.py reproduces the
-# "merged" grid with it)
+# Half-width of the grid in standard deviations, per K. The paper uses 3 for K = 4 and 8; these are the
+# half-widths with the least weight-gradient error of a pre-activation ResNet-20 (the bench_stash_depth setup),
+# wider at larger K, where clipping dominates (memopt/stash/README.md, "Why the defaults"). K = 1, 3, 5, 7 are
+# interpolated.
+# False: every split window keeps its outer ends at ±WINDOWS[K+1] (tools/bench/stash/bench_stash_gradients.py
+# reproduces the "merged" grid with it)
 DATA_ENDS = True
 
 WINDOWS = {1: 1.5, 2: 2.0, 3: 2.5, 4: 3.0, 5: 3.25, 6: 3.5, 7: 3.75, 8: 4.0}
 
 # How far past its window an outer end may follow the data, as a multiple of the window, per K. Trained
-# activations grow tails far beyond ±WINDOWS: ResNet-18 at 224x224 after 100 SGD steps had 44 of 62 parameters
-# >= 0.99 at 8 bits with the window as it is and 62 of 62 with it doubled (docs/results/stash_trained_224.md
-# at commit b49e565); at 8 bits the bins stay fine when the window reaches out to the data (256 bins over 16
-# std: 1/16 std). At 4 bits a wider window for every channel lost parameters (its bins coarser everywhere), but
-# following a channel's extreme where it lies far out pays (``REACH_PAST``): after 100 SGD steps on digits,
-# parameters >= 0.99 at 4 bits, ResNet-18 224x224 35 -> 55 of 62 (2 threads; reaching 1.5 / 3 / 4 windows:
-# 44 / 55 / 55; scripts outside the repository), ResNet-18 64x64 50 -> 60 of 62 and MobileNetV2 134 -> 140
-# of 141 (docs/results/stash_trained.md, the same command at commit 75285bf on the same machine). The BN
-# weights of the ResNet-18 at 224x224: 5 -> 15 of 20, where 16 equal bins between each side's extremes with
-# exact output gradients would give 19 (tools/bench_stash_oracle.py before and after, docs/results/stash_oracle.md).
+# activations grow tails far beyond ±WINDOWS, which clipping at the window costs dearly; at 8 bits the bins stay
+# fine when the window reaches out to the data (256 bins over 16 std: 1/16 std). At 4 bits a wider window for
+# every channel lost parameters (its bins coarser everywhere), but following a channel's extreme where it lies
+# far out pays (``REACH_PAST``). Measurements: docs/results/stash/stash_trained.md, stash_trained_224.md,
+# stash_oracle.md, and memopt/stash/README.md, "Why the defaults".
 # The ends are each channel's extremes, already computed for the split grids.
 REACH = {8: 4.0, 4: 2.0}
 # Where K reaches out, an outer end follows the data only where the data's end lies more than this many windows
 # out; nearer, it stays at the window and the few values past it clip into the outer bin (rebuilt at their
 # mean). At random init (Gaussian channels, extremes near 3.5-4.5 std) reaching out always made the bins
-# coarser for nothing: ResNet-18 in tools/bench_stash_gradients.py's cases (64x2, 128x4, seeds 0 and 1) lost 3
-# of 248 parameters >= 0.99; from 1.3 windows (4.2 std at K = 4) it lost none and the trained ResNet-18 above
-# kept 55 of 62 (57 from 1.1 windows, 51 from 1.6, which left layer1's moderately heavy tails clipped; scripts
-# outside the repository).
+# coarser for nothing; 1.3 windows (4.2 std at K = 4) leaves Gaussian channels alone while still reaching the
+# trained activations' heavy tails, where a larger threshold left layer1's moderately heavy tails clipped
+# (memopt/stash/README.md, "Why the defaults").
 REACH_PAST = {4: 1.3}
 
 # Up to this K each bin rebuilds at the mean of the values it coded (``StashConfig.bin_means``), not at its
 # midpoint: the best value for the bin's elements in squared error, exact for a bin holding one repeated value
-# (real images' flat backgrounds), and the mean of a clipped outer bin's tail instead of its edge. ResNet-18 on
-# digits at 224x224, 4 bits, parameters with gradient cosine >= 0.99: 41 -> 59 of 62 at init and 14 -> 32 after
-# 100 SGD steps (docs/results/stash_trained_224.md). The means cost 2^K floats per side and channel (128 bytes
-# per channel for a split 4-bit code); at K = 8, 2 KiB per channel, where the bins are fine enough without them.
-# A code gets them only where they cost at most MEAN_SHARE of its packed bytes (at 4 bits split: channels of at
-# least 512 elements): on small feature maps the means would cost more than the codes (DenseNet-121 at 32x32,
-# batch 2, kept 0.76 of stock's saved bytes with them everywhere against 0.42 without). A quarter left out
-# ResNet-18's layer4 at 224x224, batch 16 (784 elements per channel): after 100 SGD steps on digits 34 of 62
-# parameters >= 0.99, against 45 with a half or with no limit (13 without means; a script outside the repository).
+# (real images' flat backgrounds), and the mean of a clipped outer bin's tail instead of its edge (see
+# docs/results/stash/stash_trained_224.md, with and without the means). The means cost 2^K floats per side and
+# channel (128 bytes per channel for a split 4-bit code); at K = 8, 2 KiB per channel, where the bins are fine
+# enough without them. A code gets them only where they cost at most MEAN_SHARE of its packed bytes (at 4 bits
+# split: channels of at least 512 elements): on small feature maps the means would cost more than the codes,
+# while a smaller share left out feature maps where they mattered (memopt/stash/README.md, "Why the defaults").
 MEAN_BITS = 4
 MEAN_SHARE = 0.5
 # The means are taken over every MEAN_STRIDE-th element (by its index in the tensor): summing every element cost
-# ResNet-50 (224x224, batch 4, one thread) 0.10 of a stock step (1.21x against 1.12x with midpoints), a quarter
-# of them in one strided pass nothing measurable (1.143x against 1.141x; a script outside the repository). A bin
-# of one repeated value still rebuilds it exactly; elsewhere it is the mean of a quarter of the bin's values
-# (ResNet-18 224x224 after 100 SGD steps: 32 of 62 parameters >= 0.99 against 35 with every element).
+# a measurable share of a step, a quarter of them in one strided pass nothing measurable, for slightly worse
+# gradients (memopt/stash/README.md, "Why the defaults"). A bin of one repeated value still rebuilds it exactly;
+# elsewhere it is the mean of a quarter of the bin's values.
 MEAN_STRIDE = 4
 # A value's offset inside its bin, t = (v - lo) / w - k, is summed as the integer 2^20 t truncated toward zero
 # (a bias of less than 2^-20 of a bin): integers add exactly in any order, so the means are the same on the fused
@@ -98,15 +88,16 @@ def _per_channel(t: torch.Tensor, ndim: int) -> torch.Tensor:
 
 # torch.where and masked_fill with a bool mask are not vectorised on CPU: on a ResNet-50 layer1 tensor they
 # are several to tens of times slower than the uint8 arithmetic, threshold_backward on the mask and lerp by the
-# 0/1 mask used below (tools/bench_cpu_selects.py -> docs/results/stash_cpu_ops.md). All replacements are exact
+# 0/1 mask used below (python -m tools.bench.stash.bench_cpu_selects -> docs/results/stash/stash_cpu_ops.md).
+# All replacements are exact
 # selections; a lerp by 0 or 1 returns one end exactly (ATen computes b + 0·(a - b) and a - (a - b)·0) when both
 # ends are finite.
 
 
 def cpu_selects(t: torch.Tensor) -> bool:
     """Whether to replace where / masked_fill: on CPU only. A GPU runs each as one fast kernel, and there
-    the replacements' extra kernels and batch slices cost launches (an H200 ResNet-50 step went from 10.6x
-    to 14.8x stock with them, docs/results/cuda.md)."""
+    the replacements' extra kernels and batch slices cost launches (an H200 ResNet-50 step was slower with
+    them: docs/results/cuda/cuda.md, run 2)."""
     return t.device.type == "cpu"
 
 
@@ -139,7 +130,7 @@ def keep_where(t: torch.Tensor, mask: torch.Tensor, out: Optional[torch.Tensor] 
 
 def channel_std_mean(z: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """Per-channel (dim 1) population std and mean in float32. On CPU the mean, then the squared deviations a
-    batch slice at a time: faster than std_mean there (docs/results/stash_cpu_ops.md) and without the full-size
+    batch slice at a time: faster than std_mean there (docs/results/stash/stash_cpu_ops.md) and without the full-size
     output the batch-norm kernel's statistics would cost at the forward peak. Elsewhere std_mean, one kernel."""
     dims = [d for d in range(z.dim()) if d != 1]
     if not cpu_selects(z):
@@ -234,8 +225,8 @@ def _grid(weight, bias, xstd: torch.Tensor, bits: int, act: str, split: bool,
     (from ``ends``, clamped to the window). ``ends`` (``_ends``): every end that would be the window's
     (-h or h) is instead where that side's values end when that lies inside the window, so a side whose
     values stop short of ±h gets finer bins; values beyond ±h still clip (a window widened to the data's
-    extremes had coarser bins at 128x128x4 than the clipping cost: ResNet-50 bn3 weights 0.9904 -> 0.9889,
-    docs/results/stash_gradients.md), except where K reaches out (``REACH``: K = 8, and K = 4 where the data end
+    extremes had bins coarser than the clipping cost on ResNet-50 at random init: memopt/stash/README.md,
+    "Why the defaults"), except where K reaches out (``REACH``: K = 8, and K = 4 where the data end
     past ``REACH_PAST`` windows), whose outer ends, and the edges of a grid over one window, follow the data out
     to ±reach (``follow_ends``)."""
     bins, half, reach = 1 << bits, x_grid_half(bits, split), x_grid_reach(bits, split)
@@ -409,7 +400,7 @@ def x_code(x, weight, bias, mean, invstd, eps: float, mask, bits: int, act: str,
     code book (``code_book``: with ``means`` and K <= MEAN_BITS the bins' means, else None: the midpoints)).
     A residual chain's grid ends where each side's values end (``_ends`` inner); otherwise an outer end at the
     window's edge moves to the data's end (``DATA_ENDS``). On a contiguous float32 CPU tensor: two fused passes
-    (extremes, codes and bin sums) and one call for the per-channel constants (``memopt/ops/native.py``: the
+    (extremes, codes and bin sums) and one call for the per-channel constants (``memopt/runtime/native.py``: the
     extremes of x map to those of x̂ because x -> (x - mean) * scale is monotonic in float32), the same values as
     the plain path below."""
     data = residual or reaches(bits, split)

@@ -15,11 +15,11 @@ The right-hand side needs no activation at all: B's weight gradient and batch st
 gradient summed over the clipped elements, which A's exact mask and x̂ code tell apart. So A's weight
 gradient is solved from it, dL/dγ = (R − β dL/dβ) / γ, instead of being the sum g x̂ over the rebuilt x̂.
 Why it matters: such a γ is nearly scale-invariant, its true gradient is only the eps and clip terms
-above (1e-6 to 1e-3 of g x̂'s natural scale in MobileNetV2 at initialisation), while Σ g x̂ over a K-bit x̂
-carries rounding noise of the natural scale times the step: cosine 0.1-0.4 at 4 bits and below 0.99 even
-at 8 bits before (docs/results/stash_invariance.md). The solved value inherits the error of B's own weight
-gradient (cosine >= 0.99) and the variance-term error of dL/dβ, and it also enters A's input gradient's
-variance term in place of the noisy sum.
+above (a tiny fraction of g x̂'s natural scale in MobileNetV2 at initialisation), while Σ g x̂ over a K-bit x̂
+carries rounding noise of the natural scale times the step, so its cosine with the true gradient is poor even
+at 8 bits (docs/results/stash/stash_invariance.md). The solved value inherits the error of B's own weight
+gradient and the variance-term error of dL/dβ, and it also enters A's input gradient's variance term in place
+of the noisy sum.
 
 B passes R to A through autograd itself: A returns a zero tensor with one entry per channel (``link``),
 B takes it as an input and returns R as its "gradient", which autograd delivers to A's backward after

@@ -11,7 +11,7 @@ updated once), and backward keeps, through ``ctx.save_for_backward``, only:
   values beyond ±h clip. Without a residual the exact 1-bit mask below is stored anyway and tells on
   which side of the activation's kink (x̂ = -β/γσ) an element lies, so the code is split there:
   2^K bins on each side, as fine as a (K+1)-bit grid for the same bytes, with h = WINDOWS[K+1]
-  (ResNet-50 stem BN weight gradient at 4 bits: cosine 0.97 -> 0.99, tools/bench_stash_gradients.py);
+  (ResNet-50 stem BN weight gradient at 4 bits: cosine 0.97 -> 0.99, tools/bench/stash/bench_stash_gradients.py);
 - the activation's exact mask (1 bit) when there is no residual, or, after a residual add, a
   K-bit code of the activation input z whose zero lies exactly on a bin edge, so the ReLU mask read
   from it is exact (ReLU6 keeps its 1-bit mask too: the code does not know where it clips at 6).
@@ -27,7 +27,7 @@ updated once), and backward keeps, through ``ctx.save_for_backward``, only:
   in the same Function (``x2`` ...): its gradient is the chain's, zero wherever the mask is 0, so its
   x̂ code is split by the same exact mask (the weight gradient reads only the mask-1 side), instead of
   one grid over ±WINDOWS[K] in a separate chain (ResNet-50 downsample BN weights at 4 bits: see
-  docs/results/stash_gradients.md);
+  docs/results/stash/stash_gradients.md);
 - per-channel statistics (mean, inverse std, and the z grid) in float32.
 BN backward uses x̂ only in its variance term: the mean term and σ are exact. The gradient flowing
 to the previous layer is therefore exact up to that term, and errors do not compound over depth. The

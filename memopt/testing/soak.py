@@ -1,6 +1,6 @@
 """Long training runs of an optimized model: resident memory, leaked saved tensors and step time.
 
-Shared by ``tools/bench_soak.py`` (2000 steps, writes docs/results/soak.md) and tests/reliability/test_soak.py
+Shared by ``tools/bench/reliability/bench_soak.py`` (2000 steps, writes docs/results/reliability/soak.md) and tests/reliability/test_soak.py
 (200 steps). Each step runs forward, a cross-entropy loss, backward and an SGD step on fresh random
 inputs of one shape, as a training loop does. Per step it records:
 - the process's resident set size (``/proc/self/statm``; ``resource`` peak RSS where there is no

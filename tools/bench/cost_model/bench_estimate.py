@@ -1,13 +1,14 @@
-"""Benchmark: the cost model against real CPU runs on the test zoo, and planning time at scale.
+"""python -m tools.bench.cost_model.bench_estimate
 
-Writes tools/results/estimate_vs_measure.md. Run: python tools/bench_estimate.py
+Benchmark: the cost model against real CPU runs on the test zoo, and planning time at scale.
+
+Writes docs/results/cost_model/estimate_vs_measure.md.
 """
 from __future__ import annotations
 
 import argparse
 import platform
 import time
-from pathlib import Path
 
 import torch
 from tabulate import tabulate
@@ -15,6 +16,7 @@ from tabulate import tabulate
 import memopt
 from memopt.core.units import fmt_bytes
 from memopt.testing.zoo import ZOO, build
+from tools.bench.common import RESULTS, write_results_file
 
 
 def zoo_rows():
@@ -52,22 +54,21 @@ def scale_rows(batches):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "estimate_vs_measure.md"))
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=str(RESULTS / "cost_model" / "estimate_vs_measure.md"))
     args = parser.parse_args()
     torch.manual_seed(0)
     zoo = tabulate(zoo_rows(), headers=["model", "capture", "saved est", "saved real", "ratio", "peak est",
                                         "peak real", "ratio", "estimate s", "measure s"], tablefmt="github")
     scale = tabulate(scale_rows([2, 32, 256]), headers=["batch", "saved est", "real batch-2 x b/2", "ratio",
                                                           "peak est (SGD)", "estimate s"], tablefmt="github")
-    text = (f"# Cost model vs real CPU runs\n\nCommand: `python tools/bench_estimate.py` on {platform.machine()}, "
+    text = (f"# Cost model vs real CPU runs\n\nCommand: `python -m tools.bench.cost_model.bench_estimate` on {platform.machine()}, "
             f"{torch.get_num_threads()} threads, torch {torch.__version__}.\n\n"
             f"## Test zoo, one training step with Adam (estimate on fake tensors, measure on real ones)\n\n"
             f"{zoo}\n\n## torchvision ResNet-50, 224x224, estimated on fake tensors (meta inputs)\n\n"
             f"Real run at batch 2 scaled linearly; the small gap is the per-channel BN statistics, which do "
             f"not scale with the batch.\n\n{scale}\n")
-    Path(args.out).write_text(text)
-    print(text)
+    write_results_file(args.out, text)
 
 
 if __name__ == "__main__":

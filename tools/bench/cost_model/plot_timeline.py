@@ -1,13 +1,15 @@
-"""The memory timeline of one training step (forward + backward), stock vs memopt, as a picture.
+"""python -m tools.bench.cost_model.plot_timeline   (seconds)
+
+The memory timeline of one training step (forward + backward), stock vs memopt, as a picture.
 
 Live bytes of the storages a real CPU step creates (the rule of ``memopt.measure``: parameters and
 inputs excluded), recorded after every ATen op, for the built-in TinyResNet at batch 32, stock vs
-memopt at its defaults vs memopt at a budget. Writes docs/results/memory_timeline.png.
-Run: python tools/plot_timeline.py
+memopt at its defaults vs memopt at a budget. Writes docs/results/cost_model/memory_timeline.png.
 """
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import List, Tuple
 
 import torch
@@ -15,6 +17,7 @@ import torch
 import memopt
 from memopt.cost_model.storage import LiveStorageTracker
 from memopt.testing.zoo import TinyResNet
+from tools.bench.common import RESULTS
 
 
 class RecordingTracker(LiveStorageTracker):
@@ -44,9 +47,9 @@ def timeline(module: torch.nn.Module, params, x: torch.Tensor) -> List[Tuple[str
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--out", default="docs/results/memory_timeline.png")
+    parser.add_argument("--out", default=str(RESULTS / "cost_model" / "memory_timeline.png"))
     args = parser.parse_args()
     import matplotlib
 
@@ -75,6 +78,7 @@ def main() -> None:
            title=f"TinyResNet, batch {args.batch}, CPU: memory over one forward + backward")
     ax.legend(fontsize=8)
     fig.tight_layout()
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(args.out, dpi=110)
     for label, points in runs:
         print(f"{label}: peak {max(b for _, b in points) / 2 ** 20:.2f} MiB over {len(points)} ops")

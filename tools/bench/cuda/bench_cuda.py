@@ -1,4 +1,6 @@
-"""Benchmark on a CUDA GPU: saved bytes, peak and step time of memopt vs stock vs torch.utils.checkpoint.
+"""python -m tools.bench.cuda.bench_cuda   (on a machine with a GPU; about 3 minutes on an H200)
+
+Benchmark on a CUDA GPU: saved bytes, peak and step time of memopt vs stock vs torch.utils.checkpoint.
 
 For torchvision ResNet-50 (224x224, batches 32 and 128) and a pre-activation ResNet-164 (32x32, batch 128),
 with SGD-momentum: saved activations (``memopt.measure``, asserted equal to the estimate), the step's peak
@@ -7,22 +9,20 @@ cost model's estimate, and the step time relative to stock (forward + backward, 
 in one process, each step synchronised, median of 10 after 3 warm-ups; cuDNN autotuning on, as users run).
 Then ``memopt.optimize(model, budget_mb=...)`` at half and a quarter of stock's peak: measured peak vs budget.
 
-Writes docs/results/cuda.md. Run on a machine with a GPU: python tools/bench_cuda.py  (about 3 minutes on an H200)
+Writes docs/results/cuda/cuda.md. Without a GPU, ``--device cpu --smoke --out /tmp/cuda.md`` checks the script itself.
 """
 from __future__ import annotations
 
 import argparse
 import time
-from pathlib import Path
 
 import torch
 from tabulate import tabulate
 
 import memopt
-from bench_planner import CheckpointBlocks
 from memopt.testing.zoo import PreActResNet
 from memopt.timing import step_time_ratio
-from results_file import write_results_file
+from tools.bench.common import RESULTS, CheckpointBlocks, write_results_file
 
 MiB = 2 ** 20
 
@@ -101,14 +101,14 @@ def bench_model(build, rows, budget_rows, device):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--out", default=str(Path(__file__).parents[1] / "docs" / "results" / "cuda.md"))
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=str(RESULTS / "cuda" / "cuda.md"))
     parser.add_argument("--device", default="cuda", help="cuda (default); cpu only with --smoke")
     parser.add_argument("--smoke", action="store_true", help="small models: checks the script itself")
     parser.add_argument("--models", default="", help="comma-separated keys: resnet50_b32,resnet50_b128,preact164")
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("bench_cuda.py needs a CUDA GPU (torch.cuda.is_available() is False)")
+        raise SystemExit("tools.bench.cuda.bench_cuda needs a CUDA GPU (torch.cuda.is_available() is False)")
     torch.backends.cudnn.benchmark = True
     torch.manual_seed(0)
     rows, budget_rows = [], []
@@ -125,7 +125,7 @@ def _write(args, rows, budget_rows) -> None:
     budgets = tabulate(budget_rows, headers=["model", "budget MiB", "planned peak MiB", "measured peak MiB",
                                              "fits", "step time / stock"], tablefmt="github")
     where = torch.cuda.get_device_name() if args.device == "cuda" else "CPU smoke run"
-    command = "python tools/bench_cuda.py" + (f" --models {args.models}" if args.models else "")
+    command = "python -m tools.bench.cuda.bench_cuda" + (f" --models {args.models}" if args.models else "")
     text = (f"# memopt on a CUDA GPU\n\nCommand: `{command}` ({where}, torch {torch.__version__}, cuDNN "
             f"{torch.backends.cudnn.version()}). One SGD-momentum training step; saved bytes from `memopt.measure` "
             f"(asserted equal to the cost model's estimate); measured peak from the caching allocator "

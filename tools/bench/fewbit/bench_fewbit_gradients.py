@@ -1,16 +1,17 @@
-"""Benchmark: gradient fidelity of few-bit backward, per table weight and bit width, on the zoo.
+"""python -m tools.bench.fewbit.bench_fewbit_gradients
+
+Benchmark: gradient fidelity of few-bit backward, per table weight and bit width, on the zoo.
 
 For each model with table activations and each FewBitConfig, one backward of a random linear
 functional of the outputs (the same for stock and memopt) is compared per parameter tensor with
 stock autograd: cosine similarity and relative error ||g - g_ref|| / ||g_ref||. Three input seeds.
-Writes docs/results/fewbit_gradients.md. Run: python tools/bench_fewbit_gradients.py
+Writes docs/results/fewbit/fewbit_gradients.md.
 """
 from __future__ import annotations
 
 import argparse
 import copy
 import statistics
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -18,7 +19,7 @@ from tabulate import tabulate
 
 import memopt
 from memopt.testing.zoo import build
-from results_file import write_results_file
+from tools.bench.common import RESULTS, write_results_file
 
 MODELS = ["mlp", "vit", "shared", "multi_io", "shape_branch"]
 CONFIGS = [("uniform", b) for b in (1, 2, 3, 4)] + [("normal", 3)] + [("data", b) for b in (1, 2, 3, 4)]
@@ -60,8 +61,8 @@ def gradient_errors(name: str, weight: str, bits: int, seed: int):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--out", default=str(Path(__file__).parents[1] / "docs" / "results" / "fewbit_gradients.md"))
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=str(RESULTS / "fewbit" / "fewbit_gradients.md"))
     args = parser.parse_args()
     rows, summary = [], {}
     for weight, bits in CONFIGS:
@@ -78,7 +79,7 @@ def main() -> None:
                         for (w, b), v in summary.items()],
                        headers=["weight", "bits", "worst cosine (all models, seeds, params)", "worst rel err"],
                        tablefmt="github")
-    text = (f"# Few-bit backward: gradient fidelity per table weight\n\nCommand: `python tools/bench_fewbit_gradients.py` "
+    text = (f"# Few-bit backward: gradient fidelity per table weight\n\nCommand: `python -m tools.bench.fewbit.bench_fewbit_gradients` "
             f"(torch {torch.__version__}, CPU). Per parameter tensor, vs stock autograd, over 3 input seeds; "
             f"the loss is a fixed random linear functional of the outputs.\n\n## Summary\n\n{overall}\n\n"
             f"## Per model\n\n{table}\n")

@@ -1,11 +1,12 @@
-"""Benchmark: few-bit backward on a BERT-base-shaped encoder and a GELU MLP, stock vs 1-4 bits.
+"""python -m tools.bench.fewbit.bench_fewbit_models   (about 10 minutes on 2 CPU cores)
+
+Benchmark: few-bit backward on a BERT-base-shaped encoder and a GELU MLP, stock vs 1-4 bits.
 
 BERT-base shape: 12 pre-LN encoder blocks, hidden 768, 12 heads, FFN 3072 with GELU, dropout 0.1,
 sequence 128, batch 8 (token embeddings as input). GELU MLP: 4 x Linear(2048) + GELU, batch 512.
 For each: saved-activation bytes and peak (``memopt.measure``), step time (forward + backward,
 median of 3, same process), and per-parameter gradient cosine / relative error vs stock autograd
-(same inputs, same dropout masks). Writes docs/results/fewbit_models.md.
-Run: python tools/bench_fewbit_models.py   (about 10 minutes on 2 CPU cores)
+(same inputs, same dropout masks). Writes docs/results/fewbit/fewbit_models.md.
 """
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ import argparse
 import copy
 import statistics
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -23,7 +23,7 @@ from torch import nn
 import memopt
 from memopt.core.units import fmt_bytes
 from memopt.testing.zoo import EncoderBlock
-from results_file import write_results_file
+from tools.bench.common import RESULTS, write_results_file
 
 
 def bert_base():
@@ -86,14 +86,14 @@ def run(name, build):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--out", default=str(Path(__file__).parents[1] / "docs" / "results" / "fewbit_models.md"))
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=str(RESULTS / "fewbit" / "fewbit_models.md"))
     args = parser.parse_args()
     rows = run("GELU MLP 4x2048, batch 512", gelu_mlp) + run("BERT-base shape, batch 8 x 128", bert_base)
     table = tabulate(rows, headers=["model", "config", "saved activations", "vs stock", "peak (CPU tracked)",
                                     "step time vs stock", "min grad cosine", "median rel err", "max rel err"],
                      tablefmt="github")
-    text = (f"# Few-bit backward on whole models\n\nCommand: `python tools/bench_fewbit_models.py` (torch "
+    text = (f"# Few-bit backward on whole models\n\nCommand: `python -m tools.bench.fewbit.bench_fewbit_models` (torch "
             f"{torch.__version__}, CPU, {torch.get_num_threads()} threads). Bytes from `memopt.measure` (equal to "
             f"the cost model's estimate, asserted); few-bit tables with the default weight "
             f"({memopt.FewBitConfig().weight!r}); step time is forward + backward, median of 3, as a ratio to "

@@ -1,16 +1,17 @@
-"""Benchmark: few-bit activations one by one, side by side with the native op in one process.
+"""python -m tools.bench.fewbit.bench_fewbit_ops
+
+Benchmark: few-bit activations one by one, side by side with the native op in one process.
 
 Per activation and bit width: the table's error ∫(f'-q)^2 on (-10, 10) (uniform weight, the shipped
 tables), the saved bytes per element measured with saved-tensor hooks, and forward / backward time
 as a ratio to the native op (median of interleaved repeats on 2^20 float32 elements, CPU).
-Writes docs/results/fewbit_ops.md. Run: python tools/bench_fewbit_ops.py
+Writes docs/results/fewbit/fewbit_ops.md.
 """
 from __future__ import annotations
 
 import argparse
 import statistics
 import time
-from pathlib import Path
 
 import torch
 from tabulate import tabulate
@@ -20,7 +21,7 @@ from memopt.cost_model.storage import SavedTensorRecorder
 from memopt.fewbit.activations import ACTIVATIONS
 from memopt.fewbit.tables import table_error
 from memopt.fewbit.ops import fewbit_activation
-from results_file import write_results_file
+from tools.bench.common import RESULTS, write_results_file
 
 N = 1 << 20
 
@@ -55,8 +56,8 @@ def _times(fn, x, grad, repeats):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--out", default=str(Path(__file__).parents[1] / "docs" / "results" / "fewbit_ops.md"))
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=str(RESULTS / "fewbit" / "fewbit_ops.md"))
     parser.add_argument("--repeats", type=int, default=15)
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -82,7 +83,7 @@ def main() -> None:
                          f"{native_bytes / ours_bytes:.1f}x", f"{of / nf:.2f}", f"{ob / nb:.2f}"])
     table = tabulate(rows, headers=["activation", "bits", "table error", "stock bytes/elem", "few-bit bytes/elem",
                                     "smaller", "forward time ratio", "backward time ratio"], tablefmt="github")
-    text = (f"# Few-bit activations vs native ops\n\nCommand: `python tools/bench_fewbit_ops.py` "
+    text = (f"# Few-bit activations vs native ops\n\nCommand: `python -m tools.bench.fewbit.bench_fewbit_ops` "
             f"(torch {torch.__version__}, CPU, {torch.get_num_threads()} threads, 2^20 float32 elements; "
             f"times are the best of {args.repeats} interleaved runs; ratio > 1 means slower than native).\n\n{table}\n")
     write_results_file(args.out, text)

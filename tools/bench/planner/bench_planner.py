@@ -1,4 +1,6 @@
-"""Benchmark: the budget planner swept from the baseline peak down to the least it can reach.
+"""python -m tools.bench.planner.bench_planner --threads 1   (about 15 minutes on 2 CPU cores)
+
+Benchmark: the budget planner swept from the baseline peak down to the least it can reach.
 
 For each model, 10 budgets evenly spaced from the baseline's estimated peak down to the peak of the
 maximum-saving plan. Per budget: the plan's estimated peak, the measured peak of a real SGD step
@@ -7,8 +9,7 @@ interleaved in this process, and the gradient agreement with exact autograd (cos
 gradient and the worst per-parameter cosine). ``torch.utils.checkpoint`` on every block (the
 model's own stages of blocks) is measured the same way as the reference point.
 
-Writes docs/results/planner_sweep.md and docs/results/planner_sweep.png.
-Run: python tools/bench_planner.py  (about 15 minutes on 2 CPU cores)
+Writes docs/results/planner/planner_sweep.md and docs/results/planner/planner_sweep.png.
 """
 from __future__ import annotations
 
@@ -20,47 +21,14 @@ from typing import Callable, Dict, List, Tuple
 import torch
 from tabulate import tabulate
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 import memopt
 from memopt.core.units import fmt_bytes
 from memopt.timing import step_time_ratio
 from memopt.testing.zoo import PreActResNet
+from tools.bench.common import CheckpointBlocks
 
 MiB = 2 ** 20
-
-
-class CheckpointBlocks(nn.Module):
-    """``model`` whose listed blocks run under ``torch.utils.checkpoint`` (non-reentrant) when called
-    through this wrapper; calling ``model`` directly still runs it plain (the stock side of a ratio)."""
-
-    def __init__(self, model: nn.Module, blocks: List[nn.Module]) -> None:
-        super().__init__()
-        self.model = model
-        self._originals = []
-        self.active = False
-        for block in blocks:
-            forward = block.forward
-            self._originals.append((block, forward))
-            block.forward = self._checkpointed(forward)
-
-    def _checkpointed(self, forward):
-        def run(*args):
-            if self.active:
-                return checkpoint(forward, *args, use_reentrant=False)
-            return forward(*args)
-        return run
-
-    def forward(self, x):
-        self.active = True
-        try:
-            return self.model(x)
-        finally:
-            self.active = False
-
-    def restore(self) -> None:
-        for block, forward in self._originals:
-            block.forward = forward
 
 
 def _models() -> Dict[str, Tuple[Callable[[], nn.Module], torch.Tensor, Callable[[nn.Module], List[nn.Module]]]]:
@@ -93,7 +61,7 @@ def _cosines(ref: List[torch.Tensor], got: List[torch.Tensor]) -> Tuple[float, f
     """Cosine of the whole gradient and the worst per-parameter cosine, in float64. Parameters whose exact
     gradient is below ZERO_GRAD x the median parameter-gradient norm are left out of the worst: their true
     gradient is (numerically) zero, so their cosine compares rounding noise with rounding noise (MobileNetV2's
-    projection-BN biases gave 0.0001 with nothing rewritten; docs/results/stash_gradients_models.md lists them)."""
+    projection-BN biases gave 0.0001 with nothing rewritten; docs/results/stash/stash_gradients_models.md lists them)."""
     cos = torch.nn.functional.cosine_similarity
     ref, got = [g.double().flatten() for g in ref], [g.double().flatten() for g in got]
     flat = cos(torch.cat(ref), torch.cat(got), dim=0)
@@ -102,7 +70,7 @@ def _cosines(ref: List[torch.Tensor], got: List[torch.Tensor]) -> Tuple[float, f
     return float(flat), min(per)
 
 
-ZERO_GRAD = 1e-3  # the exclusion rule of tools/bench_stash_gradients.py
+ZERO_GRAD = 1e-3  # the exclusion rule of tools/bench/stash/bench_stash_gradients.py
 
 
 def _ratio(forward, model, x, repeats: int) -> float:
@@ -180,10 +148,10 @@ def _plot(results, path: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--points", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out", default="docs/results/planner_sweep.md")
+    parser.add_argument("--out", default="docs/results/planner/planner_sweep.md")
     parser.add_argument("--only", default="", help="run only the models whose name contains this")
     parser.add_argument("--budgets", default="", help="comma-separated budgets in MiB instead of --points")
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (default: torch's)")
@@ -197,10 +165,10 @@ def main() -> None:
         budgets_mb = [float(b) for b in args.budgets.split(",")] if args.budgets else None
         results[name] = sweep(name, make, x, blocks, args.points, args.repeats, budgets_mb)
     lines = ["# Budget planner sweep", "",
-             f"Command: `python tools/bench_planner.py --points {args.points} --repeats {args.repeats}"
+             f"Command: `python -m tools.bench.planner.bench_planner --points {args.points} --repeats {args.repeats}"
              f"{' --only ' + repr(args.only) if args.only else ''}{' --budgets ' + args.budgets if args.budgets else ''}"
              f"{' --threads ' + str(args.threads) if args.threads else ''}"
-             f"{' --out ' + args.out if args.out != 'docs/results/planner_sweep.md' else ''}` "
+             f"{' --out ' + args.out if args.out != 'docs/results/planner/planner_sweep.md' else ''}` "
              f"(torch {torch.__version__}, CPU, {torch.get_num_threads()} threads). Peaks are of one SGD "
              f"(momentum) step: parameters, gradients, momentum, activations; measured with memopt.measure. "
              f"Step time is forward + backward, median of {args.repeats} interleaved with stock.", ""]
@@ -223,6 +191,7 @@ def main() -> None:
                   f"parameter-gradient norm (the others' true gradient is ~0).",
                   ""]
     out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines))
     _plot(results, out.with_suffix(".png"))
     print("\n".join(lines))

@@ -1,11 +1,12 @@
-"""Soak benchmark: 2000 training steps of a small CNN and a small transformer with every technique on.
+"""python -m tools.bench.reliability.bench_soak   (about 5 minutes, one thread)
+
+Soak benchmark: 2000 training steps of a small CNN and a small transformer with every technique on.
 
 TinyResNet (width 8, one block per stage; stash chains and few-bit) and TinyViT (dim 32, depth 2; few-bit
 GELU, dropout, attention), batch 16 at 16x16, SGD with momentum, fresh random inputs every step
 (memopt.testing.soak). Reports resident memory after warm-up (first vs last 200 steps, slope),
 packed tensors that outlived their step, graphs captured during the run, and step time drift.
-Writes docs/results/soak.md, whose first line is the command. Run: python tools/bench_soak.py
-(about 5 minutes, one thread)
+Writes docs/results/reliability/soak.md, whose first line is the command.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from tabulate import tabulate
 import memopt
 from memopt.testing.soak import soak
 from memopt.testing.zoo import TinyResNet, TinyViT
+from tools.bench.common import RESULTS, write_results_file
 
 
 def models(batch: int):
@@ -31,15 +33,15 @@ def models(batch: int):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--warmup", type=int, default=200)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads (tiny ops: 1 is fastest and steadiest)")
-    parser.add_argument("--out", type=Path, default=Path("docs/results/soak.md"))
+    parser.add_argument("--out", type=Path, default=RESULTS / "reliability" / "soak.md")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    command = "python tools/bench_soak.py" + "".join(f" {a}" for a in sys.argv[1:])
+    command = "python -m tools.bench.reliability.bench_soak" + "".join(f" {a}" for a in sys.argv[1:])
     rows = []
     torch.manual_seed(0)
     for name, model, make_input in models(args.batch):
@@ -67,8 +69,7 @@ def main() -> None:
             f"memory is the process RSS (/proc/self/statm) after each step; a packed storage is one autograd "
             f"saved for backward (saved_tensors_hooks, weak references) and must be gone once its step ends.\n\n"
             + tabulate(rows, headers, tablefmt="github") + "\n")
-    args.out.write_text(text)
-    print(text)
+    write_results_file(args.out, text)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
-"""Reversible segments: the evidence of issue 5 (activation memory flat in depth, bytes per pixel,
+"""python -m tools.bench.reversible.bench_reversible   (about 10 minutes on 2 CPU cores)
+
+Reversible segments: the evidence of issue 5 (activation memory flat in depth, bytes per pixel,
 reconstruction and gradient error vs depth, step time, training parity).
 
-Sections (``--only`` picks some; each writes its own results file under docs/results/):
+Sections (``--only`` picks some; each writes its own results file under docs/results/reversible/):
 
 - ``memory`` -> reversible_memory.md: saved activation bytes and peak of one training step (forward +
   backward, no optimizer) vs depth for the RevNet-style CNN (``RevNetCNN((d/2, d/2), width=16)``, two
@@ -26,9 +28,8 @@ Sections (``--only`` picks some; each writes its own results file under docs/res
   width=16, in_channels=1), stock vs memopt, Adam lr 1e-3, batch 64, ``--epochs``, 3 seeds (same
   initial weights and data order within a seed).
 
-The PNG docs/results/reversible_depth.png shows saved bytes vs depth (both models) and the error
-vs depth. Run: python tools/bench_reversible.py   (about 10 minutes on 2 CPU cores); the full
-sweep: --measured-depths 8,16,32,64 (7 more minutes). ``--only plot`` redraws the PNG from the last
+The PNG docs/results/reversible/reversible_depth.png shows saved bytes vs depth (both models) and the error
+vs depth. The full sweep: --measured-depths 8,16,32,64 (7 more minutes). ``--only plot`` redraws the PNG from the last
 memory/error run (cached in the temp directory).
 """
 from __future__ import annotations
@@ -39,7 +40,6 @@ import json
 import os
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -55,12 +55,10 @@ from memopt.reversible.check import Examples, true_values
 from memopt.core.state import preserved_state
 from memopt.timing import step_time_ratio
 from memopt.testing.reversible_zoo import RevBlock, RevNetCNN
+from tools.bench.common import RESULTS, digits, fit_and_test, write_results_file
+from tools.bench.reversible.common import (MiB, ONLY_REVERSIBLE, calls_of, couplings_rewritten, depth_sweep, header,
+                                           installed_segment, not_rewritten_reasons, plot, random_steps)
 
-sys.path.insert(0, str(Path(__file__).parent))
-from results_file import write_results_file  # noqa: E402
-from reversible_bench_common import (MiB, ONLY_REVERSIBLE, RESULTS, calls_of, couplings_rewritten,  # noqa: E402
-                                     depth_sweep, header, installed_segment, not_rewritten_reasons, plot,
-                                     random_steps)
 
 # ---------------------------------------------------------------- memory vs depth
 def memory(args) -> dict:
@@ -340,9 +338,6 @@ def step_time(args) -> None:
 
 # ---------------------------------------------------------------- training parity
 def parity(args) -> None:
-    from bench_stash_training import digits
-    from parity import fit_and_test
-
     data = digits()
     rows, means = [], {}
     for method in ("stock", "memopt"):
@@ -392,7 +387,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--seeds", type=int, default=3)
-    parser.add_argument("--out-dir", default=str(RESULTS))
+    parser.add_argument("--out-dir", default=str(RESULTS / "reversible"))
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -1,5 +1,5 @@
-"""Shared pieces of tools/bench_reversible.py: model builders, plan inspection, the results header
-and the depth plot (kept apart so the benchmark stays one screenful per section)."""
+"""Pieces of tools/bench/reversible/bench_reversible.py no other benchmark uses: model builders, plan inspection,
+the results header and the depth plot (kept apart so the benchmark stays one screenful per section)."""
 from __future__ import annotations
 
 import subprocess
@@ -14,20 +14,19 @@ import memopt
 from memopt import Config, ReversibleConfig
 from memopt.reversible.ops import reversible_segment
 from memopt.testing.reversible_zoo import RevNetCNN, RevTransformer
+from tools.bench.common import ROOT
 
 MiB = 2 ** 20
 ONLY_REVERSIBLE = dict(stash=None, fewbit=None)
-RESULTS = Path(__file__).parents[1] / "docs" / "results"
 
 
 def command() -> str:
-    return " ".join(["python", "tools/bench_reversible.py", *sys.argv[1:]])
+    return " ".join(["python", "-m", "tools.bench.reversible.bench_reversible", *sys.argv[1:]])
 
 
 def library_state() -> str:
-    root = Path(__file__).parents[1]
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--", "memopt", "passes", "cost_model"], cwd=root,
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--", "memopt", "passes", "cost_model"], cwd=ROOT,
                            capture_output=True, text=True).stdout.strip()
     return f"memopt at {head}" + (" with uncommitted library changes" if dirty else "")
 

@@ -1,4 +1,6 @@
-"""Quantization error of A^(-1/4) for order-1200 positive-definite matrices (4-bit Shampoo, Table 1 style).
+"""python -m tools.bench.shampoo.bench_shampoo_error   (about a minute on 2 cores)
+
+Quantization error of A^(-1/4) for order-1200 positive-definite matrices (4-bit Shampoo, Table 1 style).
 
 Matrices:
 - synthetic: A = Q diag(λ) Qᵀ with Q a random orthogonal matrix (QR of a Gaussian) and λ spread
@@ -14,14 +16,11 @@ Approximations, each with that same root:
   eigenvector), dequantized, R~ = U~ diag(λ + ridge)^(-1/4) U~ᵀ with the exact fp32 eigenvalues;
 - "U, 4-bit, rectified": the same after 4 Björck steps U~ <- 1.5 U~ - 0.5 U~ U~ᵀ U~ (rectify_iters[1]).
 Errors: normwise relative ||R~ - R||_F / ||R||_F and angle arccos(<R~, R>_F / (||R~|| ||R||)) in degrees.
-Run: python tools/bench_shampoo_error.py   (about a minute on 2 cores)
 """
 from __future__ import annotations
 
 import argparse
 import math
-import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -30,9 +29,7 @@ from torch import nn
 
 from memopt.optim.linalg import bjorck, eigh_inverse_root, inverse_root
 from memopt.optim.quant import QuantSpec, dequantize, quantize
-
-sys.path.insert(0, str(Path(__file__).parent))
-from bench_shampoo_common import RESULTS, write_results
+from tools.bench.common import RESULTS, write_results
 
 EPS = 1e-6
 ORDER = 1200
@@ -97,8 +94,8 @@ def variants(a: torch.Tensor, quant_map: str) -> list[tuple[str, torch.Tensor]]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=str(RESULTS / "shampoo_quant_error.md"))
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=str(RESULTS / "shampoo" / "shampoo_quant_error.md"))
     args = parser.parse_args()
     torch.set_num_threads(2)
     rows, summary = [], []
@@ -120,7 +117,7 @@ def main() -> None:
     table = tabulate(rows, headers=["matrix", "code book", "what is quantized", "normwise rel. error", "angle (°)"],
                      tablefmt="github")
     write_results(args.out, f"4-bit Shampoo: quantization error of A^(-1/4), order {ORDER}",
-                  "python tools/bench_shampoo_error.py", __doc__,
+                  "python -m tools.bench.shampoo.bench_shampoo_error", __doc__,
                   "Published (Wang et al. 2024, a real order-1200 preconditioner, linear-2): quantize A 0.6243 / "
                   "17.3°; U without rectification 0.0543 / 3.1°; U with rectification 0.0343 / 1.9°; 8-bit A 0.2164."
                   f"\n\n{table}\n\n" + "\n".join(summary))

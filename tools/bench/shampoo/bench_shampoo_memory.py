@@ -1,4 +1,6 @@
-"""Optimizer state memory of 4-bit vs 32-bit Shampoo (and AdamW / SGD-momentum) for real models.
+"""python -m tools.bench.shampoo.bench_shampoo_memory   (about 4 minutes on 2 cores, mostly the real steps)
+
+Optimizer state memory of 4-bit vs 32-bit Shampoo (and AdamW / SGD-momentum) for real models.
 
 Models: torchvision ResNet-18 (ImageNet head, 11.7M parameters) and a small ViT (torchvision
 VisionTransformer: 32x32 images, patch 4, 6 layers, width 384, MLP 1536, 100 classes).
@@ -9,15 +11,12 @@ dtypes and storage sizes, no data, seconds); the 32-bit and 4-bit Shampoo rows a
 with a real step on real tensors ("real MiB", minutes), and the cost model's figure
 (``memopt.estimate(..., optimizer=...)``) is given for every row as a cross-check.
 Shampoo defaults: blocks of 64 per fp32 scale, max_order 1200, matrices under 4096 elements fp32.
-Run: python tools/bench_shampoo_memory.py   (about 4 minutes on 2 cores, mostly the real steps)
 """
 from __future__ import annotations
 
 import argparse
 import copy
-import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -26,9 +25,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import memopt
 from memopt.optim import Shampoo, state_bytes
-
-sys.path.insert(0, str(Path(__file__).parent))
-from bench_shampoo_common import RESULTS, write_results
+from tools.bench.common import RESULTS, write_results
 
 
 def resnet18():
@@ -92,8 +89,8 @@ def measure(build, make_opt, real: bool):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=str(RESULTS / "shampoo_memory.md"))
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=str(RESULTS / "shampoo" / "shampoo_memory.md"))
     args = parser.parse_args()
     torch.set_num_threads(2)
     rows, summary = [], []
@@ -119,7 +116,7 @@ def main() -> None:
                        f"32-bit Shampoo (AdamW graft) = {found['Shampoo 32-bit (AdamW graft)']['total'] / adamw:.2f}x")
     table = tabulate(rows, headers=["model", "optimizer", "params MiB", "preconditioner MiB", "first-order MiB",
                                     "total state MiB", "real MiB", "cost model MiB", "real first step s"], tablefmt="github")
-    write_results(args.out, "4-bit Shampoo: optimizer state memory", "python tools/bench_shampoo_memory.py", __doc__,
+    write_results(args.out, "4-bit Shampoo: optimizer state memory", "python -m tools.bench.shampoo.bench_shampoo_memory", __doc__,
                   "Published (Wang et al. 2024): Shampoo-specific state 7.1-7.5x smaller at 4 bits.\n\n"
                   f"{table}\n\n" + "\n".join(summary))
 

@@ -1,4 +1,6 @@
-"""Training with 4-bit Shampoo on real data that ships offline, against 32-bit Shampoo, the naive
+"""python -m tools.bench.shampoo.bench_shampoo_training --sensitivity   (4 minutes on 1 core; 7 with --sensitivity)
+
+Training with 4-bit Shampoo on real data that ships offline, against 32-bit Shampoo, the naive
 4-bit baseline (quantize="statistics") and AdamW.
 
 - scikit-learn digits (8x8, 1437 train / 360 test, the fixed split of the stash benchmark) with a
@@ -15,16 +17,13 @@ Preconditioned matrices of 4096+ elements are quantized: digits conv2/conv3/line
 Reports test accuracy (mean ± std over 3 seeds), mean training loss per epoch (loss curves), and
 the step time (forward + backward + optimizer step) and optimizer-step time of each: the mean over
 all steps (wall clock, preconditioner updates included) and the median (a step without update).
-Run: python tools/bench_shampoo_training.py [--sensitivity]   (4 minutes on 1 core; 7 with --sensitivity)
 """
 from __future__ import annotations
 
 import argparse
 import copy
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -32,11 +31,7 @@ from tabulate import tabulate
 from torch import nn
 
 from memopt.optim import Shampoo
-
-sys.path.insert(0, str(Path(__file__).parent))
-from bench_fewbit_mnist1d import GeluMLP
-from bench_shampoo_common import RESULTS, write_results
-from bench_stash_training import digits, mnist1d
+from tools.bench.common import RESULTS, GeluMLP, digits, mnist1d, write_results
 
 STAT_EVERY, ROOT_EVERY = 5, 20
 SENSITIVITY = ((10, 50), (20, 100))  # --sensitivity: MNIST-1D, 32-bit vs 4-bit at these (stat_every, root_every)
@@ -111,12 +106,12 @@ def run_seed(model_cls, data, seed: int, epochs: int, batch: int, optimizers=Non
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--digits-epochs", type=int, default=20)
     parser.add_argument("--mnist1d-epochs", type=int, default=30)
     parser.add_argument("--sensitivity", action="store_true",
                         help=f"also MNIST-1D 32-bit vs 4-bit at (stat_every, root_every) in {SENSITIVITY}")
-    parser.add_argument("--out", default=str(RESULTS / "shampoo_training.md"))
+    parser.add_argument("--out", default=str(RESULTS / "shampoo" / "shampoo_training.md"))
     args = parser.parse_args()
     torch.set_num_threads(1)
     acc_rows, time_rows, curve_tables, summary = [], [], [], []
@@ -166,7 +161,7 @@ def main() -> None:
         sensitivity = ("\n\n## Sensitivity: MNIST-1D at other update intervals (3 seeds, same protocol)\n\n"
                        + tabulate(rows, headers=["stat_every", "root_every", "32-bit acc %", "4-bit acc %",
                                                  "4-bit − 32-bit", "mean step 4-bit / 32-bit"], tablefmt="github"))
-    command = (f"python tools/bench_shampoo_training.py --digits-epochs {args.digits_epochs} "
+    command = (f"python -m tools.bench.shampoo.bench_shampoo_training --digits-epochs {args.digits_epochs} "
                f"--mnist1d-epochs {args.mnist1d_epochs}{' --sensitivity' if args.sensitivity else ''}")
     write_results(args.out, "4-bit Shampoo: training on digits and MNIST-1D", command, __doc__,
                   "## Test accuracy (%)\n\n"

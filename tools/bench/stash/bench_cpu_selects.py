@@ -1,22 +1,23 @@
-"""Benchmark: the CPU ops behind the stash's selects and statistics (memopt/ops/stash_grid.py).
+"""python -m tools.bench.stash.bench_cpu_selects --threads 2   (seconds)
+
+Benchmark: the CPU ops behind the stash's selects and statistics (memopt/stash/grid.py).
 
 On one ResNet-50 layer1 tensor at batch 4 (4x256x56x56 float32, 3.2M elements): torch.where / masked_fill with
 a bool mask against the exact replacements the stash uses on CPU (uint8 arithmetic, threshold_backward on the
 mask, lerp by the 0/1 mask), and per-channel std/mean by std_mean, the batch-norm kernel and batch slices.
 Each figure is the mean of 20 calls after one warm-up, in one process, so the ratios are what matters.
-Writes docs/results/stash_cpu_ops.md. Run: python tools/bench_cpu_selects.py  (seconds)
+Writes docs/results/stash/stash_cpu_ops.md.
 """
 from __future__ import annotations
 
 import argparse
 import time
-from pathlib import Path
 
 import torch
 from tabulate import tabulate
 
 from memopt.stash.grid import batch_slices, channel_std_mean, keep_where, select_u8
-from results_file import write_results_file
+from tools.bench.common import RESULTS, write_results_file
 
 
 def _ms(fn, n: int = 20) -> float:
@@ -28,9 +29,9 @@ def _ms(fn, n: int = 20) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", default=str(Path(__file__).parents[1] / "docs" / "results" / "stash_cpu_ops.md"))
+    parser.add_argument("--out", default=str(RESULTS / "stash" / "stash_cpu_ops.md"))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -57,7 +58,7 @@ def main() -> None:
          f"{_ms(lambda: torch.ops.aten.native_batch_norm(z, None, None, None, None, True, 0.0, 0.0)):.2f}", "", ""],
     ]
     table = tabulate(rows, headers=["operation", "stock op", "ms", "stash on CPU", "ms"], tablefmt="github")
-    text = (f"# Stash: CPU selects and statistics\n\nCommand: `python tools/bench_cpu_selects.py --threads "
+    text = (f"# Stash: CPU selects and statistics\n\nCommand: `python -m tools.bench.stash.bench_cpu_selects --threads "
             f"{args.threads}` (torch {torch.__version__}, CPU, {args.threads} threads). One {'x'.join(map(str, shape))} "
             f"float32 tensor (ResNet-50 layer1 at batch 4); mean of 20 calls after a warm-up; the clones in some rows "
             f"are timed with them. Full-size rows vary with the allocator's history (fresh pages cost page faults): "

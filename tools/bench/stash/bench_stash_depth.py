@@ -1,4 +1,6 @@
-"""The exact-forward stash's central claim: gradient error does not grow with depth.
+"""python -m tools.bench.stash.bench_stash_depth   (about 5 minutes on 2 CPU cores)
+
+The exact-forward stash's central claim: gradient error does not grow with depth.
 
 CIFAR-size pre-activation ResNets of depth 20, 56 and 164 (batch 32, random init, one batch of
 random 32x32 images, a fixed random linear loss). For each depth and K in {2, 4, 8}: per conv layer,
@@ -6,8 +8,7 @@ the relative L2 error and cosine of the weight gradient against exact autograd, 
 (a) memopt's stash: exact forward, K-bit codes used only by backward;
 (b) naive approximate activations: the K-bit quantized activation (same per-channel ±3σ grid)
     is what the forward consumes (and what backward sees), so errors compound through the layers.
-Writes docs/results/stash_depth.md and docs/results/stash_depth.png.
-Run: python tools/bench_stash_depth.py   (about 5 minutes on 2 CPU cores)
+Writes docs/results/stash/stash_depth.md and docs/results/stash/stash_depth.png.
 """
 from __future__ import annotations
 
@@ -22,48 +23,9 @@ from tabulate import tabulate
 from torch import nn
 
 import memopt
-from memopt.stash.ops import WINDOWS
 from memopt.testing.zoo import PreActResNet
-
-
-class _NaiveQuantReLU(torch.autograd.Function):
-    """relu(q(z)) where q is the K-bit per-channel grid over mean ± h·σ, with the stash's own
-    half-width h for K (WINDOWS), so both methods quantize alike; straight-through backward."""
-
-    @staticmethod
-    def forward(ctx, z, bits):
-        dims = [d for d in range(z.dim()) if d != 1]  # every dimension but the channels
-        half = WINDOWS[bits]
-        std, mean = torch.std_mean(z, dim=dims, keepdim=True, correction=0)
-        width = 2 * half * std.clamp_min(1e-12) / (1 << bits)
-        lo = mean - half * std
-        code = torch.floor((z - lo) / width).clamp(0, (1 << bits) - 1)
-        zq = lo + (code + 0.5) * width
-        ctx.save_for_backward(zq > 0)
-        return torch.relu(zq)
-
-    @staticmethod
-    def backward(ctx, grad):
-        (mask,) = ctx.saved_tensors
-        return grad * mask, None
-
-
-class NaiveReLU(nn.Module):
-    def __init__(self, bits: int) -> None:
-        super().__init__()
-        self.bits = bits
-
-    def forward(self, z):
-        return _NaiveQuantReLU.apply(z, self.bits)
-
-
-def naive_copy(model: nn.Module, bits: int) -> nn.Module:
-    naive = copy.deepcopy(model)
-    for module in naive.modules():
-        for name, child in module.named_children():
-            if isinstance(child, nn.ReLU):
-                setattr(module, name, NaiveReLU(bits))
-    return naive
+from tools.bench.common import RESULTS
+from tools.bench.stash.common import naive_copy
 
 
 def conv_grads(model, x, probe):
@@ -79,10 +41,10 @@ def errors(grads, exact):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--depths", default="20,56,164")
     parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--out", default=str(Path(__file__).parents[1] / "docs" / "results" / "stash_depth.md"))
+    parser.add_argument("--out", default=str(RESULTS / "stash" / "stash_depth.md"))
     args = parser.parse_args()
     rows, curves = [], {}
     for depth in map(int, args.depths.split(",")):
@@ -110,7 +72,7 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     text = (f"# Exact-forward stash vs naive quantized activations, by depth\n\nCommand: `python "
-            f"tools/bench_stash_depth.py` (torch {torch.__version__}, CPU). Pre-activation ResNets (basic blocks, "
+            f"-m tools.bench.stash.bench_stash_depth` (torch {torch.__version__}, CPU). Pre-activation ResNets (basic blocks, "
             f"width 16/32/64), batch {args.batch}, random init and data; per conv layer, the weight gradient against "
             f"exact autograd. 'first conv' is the stem, the layer farthest from the loss.\n\n{table}\n\n"
             f"![relative error per layer](stash_depth.png)\n")

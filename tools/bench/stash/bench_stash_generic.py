@@ -1,11 +1,13 @@
-"""Benchmark: the generic K-bit stash and the 1-bit extras on transformers.
+"""python -m tools.bench.stash.bench_stash_generic --threads 2   (about 2 minutes)
+
+Benchmark: the generic K-bit stash and the 1-bit extras on transformers.
 
 Zoo TinyViT (d=64, depth 2, batch 32, 16x16) and a small Hugging Face BERT (hidden 128, 2 layers,
 batch 8 x 64 tokens, torch.export path): saved-activation bytes and peak of one step, estimated and
 measured with ``memopt.measure`` (asserted equal), and the worst per-parameter gradient cosine
 against exact autograd (parameters whose exact gradient is below 1e-6 of the largest norm, such as
 BERT's key biases, whose true gradient is 0, are left out). Few-bit stays at its default in every row.
-Writes docs/results/stash_generic.md. Run: python tools/bench_stash_generic.py  (about 2 minutes)
+Writes docs/results/stash/stash_generic.md.
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from tabulate import tabulate
 import memopt
 from memopt.core.units import fmt_bytes
 from memopt.testing.zoo import TinyViT
-from results_file import write_results_file
+from tools.bench.common import write_results_file
 
 CONFIGS = [("exact stash (no extras)", dict(compact_extras=False)), ("default: 1-bit extras", {}),
            ("generic 8-bit", dict(generic=True, bits=8)), ("generic 4-bit", dict(generic=True, bits=4)),
@@ -62,9 +64,9 @@ def run(model, inputs, key, stash):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", default="docs/results/stash_generic.md")
+    parser.add_argument("--out", default="docs/results/stash/stash_generic.md")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     rows = []
@@ -80,7 +82,7 @@ def main() -> None:
                "peak, memopt (= measured)", "worst param cos", "worst parameter"]
     write_results_file(args.out, "\n".join([
         "# Generic K-bit stash and 1-bit extras on transformers", "",
-        f"Command: `python tools/bench_stash_generic.py --threads {args.threads}` (torch {torch.__version__}, CPU). "
+        f"Command: `python -m tools.bench.stash.bench_stash_generic --threads {args.threads}` (torch {torch.__version__}, CPU). "
         "Few-bit at its default (3 bits) in every row; forward outputs bit-identical (asserted); saved bytes and "
         "peak estimated = measured by memopt.measure (asserted).", "",
         tabulate(rows, headers, tablefmt="github"), ""]))

@@ -1,4 +1,6 @@
-"""Benchmark: per-parameter gradient cosine of torchvision CNNs with the exact-forward stash.
+"""python -m tools.bench.stash.bench_stash_gradients   (ResNet-50, three grids: about 8 minutes)
+
+Benchmark: per-parameter gradient cosine of torchvision CNNs with the exact-forward stash.
 
 For each model / input size / batch / seed: random init, random input, a random output gradient; the
 parameter gradients of the stash (few-bit off) against exact autograd on a copy (both forwards from the
@@ -11,7 +13,7 @@ its own), "merged" (a downsample BN joins the residual chain it is added to, so 
 chain's exact mask too), "ends" (merged, and every split window's outer end is where that side's
 values end when that is inside ±WINDOWS[K+1], and the stem BN -> ReLU -> max-pool is one Function whose BN
 weight gradient is exact from the pooled output), "identity" (ends, and the scale identity for BN weights
-before a depthwise conv, K+1 bits for chains without an activation: ``memopt/ops/stash_identity.py``),
+before a depthwise conv, K+1 bits for chains without an activation: ``memopt/stash/identity.py``),
 "current" (identity, and each bin rebuilt at the mean of the values it coded: StashConfig.bin_means).
 
 Parameters whose exact gradient is (numerically) zero have no meaningful cosine: a conv bias followed
@@ -21,8 +23,7 @@ per-channel training-mode BN after a positive-homogeneous ReLU / max-pool with �
 norm0 at init: zero up to eps). A parameter whose exact gradient norm is below ``--zero`` (1e-3) times
 the model's median per-parameter exact-gradient norm is excluded from the cosine columns and listed
 with both norms (exact and ours) relative to that median.
-Writes docs/results/stash_gradients.md (``--out`` for another file). Run: python tools/bench_stash_gradients.py
-(ResNet-50, three grids: about 8 minutes)
+Writes docs/results/stash/stash_gradients.md (``--out`` for another file).
 """
 from __future__ import annotations
 
@@ -40,16 +41,16 @@ import memopt
 import memopt.stash.ops as stash_ops
 import memopt.stash.grid as stash_grid
 import memopt.passes.stash as stash_pass
-from results_file import write_results_file
+from tools.bench.common import write_results_file
 
 MODELS = ("resnet18", "resnet50", "vgg11_bn", "mobilenet_v2", "densenet121")
 MOBILENET_NOTE = (
     "MobileNetV2's stem and expand BN weights (features.0.1.weight, features.N.conv.0.1.weight) are kept although "
     "their exact gradient is small: each channel feeds one depthwise channel and then a training-mode BN, so it "
     "is only the eps and ReLU6-clip terms of the scale identity (the 'least kept exact norm / median' column; "
-    "docs/results/stash_invariance.md). Summed over a rebuilt x̂ ('ends') they carry the code's rounding noise at "
+    "docs/results/stash/stash_invariance.md). Summed over a rebuilt x̂ ('ends') they carry the code's rounding noise at "
     "the natural scale; 'identity' and 'current' solve them from the next BN's weight gradient by the identity "
-    "(memopt/ops/stash_identity.py), so they inherit that gradient's error, weighted toward its channels of "
+    "(memopt/stash/identity.py), so they inherit that gradient's error, weighted toward its channels of "
     "small variance. Both also code chains without an activation (the projection BNs) with K+1 bits: "
     "their BN weights and the next expand convs' weights were the rows between 0.98 and 0.99 in 'ends'.")
 
@@ -94,7 +95,7 @@ def _grid_patches(grid):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="resnet50", help=f"comma-separated, from {','.join(MODELS)}")
     parser.add_argument("--bits", type=int, nargs="+", default=[4])
     parser.add_argument("--cases", default="64x2,128x4", help="SIZExBATCH,... (64x2 is tests/stash/test_stash.py's)")
@@ -104,7 +105,7 @@ def main() -> None:
     parser.add_argument("--zero", type=float, default=1e-3,
                         help="exact gradient norm below this times the median parameter-gradient norm: excluded")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", default="docs/results/stash_gradients.md")
+    parser.add_argument("--out", default="docs/results/stash/stash_gradients.md")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     rows, excluded = [], {}
@@ -136,10 +137,10 @@ def main() -> None:
                "median BN weight cos", "excluded (exact grad ~ 0)", "least kept exact norm / median"]
     excl_rows = [[m, n, len(v), f"{max(e for e, _ in v):.1e}", f"{min(o for _, o in v):.1e} .. {max(o for _, o in v):.1e}"]
                  for (m, n), v in sorted(excluded.items())]
-    command = (f"python tools/bench_stash_gradients.py --models {args.models} --bits {' '.join(map(str, args.bits))} "
+    command = (f"python -m tools.bench.stash.bench_stash_gradients --models {args.models} --bits {' '.join(map(str, args.bits))} "
                f"--cases {args.cases} --seeds {args.seeds} --grids {args.grids} --zero {args.zero:g} "
                f"--threads {args.threads}"
-               f"{' --out ' + args.out if args.out != 'docs/results/stash_gradients.md' else ''}")
+               f"{' --out ' + args.out if args.out != 'docs/results/stash/stash_gradients.md' else ''}")
     if args.out.endswith("stash_gradients.md"):
         title = "# Stash: per-parameter gradient cosine, torchvision ResNet-50"
     else:

@@ -1,4 +1,6 @@
-"""Benchmark: why MobileNetV2's stem and expand BN weights miss cosine 0.99 under a rebuilt-x̂ stash, and the identity that fixes it.
+"""python -m tools.bench.stash.bench_stash_invariance --size 224 --batch 8   (about 3 minutes)
+
+Benchmark: why MobileNetV2's stem and expand BN weights miss cosine 0.99 under a rebuilt-x̂ stash, and the identity that fixes it.
 
 Each of those BNs feeds ReLU6 and then a depthwise conv and a training-mode BN, channel by channel. Scaling
 a channel's (γ, β) by α scales its ReLU6 output by α while nothing reaches 6 (ReLU is positively
@@ -11,22 +13,21 @@ For every such BN of torchvision MobileNetV2 (random init, seed 0), this capture
 gradient at its ReLU6 output from one stock step, runs the chain's stash Function alone on them at 2, 4 and
 8 bits, and reports the exact gradient against its natural scale, and our error against the exact gradient.
 Then the same weights' cosine from ``memopt.optimize`` on the whole model, where the scale identity
-(``memopt/ops/stash_identity.py``, on by default) solves them from the next BN's weight gradient, and the
+(``memopt/stash/identity.py``, on by default) solves them from the next BN's weight gradient, and the
 stem weight's error with the rebuilt-x̂ stash on one stage at a time.
-Writes docs/results/stash_invariance.md. Run: python tools/bench_stash_invariance.py  (about 3 minutes)
+Writes docs/results/stash/stash_invariance.md.
 """
 from __future__ import annotations
 
 import argparse
 import math
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from tabulate import tabulate
 
 from memopt.stash.ops import BNActStash
-from results_file import write_results_file
+from tools.bench.common import RESULTS, write_results_file
 
 BITS = (2, 4, 8)
 
@@ -131,12 +132,12 @@ def stage_rows(bits: int, size: int, batch: int):
 def main() -> None:
     import torchvision
 
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", type=int, default=224)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--stage-size", type=int, default=64, help="input size of the per-stage runs")
     parser.add_argument("--stage-batch", type=int, default=2)
-    parser.add_argument("--out", default=str(Path(__file__).parents[1] / "docs" / "results" / "stash_invariance.md"))
+    parser.add_argument("--out", default=str(RESULTS / "stash" / "stash_invariance.md"))
     args = parser.parse_args()
     import copy
 
@@ -169,7 +170,7 @@ def main() -> None:
     stages = tabulate(stage_rows(8, args.stage_size, args.stage_batch),
                       headers=["only this stage's chains stashed", "chains", "8-bit |error| / |exact|"],
                       tablefmt="github")
-    text = (f"# Stash: MobileNetV2's scale-invariant BN weights\n\nCommand: `python tools/bench_stash_invariance.py "
+    text = (f"# Stash: MobileNetV2's scale-invariant BN weights\n\nCommand: `python -m tools.bench.stash.bench_stash_invariance "
             f"--size {args.size} --batch {args.batch}` (torch {torch.__version__}, CPU). Random init (seed 0), input "
             f"N(0, 1), output gradient N(0, 1); each BN's chain Function run alone on the BN input and the ReLU6 "
             f"output gradient captured from one stock step (columns up to '8-bit cosine': the weight gradient "

@@ -1,18 +1,19 @@
-"""Benchmark: saved-activation bytes, peak and step time with the exact-forward stash.
+"""python -m tools.bench.stash.bench_stash_memory   (about 10 minutes)
+
+Benchmark: saved-activation bytes, peak and step time with the exact-forward stash.
 
 - Pre-activation ResNet-164 (basic blocks), 32x32, batch 128: stock vs stash at 8/4/2 bits, each
   with few-bit codes for the activations left over; measured with ``memopt.measure`` (real CPU run,
   equal to the cost model's estimate, asserted).
 - torchvision ResNet-50, 224x224: batch 32 estimated on fake tensors, batch 4 measured for real.
 - Step time (forward + backward) of ResNet-50 at batch 4 and 8, memopt / stock, interleaved in one run:
-  with the fused CPU kernels (memopt/ops/native.py) and with the plain-PyTorch codecs (MEMOPT_NATIVE=0's
+  with the fused CPU kernels (memopt/runtime/native.py) and with the plain-PyTorch codecs (MEMOPT_NATIVE=0's
   path), and the fixed per-step overhead (memopt - stock seconds at a 64x64 batch of 2, every BN a chain).
-Writes docs/results/stash_memory.md. Run: python tools/bench_stash_memory.py  (about 10 minutes)
+Writes docs/results/stash/stash_memory.md.
 """
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 import torch
 from tabulate import tabulate
@@ -22,8 +23,7 @@ from memopt.runtime import native
 from memopt.core.units import fmt_bytes
 from memopt.timing import step_time_ratio
 from memopt.testing.zoo import PreActResNet
-from bench_planner import CheckpointBlocks
-from results_file import write_results_file
+from tools.bench.common import RESULTS, CheckpointBlocks, write_results_file
 
 CONFIGS = [("stock", None)] + [(f"stash {b}-bit + few-bit", b) for b in (8, 4, 2)]
 
@@ -98,8 +98,8 @@ def checkpoint_ratio(model, x, repeats=5):
 def main() -> None:
     import torchvision
 
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--out", default=str(Path(__file__).parents[1] / "docs" / "results" / "stash_memory.md"))
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=str(RESULTS / "stash" / "stash_memory.md"))
     args = parser.parse_args()
     torch.manual_seed(0)
     rows = measured_rows("PreAct ResNet-164, 32x32, batch 128 (measured)", PreActResNet(164).train(),
@@ -119,7 +119,7 @@ def main() -> None:
     ckpt_ratio, _ = checkpoint_ratio(resnet50, x4)
     table = tabulate(rows, headers=["model", "config", "saved activations", "fewer than stock", "peak (SGD step)",
                                     "peak smaller"], tablefmt="github")
-    text = (f"# Exact-forward stash: memory and time\n\nCommand: `python tools/bench_stash_memory.py` (torch "
+    text = (f"# Exact-forward stash: memory and time\n\nCommand: `python -m tools.bench.stash.bench_stash_memory` (torch "
             f"{torch.__version__}, CPU, {torch.get_num_threads()} threads). Saved bytes and peak of one training step "
             f"with SGD-momentum (parameters, gradients and optimizer state included in the peak). Measured rows come "
             f"from `memopt.measure` and equal the cost model's estimate (asserted).\n\n{table}\n\n"

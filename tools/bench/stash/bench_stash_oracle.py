@@ -1,4 +1,6 @@
-"""Benchmark: how far is the stash's BN weight gradient from the best any K-bit code of x̂ could give?
+"""python -m tools.bench.stash.bench_stash_oracle --models resnet18 --steps 0 100 --bits 4 8 --size 224 --batch 16 --threads 2
+
+Benchmark: how far is the stash's BN weight gradient from the best any K-bit code of x̂ could give?
 
 The issue's criterion is a gradient cosine >= 0.99 for every parameter at 4 bits. The parameters that miss
 it are BN weights, whose gradient dL/dγ_c = Σ g x̂ (g = dL/dy at the BN output, x̂ the normalised input, the
@@ -18,10 +20,10 @@ g here is exact, so this isolates the BN weight's own rounding term: in the stas
 variance-term errors of the BNs after it, which only add. So a BN weight below 0.99 with 'optimal' at K bits
 cannot reach 0.99 with any per-element K-bit code of x̂ (a per-channel scalar quantiser; vector or
 error-diffusion codes are not covered). 'stash window' is the stash's own grid on that side (its window, ends and
-reach, ``memopt/ops/stash_grid.py``) with every value in the bin means, so it tells the stash's rounding from
+reach, ``memopt/stash/grid.py``) with every value in the bin means, so it tells the stash's rounding from
 the errors its output gradients bring from later layers: 'memopt' is the stash's own gradient on the same
-batch (few-bit off, ``memopt.optimize`` on a copy). Models are trained as in tools/bench_stash_trained.py (stock SGD on digits).
-Run: python tools/bench_stash_oracle.py  (writes docs/results/stash_oracle.md)
+batch (few-bit off, ``memopt.optimize`` on a copy). Models are trained as in tools/bench/stash/bench_stash_trained.py (stock SGD on digits).
+Writes docs/results/stash/stash_oracle.md.
 """
 from __future__ import annotations
 
@@ -35,8 +37,8 @@ from tabulate import tabulate
 
 import memopt
 import memopt.stash.grid as stash_grid
-from bench_stash_trained import digits, trained_case
-from results_file import write_results_file
+from tools.bench.common import write_results_file
+from tools.bench.stash.common import trained_case, upsampled_digits
 
 LLOYD_ITERATIONS = 40
 
@@ -151,17 +153,17 @@ def cos(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="resnet18")
     parser.add_argument("--steps", type=int, nargs="+", default=[0, 100])
     parser.add_argument("--bits", type=int, nargs="+", default=[4, 8])
     parser.add_argument("--size", type=int, default=224)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", default="docs/results/stash_oracle.md")
+    parser.add_argument("--out", default="docs/results/stash/stash_oracle.md")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    data_x, data_y = digits(args.size)
+    data_x, data_y = upsampled_digits(args.size)
     summary: List[list] = []
     detail: List[list] = []
     for name in args.models.split(","):
@@ -192,10 +194,10 @@ def main() -> None:
                 print(summary[-1], flush=True)
                 for key, *values in sorted(per_bn, key=lambda r: r[1])[:5]:
                     detail.append([name, steps, bits, key] + [f"{v:.4f}" for v in values])
-    command = (f"python tools/bench_stash_oracle.py --models {args.models} --steps {' '.join(map(str, args.steps))} "
+    command = (f"python -m tools.bench.stash.bench_stash_oracle --models {args.models} --steps {' '.join(map(str, args.steps))} "
                f"--bits {' '.join(map(str, args.bits))} --size {args.size} --batch {args.batch} "
-               f"--threads {args.threads}{' --out ' + args.out if args.out != 'docs/results/stash_oracle.md' else ''}")
-    body = " ".join(__doc__.split("\n\n", 1)[1].split("Run:")[0].split())
+               f"--threads {args.threads}{' --out ' + args.out if args.out != 'docs/results/stash/stash_oracle.md' else ''}")
+    body = " ".join(__doc__.split("\n\n", 2)[2].split("Writes docs/")[0].split())
     write_results_file(args.out, "\n".join([
         "# Stash: BN weight gradients against the best K-bit code of x̂", "",
         f"Command: `{command}` (torch {torch.__version__}, CPU). {body}", "",

@@ -1,6 +1,8 @@
-"""Benchmark: per-parameter gradient cosine of the stash after stock training steps, not only at init.
+"""python -m tools.bench.stash.bench_stash_trained   (about 15 minutes on 2 CPU threads)
 
-tools/bench_stash_gradients.py measures at random init, where BN biases are 0. Does the gradient agreement
+Benchmark: per-parameter gradient cosine of the stash after stock training steps, not only at init.
+
+tools/bench/stash/bench_stash_gradients.py measures at random init, where BN biases are 0. Does the gradient agreement
 hold once a model has trained? For each model: K stock SGD steps (lr 0.05, momentum 0.9, batch 16) on
 scikit-learn's digits (8x8, upsampled to SIZE x SIZE, 3 channels, labels 0-9, standardised), then on a fresh
 batch the cross-entropy gradient of each parameter with the stash (few-bit off) against exact autograd on
@@ -9,8 +11,7 @@ out (as in bench_stash_gradients.py). ``--window-scale`` multiplies every grid's
 ±4σ at 8 bits) to show what clipping at the window costs once activations have heavy tails (at 8 bits the
 outer ends also follow the data out to stash_grid.REACH times the window, which scales with it). ``--means``
 runs each case with the bins rebuilt at their means (1, StashConfig.bin_means, the default) and at their
-midpoints (0); K > stash_grid.MEAN_BITS has no means ('-'). Writes docs/results/stash_trained.md.
-Run: python tools/bench_stash_trained.py  (about 15 minutes on 2 CPU threads)
+midpoints (0); K > stash_grid.MEAN_BITS has no means ('-'). Writes docs/results/stash/stash_trained.md.
 """
 from __future__ import annotations
 
@@ -24,41 +25,8 @@ from tabulate import tabulate
 
 import memopt
 import memopt.stash.grid as stash_grid
-from results_file import write_results_file
-
-
-def digits(size: int):
-    from sklearn.datasets import load_digits
-
-    data = load_digits()
-    x = torch.tensor(data.images, dtype=torch.float32).unsqueeze(1) / 16.0
-    x = F.interpolate(x, size=(size, size), mode="bilinear", align_corners=False).repeat(1, 3, 1, 1)
-    return (x - x.mean()) / x.std(), torch.tensor(data.target)
-
-
-def train(model, x, y, steps: int, batch: int, generator) -> float:
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    loss = torch.tensor(float("nan"))
-    for _ in range(steps):
-        idx = torch.randint(0, len(x), (batch,), generator=generator)
-        loss = F.cross_entropy(model(x[idx]), y[idx])
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return loss.item()
-
-
-def trained_case(name: str, steps: int, data_x, data_y, batch: int):
-    """(model, last training loss, x, y): torchvision ``name`` at random init (seed 0) after ``steps`` stock SGD
-    steps on the data, and a fresh batch drawn after them."""
-    import torchvision
-
-    torch.manual_seed(0)
-    generator = torch.Generator().manual_seed(0)
-    model = getattr(torchvision.models, name)(weights=None).train()
-    loss = train(model, data_x, data_y, steps, batch, generator)
-    idx = torch.randint(0, len(data_x), (batch,), generator=generator)
-    return model, loss, data_x[idx], data_y[idx]
+from tools.bench.common import write_results_file
+from tools.bench.stash.common import trained_case, upsampled_digits
 
 
 def cosines(model, x, y, bits: int, means: bool = True):
@@ -75,7 +43,7 @@ def cosines(model, x, y, bits: int, means: bool = True):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="resnet18,mobilenet_v2")
     parser.add_argument("--steps", type=int, nargs="+", default=[0, 100])
     parser.add_argument("--bits", type=int, nargs="+", default=[4, 8])
@@ -84,10 +52,10 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=64)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", default="docs/results/stash_trained.md")
+    parser.add_argument("--out", default="docs/results/stash/stash_trained.md")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    data_x, data_y = digits(args.size)
+    data_x, data_y = upsampled_digits(args.size)
     rows, worst_rows = [], []
     for name in args.models.split(","):
         for steps in args.steps:
@@ -114,15 +82,15 @@ def main() -> None:
                 worst_rows += [[name, steps, bits, f"{scale:g}", means_col, n, f"{c:.4f}", f"{cos[n][1] / median:.1e}"]
                                for n, c in ranked[:3]]
                 print(rows[-1], flush=True)
-    command = (f"python tools/bench_stash_trained.py --models {args.models} --steps {' '.join(map(str, args.steps))} "
+    command = (f"python -m tools.bench.stash.bench_stash_trained --models {args.models} --steps {' '.join(map(str, args.steps))} "
                f"--bits {' '.join(map(str, args.bits))} --window-scale {' '.join(f'{v:g}' for v in args.window_scale)} "
                f"--means {' '.join(map(str, args.means))} "
                f"--size {args.size} --batch {args.batch} --threads {args.threads}"
-               f"{' --out ' + args.out if args.out != 'docs/results/stash_trained.md' else ''}")
+               f"{' --out ' + args.out if args.out != 'docs/results/stash/stash_trained.md' else ''}")
     write_results_file(args.out, "\n".join([
         "# Stash: per-parameter gradient cosine after training steps", "",
         f"Command: `{command}` (torch {torch.__version__}, CPU). "
-        + " ".join(__doc__.split("\n\n", 1)[1].split("Writes")[0].split()), "",
+        + " ".join(__doc__.split("\n\n", 2)[2].split("Writes")[0].split()), "",
         tabulate(rows, ["model", "stock SGD steps", "training loss at the last step", "bits", "window x", "bin means",
                         "worst cos",
                         "params >= 0.99", "median cos", "median BN weight cos", "excluded (exact grad ~ 0)"],

@@ -1,4 +1,6 @@
-"""Training parity of the exact-forward stash on real data that ships offline.
+"""python -m tools.bench.stash.bench_stash_training   (about 5 minutes; needs scikit-learn and mnist1d)
+
+Training parity of the exact-forward stash on real data that ships offline.
 
 - scikit-learn's digits (8x8, 1797 images; 1437 train / 360 test, fixed split) with a small
   ResNet-style 2-D CNN (conv-BN-ReLU stem, two residual blocks, linear head);
@@ -6,26 +8,20 @@
 For each: stock vs memopt stash at 4 and 2 bits (few-bit off, so only the stash differs), and
 naive 4-bit quantized activations (the forward consumes them) for contrast; 3 seeds, identical
 initial weights and data order per seed, Adam lr 1e-3, batch 64, fixed epochs. Test accuracy.
-Writes docs/results/stash_training.md.
-Run: pip install scikit-learn mnist1d && python tools/bench_stash_training.py  (about 5 minutes)
+Writes docs/results/stash/stash_training.md.
 """
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
-from pathlib import Path
 
 import torch
 from tabulate import tabulate
 from torch import nn
 
 import memopt
-
-sys.path.insert(0, str(Path(__file__).parent))
-from bench_stash_depth import naive_copy  # noqa: E402  (the same naive quantizer as the depth study)
-from parity import fit_and_test  # noqa: E402
-from results_file import write_results_file
+from tools.bench.common import RESULTS, digits, fit_and_test, mnist1d, write_results_file
+from tools.bench.stash.common import naive_copy  # the same naive quantizer as the depth study
 
 
 class Block2d(nn.Module):
@@ -65,26 +61,6 @@ class CNN1d(nn.Module):
         return self.head(self.features(x.unsqueeze(1)).flatten(1))
 
 
-def digits():
-    from sklearn.datasets import load_digits
-
-    d = load_digits()
-    x = torch.tensor(d.images, dtype=torch.float32).unsqueeze(1) / 16.0
-    y = torch.tensor(d.target)
-    g = torch.Generator().manual_seed(0)
-    order = torch.randperm(len(x), generator=g)
-    train, test = order[:1437], order[1437:]
-    return x[train], y[train], x[test], y[test]
-
-
-def mnist1d():
-    from mnist1d.data import get_dataset_args, make_dataset
-
-    d = make_dataset(get_dataset_args())
-    return (torch.tensor(d["x"], dtype=torch.float32), torch.tensor(d["y"]),
-            torch.tensor(d["x_test"], dtype=torch.float32), torch.tensor(d["y_test"]))
-
-
 def train(model_cls, method, seed, data, epochs):
     x = data[0]
     torch.manual_seed(seed)
@@ -102,9 +78,9 @@ def train(model_cls, method, seed, data, epochs):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--epochs", type=int, default=15)
-    parser.add_argument("--out", default=str(Path(__file__).parents[1] / "docs" / "results" / "stash_training.md"))
+    parser.add_argument("--out", default=str(RESULTS / "stash" / "stash_training.md"))
     args = parser.parse_args()
     rows = []
     for name, model_cls, data in (("digits, ResNet-style CNN", DigitsResNet, digits()),
@@ -119,7 +95,7 @@ def main() -> None:
             print(rows[-1], flush=True)
     table = tabulate(rows, headers=["task", "method", "test accuracy %", "vs stock (points)", "seeds 0/1/2"],
                      tablefmt="github")
-    text = (f"# Exact-forward stash: training parity\n\nCommand: `python tools/bench_stash_training.py --epochs "
+    text = (f"# Exact-forward stash: training parity\n\nCommand: `python -m tools.bench.stash.bench_stash_training --epochs "
             f"{args.epochs}` (torch {torch.__version__}, CPU). Adam lr 1e-3, batch 64, 3 seeds; stock and memopt "
             f"share initial weights and data order within a seed; 'naive 4-bit' quantizes each ReLU output in the "
             f"forward pass (the grid of the stash, straight-through backward).\n\n{table}\n")

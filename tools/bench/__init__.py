@@ -1,0 +1,1 @@
+"""Benchmarks, one folder per technique; shared helpers in tools/bench/common.py. See tools/README.md."""
