@@ -1,7 +1,8 @@
 """The training step both the estimator (fake tensors) and ``memopt.measure`` (real) simulate."""
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+import dataclasses
+from typing import Any, Callable, List, Optional
 
 import torch
 from torch.utils._pytree import tree_flatten
@@ -9,13 +10,26 @@ from torch.utils._pytree import tree_flatten
 LossFn = Callable[[Any], torch.Tensor]
 
 
+def output_tensors(output: Any) -> List[torch.Tensor]:
+    """Every tensor in a model's output: any pytree (tuples, lists, dicts, NamedTuples, HF ModelOutput), with
+    dataclass instances opened field by field (pytree leaves them whole)."""
+    found = []
+    for leaf in tree_flatten(output)[0]:
+        if isinstance(leaf, torch.Tensor):
+            found.append(leaf)
+        elif dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
+            found.extend(output_tensors([getattr(leaf, f.name) for f in dataclasses.fields(leaf)]))
+    return found
+
+
 def default_loss(output: Any) -> torch.Tensor:
-    """Sum of every floating-point tensor that requires grad in the model's output (any pytree)."""
-    terms = [t.sum() for t in tree_flatten(output)[0]
-             if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad]
+    """Sum of every floating-point tensor that requires grad in the model's output."""
+    terms = [t.sum() for t in output_tensors(output) if t.is_floating_point() and t.requires_grad]
     if not terms:
-        raise ValueError("the model's output has no floating-point tensor that requires grad, so there "
-                         "is nothing to train; pass loss_fn=... that returns a scalar loss")
+        raise ValueError(f"the model's output ({type(output).__name__}) has no floating-point tensor that requires "
+                         f"grad, so there is nothing to train; memopt.optimize plans a step on the sum of the "
+                         f"floating outputs: return the logits or the loss from forward (memopt.estimate and "
+                         f"memopt.measure also take loss_fn=... returning a scalar)")
     loss = terms[0]
     for t in terms[1:]:
         loss = loss + t

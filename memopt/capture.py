@@ -14,9 +14,11 @@ from typing import Any, Dict, Tuple
 
 import torch
 from torch import fx, nn
+from torch.utils._pytree import tree_flatten
 
 from memopt.core.errors import TraceError
 from memopt.core.leaf import LEAF_FUNCTIONS
+from memopt.core.state import preserved_state
 
 log = logging.getLogger("memopt")
 
@@ -33,11 +35,13 @@ def _resolve(root: nn.Module, target: str):
     return obj
 
 
-def _rebuild_on_model(model: nn.Module, graph: fx.Graph, fallback: nn.Module | None) -> fx.GraphModule:
-    """A GraphModule whose attributes are the model's own objects (fallback: the export module's)."""
-    attrs: Dict[str, Any] = {}
+def _rebuild_on_model(model: nn.Module, graph: fx.Graph, fallback: nn.Module | None,
+                      extra: Dict[str, nn.Module] | None = None) -> fx.GraphModule:
+    """A GraphModule whose attributes are the model's own objects (fallback: the export module's; ``extra``:
+    modules capture made, the ``FunctionCall`` of each custom autograd Function)."""
+    attrs: Dict[str, Any] = dict(extra or {})
     for node in graph.nodes:
-        if node.op not in ("get_attr", "call_module"):
+        if node.op not in ("get_attr", "call_module") or node.target in attrs:
             continue
         try:
             attrs[node.target] = _resolve(model, node.target)
@@ -53,12 +57,126 @@ def _rebuild_on_model(model: nn.Module, graph: fx.Graph, fallback: nn.Module | N
     return fx.GraphModule(attrs, graph, class_name=type(model).__name__ + "Graph")
 
 
+class FunctionCall(nn.Module):
+    """A custom ``torch.autograd.Function`` kept whole in a captured graph: calling it runs the Function's own
+    forward and backward. Tracing through it would make autograd differentiate its forward's ops instead (a
+    straight-through estimator's gradient would be zero, a gradient-reversal layer's of the wrong sign), and
+    would keep what its forward's ops keep rather than what it saves itself."""
+
+    def __init__(self, function: type) -> None:
+        super().__init__()
+        self.function = function
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.function.apply(*args, **kwargs)
+
+    def extra_repr(self) -> str:
+        return f"{self.function.__module__}.{self.function.__qualname__}"
+
+
 class MemoptTracer(fx.Tracer):
     """The fx tracer with memopt's runtime functions (``memopt.core.leaf.LEAF_FUNCTIONS``) kept as leaves."""
 
     def __init__(self, *args, **kwargs) -> None:
         kwargs["autowrap_functions"] = tuple(kwargs.get("autowrap_functions", ())) + tuple(LEAF_FUNCTIONS)
         super().__init__(*args, **kwargs)
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return isinstance(m, FunctionCall) or super().is_leaf_module(m, module_qualified_name)
+
+
+def _attribute_snapshot(root: nn.Module):
+    """(modules, buffer objects, public attribute values) of ``root``: what ``_restore_attributes`` puts back."""
+    modules = dict(root.named_modules())
+    buffers = {(path, name): t for path, m in modules.items() for name, t in m._buffers.items()}
+    attrs = {(path, key): v for path, m in modules.items() for key, v in vars(m).items() if not key.startswith("_")}
+    return modules, buffers, attrs
+
+
+def _restore_attributes(modules, buffers, attrs) -> list:
+    """Put back every buffer and public attribute the traced forward rebound (to a traced value, or to anything:
+    tracing runs the forward's Python, ``self.calls += 1`` included); returns the attributes (not buffers) that
+    were rebound to traced values."""
+    rebound = []
+    for (path, name), original in buffers.items():
+        if modules[path]._buffers.get(name) is not original:
+            modules[path]._buffers[name] = original
+    for path, module in modules.items():
+        for key, value in list(vars(module).items()):
+            if key.startswith("_") or attrs.get((path, key), _MISSING) is value:
+                continue
+            if isinstance(value, fx.Proxy):
+                rebound.append(f"{path + '.' if path else ''}{key}")
+            if (path, key) in attrs:
+                object.__setattr__(module, key, attrs[(path, key)])
+            else:
+                delattr(module, key)
+    return rebound
+
+
+_MISSING = object()
+
+
+class _recorded_grad_mode:
+    """Within the block, ``torch.no_grad`` / ``torch.enable_grad`` regions entered by the traced forward also
+    record ``torch._C._set_grad_enabled`` calls in the graph (fx records no context managers otherwise): an
+    EMA updated under ``no_grad`` must not get autograd history when the graph runs. The mode restored on exit
+    is the trace-time one, which is the training forward's (graphs run only with grad enabled)."""
+
+    CLASSES = (torch.no_grad, torch.enable_grad)
+
+    def __init__(self, tracer: fx.Tracer) -> None:
+        self.tracer = tracer
+
+    def __enter__(self) -> None:
+        self.saved = [(cls, cls.__enter__, cls.__exit__) for cls in self.CLASSES]
+        tracer = self.tracer
+        for cls, enter, exit_ in self.saved:
+            def patched_enter(ctx, _enter=enter, _mode=cls is torch.enable_grad):
+                ctx._memopt_before = torch.is_grad_enabled()
+                tracer.create_proxy("call_function", torch._C._set_grad_enabled, (_mode,), {})
+                return _enter(ctx)
+
+            def patched_exit(ctx, *exc, _exit=exit_):
+                tracer.create_proxy("call_function", torch._C._set_grad_enabled, (ctx._memopt_before,), {})
+                return _exit(ctx, *exc)
+
+            cls.__enter__, cls.__exit__ = patched_enter, patched_exit
+
+    def __exit__(self, *exc) -> None:
+        for cls, enter, exit_ in self.saved:
+            cls.__enter__, cls.__exit__ = enter, exit_
+
+
+def _apply_owner() -> type:
+    """The class whose ``apply`` every custom autograd Function inherits (torch.autograd.Function)."""
+    return next(k for k in torch.autograd.Function.__mro__ if "apply" in vars(k))
+
+
+class _patched_apply:
+    """Within the block, ``Function.apply`` calls ``hook(cls, args, kwargs)`` first; a hook that returns
+    something other than None replaces the call (the original applies otherwise)."""
+
+    def __init__(self, hook) -> None:
+        self.hook = hook
+
+    def __enter__(self) -> None:
+        function = torch.autograd.Function
+        self.own = "apply" in vars(function)
+        self.raw = vars(_apply_owner())["apply"]
+        raw, hook = self.raw, self.hook
+
+        def apply(cls, *args, **kwargs):
+            replaced = hook(cls, args, kwargs)
+            return raw.__get__(None, cls)(*args, **kwargs) if replaced is None else replaced
+
+        function.apply = classmethod(apply)
+
+    def __exit__(self, *exc) -> None:
+        if self.own:
+            torch.autograd.Function.apply = self.raw
+        else:
+            del torch.autograd.Function.apply
 
 
 def _drop_export_guards(graph: fx.Graph) -> None:
@@ -80,17 +198,86 @@ def has_hooks(module: nn.Module) -> bool:
 
 
 class _HookAwareTracer(fx.Tracer):
-    """``symbolic_trace``'s tracer, with every module that has hooks kept as one call: tracing through a
-    container would drop its hooks from the graph (stock PyTorch fires them)."""
+    """``symbolic_trace``'s tracer, with every module that has hooks kept as one call (tracing through a
+    container would drop its hooks from the graph; stock PyTorch fires them), and every custom autograd
+    Function applied to traced values kept as one ``FunctionCall``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.functions: Dict[str, FunctionCall] = {}
+        # buffers as get_attr nodes, so in-place updates of them in forward (counters, EMAs, BatchNorm
+        # statistics computed functionally) are recorded instead of run once, for real, at trace time
+        self.proxy_buffer_attributes = True
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         return (bool(module_qualified_name) and has_hooks(m)) or super().is_leaf_module(m, module_qualified_name)
+
+    def trace(self, root, concrete_args=None) -> fx.Graph:
+        modules, buffers, attrs = _attribute_snapshot(root)
+        try:
+            with _patched_apply(self._function_call), _recorded_grad_mode(self):
+                graph = super().trace(root, concrete_args)
+            self._write_back_buffers(graph, modules, buffers)
+        finally:
+            rebound = _restore_attributes(modules, buffers, attrs)
+        if rebound:
+            raise TraceError(f"{type(root).__name__}'s forward assigns traced values to attributes "
+                             f"({', '.join(rebound[:4])}) that are not buffers: a captured graph cannot do that",
+                             f"forward assigns traced values to attributes {', '.join(rebound[:4])}")
+        return graph
+
+    def _write_back_buffers(self, graph: fx.Graph, modules, buffers) -> None:
+        """A buffer rebound in forward (``self.count = self.count + 1``, which fx records out of place) gets the
+        new value copied into it at the end of the graph: the same values as eager, the same buffer object."""
+        output = next(n for n in graph.nodes if n.op == "output")
+        for (path, name), original in buffers.items():
+            now = modules[path]._buffers.get(name)
+            if isinstance(now, fx.Proxy):
+                with graph.inserting_before(output):
+                    target = graph.get_attr(f"{path}.{name}" if path else name)
+                    graph.call_method("copy_", (target, now.node))
+
+    def _function_call(self, cls: type, args: tuple, kwargs: dict):
+        if not any(isinstance(a, fx.Proxy) for a in tree_flatten((args, kwargs))[0]):
+            return None
+        base = "memopt_function_" + "".join(c if c.isalnum() else "_" for c in cls.__qualname__)
+        name, i = base, 0
+        while name in self.functions and self.functions[name].function is not cls:
+            i += 1
+            name = f"{base}_{i}"
+        self.functions.setdefault(name, FunctionCall(cls))
+        return self.create_proxy("call_module", name, args, kwargs)
+
+
+def _recorder(applied: Dict[type, str]):
+    """A ``_patched_apply`` hook that records each custom autograd Function applied (and where) and lets it run."""
+    def hook(cls: type, args: tuple, kwargs: dict) -> None:
+        if not cls.__module__.startswith("memopt."):
+            applied.setdefault(cls, _caller())
+        return None
+
+    return hook
+
+
+def _caller() -> str:
+    """``file:line`` of the innermost frame outside torch and memopt (the model code applying a Function)."""
+    import os
+    import traceback
+
+    skip = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(os.path.dirname(__file__)) + os.sep)
+    frames = [f for f in traceback.extract_stack() if not f.filename.startswith(skip) and not f.filename.startswith("<")]
+    return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "?"
 
 
 def capture(model: nn.Module, args: tuple, kwargs: dict) -> Captured:
     """Capture ``model`` on the example inputs; raise ``TraceError`` when neither path works."""
     try:
-        gm = _rebuild_on_model(model, _HookAwareTracer().trace(model), None)
+        # symbolic tracing runs the forward's Python: what it does to real tensors (a buffer counter, an EMA
+        # that no traced value flows into) happens for real, and is undone here
+        tracer = _HookAwareTracer()
+        with preserved_state(model):
+            traced = tracer.trace(model)
+        gm = _rebuild_on_model(model, traced, None, tracer.functions)
         return Captured(gm, "symbolic_trace")
     except Exception as fx_error:  # noqa: BLE001 - any tracing failure sends us to the export path
         fx_msg = f"{type(fx_error).__name__}: {fx_error}"
@@ -98,8 +285,18 @@ def capture(model: nn.Module, args: tuple, kwargs: dict) -> Captured:
     log.info("memopt: symbolic_trace failed for %s (%s); trying torch.export", type(model).__name__, fx_msg)
     was_training = model.training
     try:
-        with _quiet("torch.fx.experimental.symbolic_shapes"):  # a failure is reported by us, with its construct
-            exported = torch.export.export(model, args, kwargs=kwargs, strict=False)
+        applied: Dict[type, str] = {}
+        snapshot = _attribute_snapshot(model)  # export runs the forward's Python too
+        try:
+            with _quiet("torch.fx.experimental.symbolic_shapes"), _patched_apply(_recorder(applied)):
+                # (a failure is reported by us, with its construct)
+                exported = torch.export.export(model, args, kwargs=kwargs, strict=False)
+        finally:
+            _restore_attributes(*snapshot)
+        if applied:
+            names = ", ".join(f"{cls.__qualname__} ({where})" for cls, where in list(applied.items())[:3])
+            raise TraceError(f"torch.export inlines the custom autograd Function {names}: its own backward would "
+                             f"not run.", f"custom autograd Function {names}")
         ep_module = exported.module()
         graph = ep_module.graph
         _drop_export_guards(graph)
@@ -156,9 +353,7 @@ class _quiet:
 
 def trace_error(message: str, summary: str) -> TraceError:
     """A ``TraceError`` with ``summary``: one line naming both failures and the construct (for reports)."""
-    error = TraceError(message)
-    error.summary = summary
-    return error
+    return TraceError(message, summary)
 
 
 def user_frame(error: BaseException) -> str:

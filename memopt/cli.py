@@ -15,6 +15,8 @@ from typing import Any, Callable, List, Optional, Tuple
 import torch
 from torch import nn
 
+from memopt.core.errors import MemoptError
+
 
 class CliError(Exception):
     """A bad argument: printed as one line, exit code 2."""
@@ -224,6 +226,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         parser.error(f"--budget-mb must be a positive number of MiB, got {args.budget_mb!r}")
     try:
         return args.func(args)
-    except CliError as e:
-        parser.error(str(e))  # one line on stderr, exit code 2
+    except (CliError, ValueError, TypeError, MemoptError) as e:
+        # a bad option value or input: one line on stderr naming it, exit code 2 (not a traceback)
+        parser.error(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
     return 2

@@ -19,7 +19,7 @@ import builtins
 import logging
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Optional, Tuple, Union
 
 import torch
 from torch import nn
@@ -33,6 +33,7 @@ from memopt.plan import Plan
 from memopt.core.state import share_module_state
 from memopt.partial import build_partial
 from memopt.report import render
+from memopt.soundness import attribute_fingerprint, changed_attributes
 from memopt.export import export_directory, export_partial
 
 log = logging.getLogger("memopt")
@@ -56,41 +57,65 @@ class OptimizedModule(nn.Module):
         object.__setattr__(self, "_memopt_optimizer", optimizer)
         object.__setattr__(self, "_memopt_plan", plan)
         object.__setattr__(self, "_memopt_built", OrderedDict())
+        object.__setattr__(self, "_memopt_guards", {})
         object.__setattr__(self, "_memopt_last", None)
 
     # ---------------------------------------------------------------- capture and planning
     def _build_for(self, args: tuple, kwargs: dict) -> Built:
         signature, structure = tuple(input_signature(args, kwargs)), _structure(self._memopt_model)
         key = (signature, structure)
-        built = self._memopt_built.get(key)
+        built, guards_failed = self._cached(key)
         if built is None:
-            if any(k[0] == signature for k in self._memopt_built):
+            if guards_failed:
+                pass  # _cached said what changed
+            elif any(k[0] == signature for k in self._memopt_built):
                 log.warning("memopt: %s changed since it was captured (a module or parameter was added, replaced "
                             "or frozen, or a hook registered); capturing and planning again",
                             type(self._memopt_model).__name__)
             elif self._memopt_built:
                 log.warning("memopt: new input signature %s for %s; capturing and planning again",
                             list(signature), type(self._memopt_model).__name__)
-            plan = self._memopt_plan
-            if plan is not None and list(signature) != plan.input_signature:
-                log.warning("memopt: the given plan is for inputs %s, not %s; planning these inputs anew",
-                            plan.input_signature, list(signature))
-                plan = None
-            try:
-                built = build(self._memopt_model, args, kwargs, self._memopt_config, self._memopt_budget,
-                              self._memopt_optimizer, plan)
-            except TraceError as whole:  # optimize the submodules that can be captured (memopt/partial.py)
-                log.warning("memopt: %s cannot be captured whole; capturing its submodules instead (%s)",
-                            type(self._memopt_model).__name__, whole.summary)
-                built = build_partial(self._memopt_model, args, kwargs, self._memopt_config, self._memopt_budget,
-                                      self._memopt_optimizer, plan, whole)
+            built = self._build_new(signature, args, kwargs)
             self._memopt_built[key] = built
+            self._memopt_guards[key] = attribute_fingerprint(self._memopt_model, _guarded_paths(built))
             while len(self._memopt_built) > MAX_SIGNATURES:
-                self._memopt_built.popitem(last=False)
+                dropped, _ = self._memopt_built.popitem(last=False)
+                self._memopt_guards.pop(dropped, None)
         else:
             self._memopt_built.move_to_end(key)
         object.__setattr__(self, "_memopt_last", built)
         return built
+
+    def _cached(self, key: tuple) -> Tuple[Any, bool]:
+        """(the build for ``key``, False) if its guards hold: the plain Python attributes its graphs may have
+        read as constants are as they were at capture; else (None, True) after dropping it, with a log line."""
+        built = self._memopt_built.get(key)
+        if built is None:
+            return None, False
+        now = attribute_fingerprint(self._memopt_model, _guarded_paths(built))
+        recorded = self._memopt_guards.get(key)
+        if recorded is None or now == recorded:
+            return built, False
+        log.warning("memopt: %s changed since it was captured (%s); capturing and planning again",
+                    type(self._memopt_model).__name__, ", ".join(changed_attributes(recorded, now)[:4]))
+        del self._memopt_built[key]
+        del self._memopt_guards[key]
+        return None, True
+
+    def _build_new(self, signature: tuple, args: tuple, kwargs: dict):
+        plan = self._memopt_plan
+        if plan is not None and list(signature) != plan.input_signature:
+            log.warning("memopt: the given plan is for inputs %s, not %s; planning these inputs anew",
+                        plan.input_signature, list(signature))
+            plan = None
+        try:
+            return build(self._memopt_model, args, kwargs, self._memopt_config, self._memopt_budget,
+                         self._memopt_optimizer, plan)
+        except TraceError as whole:  # optimize the submodules that can be captured (memopt/partial.py)
+            log.warning("memopt: %s cannot be captured whole; capturing its submodules instead (%s)",
+                        type(self._memopt_model).__name__, whole.summary)
+            return build_partial(self._memopt_model, args, kwargs, self._memopt_config, self._memopt_budget,
+                                 self._memopt_optimizer, plan, whole)
 
     def prepare(self, example_inputs: Any) -> "OptimizedModule":
         """Capture and plan for ``example_inputs`` now (``optimize`` calls this when given inputs)."""
@@ -178,6 +203,12 @@ def _structure(model: nn.Module) -> tuple:
     params = tuple((name, id(p), p.requires_grad) for name, p in model.named_parameters(remove_duplicate=False))
     buffers = tuple((name, id(b)) for name, b in model.named_buffers(remove_duplicate=False))
     return modules + params + buffers
+
+
+def _guarded_paths(built) -> Optional[list]:
+    """Whose attributes a build's graphs read: the whole model's, or only the captured submodules' when it was
+    captured per submodule (the model's own forward runs eagerly there and may change its attributes)."""
+    return None if isinstance(built, Built) else [unit.path for unit in built.units]
 
 
 def _trains_anything(model: nn.Module, args: tuple, kwargs: dict) -> bool:

@@ -88,18 +88,24 @@ def _snapshot(value: Any) -> Any:
 
 
 def record_calls(model: nn.Module, args: tuple, kwargs: dict) -> Dict[str, list]:
-    """{submodule path: [args, kwargs, calls]}: the first inputs of every submodule the model's
-    training forward calls, from one real forward (grad on, train mode; state and RNG restored)."""
+    """{submodule path: [args, kwargs, calls, checkpointed]}: the first inputs of every submodule the model's
+    training forward calls, from one real forward (grad on, train mode; state and RNG restored).
+    ``checkpointed``: a call ran under ``torch.utils.checkpoint`` (saved-tensor hooks active, or autograd off as
+    in its reentrant form): such a submodule is left as the model runs it, since checkpoint's recomputation
+    calls it again outside memopt's routing and must find the tensors the first call saved."""
 
     calls: Dict[str, list] = {}
     handles = []
 
     def hook(path):
         def pre_hook(module, a, kw):
+            checkpointed = not torch.is_grad_enabled() or \
+                torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
             if path in calls:
                 calls[path][2] += 1
+                calls[path][3] |= checkpointed
             else:
-                calls[path] = [_snapshot(a), _snapshot(kw), 1]
+                calls[path] = [_snapshot(a), _snapshot(kw), 1, checkpointed]
         return pre_hook
 
     for path, module in model.named_modules():
@@ -136,13 +142,24 @@ def capture_units(model: nn.Module, args: tuple, kwargs: dict, config: Config, w
                 if any(p.startswith(path + ".") for p in calls):
                     visit(path, child)  # a container the parent loops over, never called itself
                 continue
-            a, kw, count = calls[path]
-            try:
-                built = build(child, a, kw, config, None)
-            except TraceError as e:
+            a, kw, count, checkpointed = calls[path]
+            if checkpointed:
                 records.append({"path": path, "class": type(child).__name__, "captured": False, "method": "",
                                 "calls": count, "saved_bytes_before": None, "saved_bytes_after": None,
-                                "why": e.summary})
+                                "why": "runs under torch.utils.checkpoint (or with autograd off): left as the "
+                                       "model runs it"})
+                continue
+            try:
+                built = build(child, a, kw, config, None)
+            except (MemoptError, ValueError) as e:
+                # not capturable, or its analysis failed (a data-dependent op the cost model cannot run on fake
+                # tensors, nothing to train in its outputs, ...): this submodule runs eagerly, its children are
+                # tried; the report says why
+                why = e.summary if isinstance(e, TraceError) else f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                log.info("memopt: submodule %s (%s) not captured: %s", path, type(child).__name__, why)
+                records.append({"path": path, "class": type(child).__name__, "captured": False, "method": "",
+                                "calls": count, "saved_bytes_before": None, "saved_bytes_after": None,
+                                "why": why})
                 visit(path, child)
                 continue
             units.append(Unit(path, _signature(a, kw), built, count))

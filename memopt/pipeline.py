@@ -14,6 +14,7 @@ from memopt.capture import capture, check_inputs, flat_inputs
 from memopt.config import Config
 from memopt.core.errors import BudgetError, MemoptError
 from memopt.plan import NodePlan, Plan, node_plans
+from memopt.soundness import check_capture
 from memopt.core.meta import DECISION_KEY
 from memopt.core.units import fmt_bytes
 from memopt.reversible.check import real_examples
@@ -78,11 +79,15 @@ def build(model: nn.Module, args: tuple, kwargs: dict, config: Config, budget_by
     captured = capture(model, args, kwargs)
     gm = captured.graph_module
     baseline = annotate(gm, args, kwargs, device=config.device, optimizer=optimizer)
+    soundness = check_capture(model, gm, captured.method, args, kwargs,
+                              recapture=lambda a, k: capture(model, a, k).graph_module)
     if config.fewbit is not None and config.fewbit.weight == "data" and not _has_meta(args, kwargs):
         record_input_histograms(gm, flat_inputs(gm, args, kwargs), TABLE_ACTIVATIONS, config.fewbit.domain)
     ctx = PassContext(args, kwargs, config.device,
                       None if _has_meta(args, kwargs) else real_examples(flat_inputs(gm, args, kwargs)))
-    return _rewrite(model, captured, args, kwargs, config, budget_bytes, optimizer, plan, baseline, ctx)
+    built = _rewrite(model, captured, args, kwargs, config, budget_bytes, optimizer, plan, baseline, ctx)
+    built.plan.soundness = soundness.to_dict()
+    return built
 
 
 def _rewrite(model: nn.Module, captured: Any, args: tuple, kwargs: dict, config: Config, budget_bytes: Optional[int],

@@ -66,6 +66,8 @@ class Plan:
     units: List[Dict[str, Any]] = field(default_factory=list)
     # How the budget planner got here (empty without a budget to plan for).
     planner: Dict[str, Any] = field(default_factory=dict)
+    # The capture check (memopt/soundness.py): {"checked", "slice", "eager_saved_bytes", "captured_saved_bytes"}
+    soundness: Dict[str, Any] = field(default_factory=dict)
     schema_version: int = PLAN_SCHEMA_VERSION
 
     def chosen_units(self) -> Dict[str, Dict[str, int]]:

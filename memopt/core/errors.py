@@ -9,7 +9,12 @@ class MemoptError(RuntimeError):
 
 
 class TraceError(MemoptError):
-    """The model could be captured neither by ``torch.fx.symbolic_trace`` nor by ``torch.export``."""
+    """The model cannot be captured soundly: neither ``torch.fx.symbolic_trace`` nor ``torch.export`` traces it,
+    or the captured graph does not train as the eager model does. ``summary``: one line for reports."""
+
+    def __init__(self, message: str, summary: Optional[str] = None) -> None:
+        super().__init__(message)
+        self.summary = summary if summary is not None else (message.strip().splitlines() or [""])[0][:300]
 
 
 class BudgetError(MemoptError):

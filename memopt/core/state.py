@@ -22,6 +22,10 @@ class preserved_state:
     def __exit__(self, *exc) -> None:
         with torch.no_grad():
             for t, v in self.values:
+                if t.grad_fn is not None and not t._is_view():
+                    # an in-place update with grad enabled (a buffer updated outside no_grad by a traced graph)
+                    # left autograd history on it: a later backward would run through it a second time
+                    t.detach_()
                 t.copy_(v)
         for p, g in self.grads:
             p.grad = g

@@ -58,3 +58,12 @@ def test_every_option_has_help():
         for action in sub._actions:
             if action.dest != "help":
                 assert action.help, f"{name} {action.dest} has no help text"
+
+
+def test_a_bad_option_value_is_one_line_and_exit_code_2(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["estimate", "mlp", "--device", "tpu"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "memopt: error: Config.device='tpu' is not supported; use None or one of ['cpu', 'cuda', 'meta']" in err
+    assert "Traceback" not in err

@@ -35,9 +35,15 @@ def _build(name):
 def test_optimize_and_train(name, tmp_path):
     model, x, key = _build(name)
     reference = copy.deepcopy(model)
+    stock = memopt.measure(reference, x).saved_bytes
     om = memopt.optimize(model, example_inputs=x, optimizer="adamw")
-    assert om.plan.capture == "export"
-    assert om.plan.estimated_saved_bytes < om.plan.baseline_saved_bytes
+    # whole through torch.export where its graph trains as eager PyTorch does and keeps no more (BERT, GPT-2);
+    # per submodule where the whole graph keeps more than eager (Llama, ViT: the check says so)
+    assert om.plan.capture in ("export", "per-submodule")
+    if om.plan.capture == "per-submodule":
+        assert "keeps" in om.plan.submodules[0]["why"] and "eager model keeps" in om.plan.submodules[0]["why"]
+    assert om.plan.baseline_saved_bytes == stock  # the baseline is eager PyTorch's, measured
+    assert memopt.measure(om, x).saved_bytes == om.plan.estimated_saved_bytes < stock
     torch.manual_seed(2)
     out = om(**x)[key]
     torch.manual_seed(2)

@@ -1,0 +1,227 @@
+"""The soundness check at capture: the captured graph, before any rewrite, must train as the eager model does.
+
+On a slice of the example batch (``SLICE`` samples: enough for BatchNorm, small enough to fit wherever the
+plan's target fits) it runs one training step of the eager model and one of the captured graph, from the
+same parameters, buffers and RNG state, and compares bit for bit: outputs, buffers after the step (running
+statistics, counters, EMAs), every parameter's and input's gradient; and the bytes autograd keeps (saved-tensor
+hooks): the graph may not keep more than eager. Model state is restored after each run. A difference is a
+construct capture changed (a custom autograd Function traced through, an in-place buffer update dropped,
+``torch.utils.checkpoint`` removed, Python side effects in forward): ``check_capture`` raises ``TraceError``
+naming it, and the caller falls back to per-submodule capture, where the failing parts run eagerly.
+
+Fake or meta inputs cannot run: the check is skipped and says so.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+from torch import fx, nn
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils._pytree import tree_flatten, tree_map
+
+from memopt.core.errors import MemoptError, TraceError
+from memopt.core.state import preserved_state
+from memopt.core.storage import storage_key
+from memopt.cost_model.step import compute_loss, output_tensors
+from memopt.cost_model.storage import SavedTensorRecorder, distinct_saved_bytes
+
+log = logging.getLogger("memopt")
+
+# samples of the example batch the check runs on
+SLICE = 4
+
+
+@dataclass
+class Soundness:
+    """What the check found (``Plan.soundness``)."""
+
+    checked: bool
+    slice: str  # which inputs it ran on, or why it did not run
+    eager_saved_bytes: Optional[int] = None
+    captured_saved_bytes: Optional[int] = None
+
+    def to_dict(self) -> Dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class _Run:
+    output: List[torch.Tensor]
+    buffers: List[torch.Tensor]
+    grads: List[Optional[torch.Tensor]]
+    input_grads: List[Optional[torch.Tensor]]
+    saved_bytes: int
+
+
+def _is_abstract(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and (t.is_meta or isinstance(t, FakeTensor))
+
+
+def batch_slice(args: tuple, kwargs: dict, size: int = SLICE) -> Tuple[tuple, dict, str]:
+    """The first ``size`` samples of every tensor input whose first dimension is the batch (the first tensor
+    input's); the inputs as they are when the batch is not larger."""
+    leaves = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and t.dim() > 0]
+    if not leaves or leaves[0].shape[0] <= size:
+        return args, kwargs, "the whole example batch"
+    batch = leaves[0].shape[0]
+
+    def cut(t: Any) -> Any:
+        if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == batch:
+            part = t.detach()[:size].clone()
+            return part.requires_grad_(t.requires_grad)
+        return t
+
+    sliced_args, sliced_kwargs = tree_map(cut, (args, kwargs))
+    return sliced_args, sliced_kwargs, f"the first {size} of {batch} samples"
+
+
+def _fresh_inputs(args: tuple, kwargs: dict) -> Tuple[tuple, dict, List[torch.Tensor]]:
+    """Copies of the inputs, so each run gets its own input gradients, and the leaves those land on. An input
+    that requires grad is passed as a non-leaf (a copy of its leaf), as a submodule's input is in a real
+    forward: in-place ops on it (ReLU(inplace=True)) are legal there."""
+    leaves: List[torch.Tensor] = []
+
+    def copy(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return t
+        leaf = t.detach().clone().requires_grad_(t.requires_grad)
+        leaves.append(leaf)
+        return leaf.clone() if t.requires_grad else leaf
+
+    copied_args, copied_kwargs = tree_map(copy, (args, kwargs))
+    return copied_args, copied_kwargs, leaves
+
+
+def _run(fn, model: nn.Module, args: tuple, kwargs: dict, rng: torch.Tensor) -> _Run:
+    params = list(model.parameters())
+    state = {storage_key(t) for t in params + list(model.buffers())}
+    args, kwargs, inputs = _fresh_inputs(args, kwargs)
+    with preserved_state(model):
+        model.train(True)
+        torch.set_rng_state(rng)
+        for p in params:
+            p.grad = None
+        with SavedTensorRecorder() as recorder:
+            out = fn(*args, **kwargs)
+        saved = distinct_saved_bytes(recorder.saved, state)
+        del recorder
+        compute_loss(out, None).backward()
+        outputs = [t.detach().clone() for t in output_tensors(out)]
+        buffers = [b.detach().clone() for b in model.buffers()]
+        grads = [None if p.grad is None else p.grad.detach().clone() for p in params]
+        input_grads = [None if t.grad is None else t.grad.detach().clone() for t in inputs]
+    return _Run(outputs, buffers, grads, input_grads, saved)
+
+
+def _same(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if a.is_floating_point() or a.is_complex():
+        nan = a.isnan()
+        return bool(torch.equal(nan, b.isnan()) and torch.equal(a[~nan], b[~nan]))
+    return bool(torch.equal(a, b))
+
+
+def _differences(model: nn.Module, eager: _Run, captured: _Run, method: str) -> List[str]:
+    names = [n for n, _ in model.named_parameters()]
+    buffer_names = [n for n, _ in model.named_buffers()]
+    found = []
+    if len(eager.output) != len(captured.output) or not all(map(_same, eager.output, captured.output)):
+        found.append("the training forward's outputs differ")
+    bad = [n for n, a, b in zip(buffer_names, eager.buffers, captured.buffers) if not _same(a, b)]
+    if bad:
+        found.append(f"buffers after the step differ: {', '.join(bad[:4])}{' ...' if len(bad) > 4 else ''} (an "
+                     f"in-place buffer update in forward that the graph does not repeat)")
+    bad = [n for n, a, b in zip(names, eager.grads, captured.grads) if not _same(a, b)]
+    if bad:
+        found.append(f"gradients differ: {', '.join(bad[:4])}{' ...' if len(bad) > 4 else ''} (a custom "
+                     f"autograd Function traced through, whose backward the graph does not call?)")
+    if not all(map(_same, eager.input_grads, captured.input_grads)):
+        found.append("input gradients differ")
+    if captured.saved_bytes > eager.saved_bytes:
+        why = ("torch.export's ATen graph saves intermediates the eager kernels do not" if method == "export" else
+               "torch.utils.checkpoint or a memory-saving autograd Function traced away?")
+        found.append(f"the graph keeps {captured.saved_bytes} bytes for backward where the eager model keeps "
+                     f"{eager.saved_bytes} ({why})")
+    return found
+
+
+def check_capture(model: nn.Module, gm: fx.GraphModule, method: str, args: tuple, kwargs: dict,
+                  recapture=None) -> Soundness:
+    """Compare one training step of ``gm`` (captured by ``method``, not rewritten) with the eager ``model`` on a
+    slice of the inputs; raise ``TraceError`` naming what differs. ``recapture(args, kwargs)`` captures again on
+    the slice when ``gm`` is specialised to the full batch's shapes (torch.export)."""
+    if any(_is_abstract(t) for t in tree_flatten((args, kwargs))[0]):
+        log.info("memopt: soundness check of %s skipped: the example inputs are fake or meta tensors",
+                 type(model).__name__)
+        return Soundness(False, "skipped: fake or meta example inputs")
+    sliced_args, sliced_kwargs, which = batch_slice(args, kwargs)
+    graph = gm
+    if method == "export" and which != "the whole example batch" and recapture is not None:
+        graph = recapture(sliced_args, sliced_kwargs)  # export graphs are specialised to their input shapes
+    rng = torch.get_rng_state()
+    fingerprint = attribute_fingerprint(model)
+    try:
+        eager = _run(model, model, sliced_args, sliced_kwargs, rng)
+    except Exception as e:  # noqa: BLE001 - reported with the model named
+        raise MemoptError(f"memopt cannot check its capture of {type(model).__name__}: one training step of the "
+                          f"eager model on {which} of the example inputs fails ({type(e).__name__}: {e}). Pass "
+                          f"example inputs the model trains on.") from e
+    changed = changed_attributes(fingerprint, attribute_fingerprint(model))
+    if changed:
+        raise TraceError(f"memopt cannot capture {type(model).__name__}: its forward changes Python attributes "
+                         f"({', '.join(changed[:4])}), which a captured graph would not do. Keep such state in "
+                         f"buffers, or optimize the submodules without it.",
+                         f"forward changes Python attributes {', '.join(changed[:4])}")
+    try:
+        captured = _run(graph, model, sliced_args, sliced_kwargs, rng)
+    except Exception as e:  # noqa: BLE001 - the captured graph does not run where the model does
+        raise TraceError(f"memopt's capture of {type(model).__name__} ({method}) fails on {which} of the example inputs "
+                         f"where the eager model runs ({type(e).__name__}: {e}).",
+                         f"capture check ({method}): the graph fails: {type(e).__name__}: {str(e)[:120]}") from e
+    found = _differences(model, eager, captured, method)
+    if found:
+        detail = "; ".join(found)
+        raise TraceError(f"memopt's capture of {type(model).__name__} ({method}) does not train as the eager model "
+                         f"does on {which} of the example inputs: {detail}. memopt refuses to run it; it falls back "
+                         f"to the submodules whose capture is sound and runs the rest eagerly.",
+                         f"capture check ({method}): {detail}")
+    return Soundness(True, which, eager.saved_bytes, captured.saved_bytes)
+
+
+# -------------------------------------------------------------------------- attribute guards
+_PRIMITIVES = (bool, int, float, str, type(None))
+
+
+def _primitive(value: Any) -> bool:
+    if isinstance(value, _PRIMITIVES):
+        return True
+    return isinstance(value, tuple) and all(isinstance(v, _PRIMITIVES) for v in value)
+
+
+def attribute_fingerprint(model: nn.Module, paths: Optional[List[str]] = None) -> Tuple:
+    """The plain Python attributes (bool, int, float, str, None, tuples of them; ``training`` included) of every
+    submodule (only those under ``paths`` when given): what a captured forward may have read as constants. A
+    training forward compares it with the capture's and captures again when it changed."""
+    out = []
+    for name, module in model.named_modules(remove_duplicate=False):
+        if paths is not None and not any(name == p or name.startswith(p + ".") or not p for p in paths):
+            continue
+        for key, value in vars(module).items():
+            if (not key.startswith("_") or key == "training") and _primitive(value):
+                out.append((name, key, value))
+    return tuple(out)
+
+
+def changed_attributes(before: Tuple, after: Tuple) -> List[str]:
+    """``name.attr: old -> new`` for every guarded attribute that differs between two fingerprints."""
+    old = {(n, k): v for n, k, v in before}
+    new = {(n, k): v for n, k, v in after}
+    return [f"{n + '.' if n else ''}{k}: {old.get((n, k))!r} -> {new.get((n, k))!r}"
+            for (n, k) in sorted(set(old) | set(new)) if old.get((n, k)) != new.get((n, k))]
+

@@ -1,0 +1,278 @@
+"""Sound capture (issue 21): under Config.exact() memopt trains exactly as eager PyTorch, over 3 steps —
+outputs, buffers after each step, every gradient — and keeps no more bytes; where capture would change the
+model, memopt keeps the construct, falls back per submodule, or refuses, and says why."""
+import copy
+import logging
+
+import pytest
+import torch
+import torch.utils.checkpoint as cp
+from torch import nn
+
+import memopt
+from memopt.capture import FunctionCall, capture
+from memopt.soundness import attribute_fingerprint, batch_slice, check_capture
+
+
+class STE(torch.autograd.Function):
+    """Straight-through estimator: round forward, identity backward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return torch.round(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+class GradReverse(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return -g
+
+
+class SignReLU(torch.autograd.Function):
+    """A memory-saving ReLU: keeps a bool mask instead of its float input."""
+
+    @staticmethod
+    def forward(ctx, x):
+        mask = x > 0
+        ctx.save_for_backward(mask)
+        return x * mask
+
+    @staticmethod
+    def backward(ctx, g):
+        (mask,) = ctx.saved_tensors
+        return g * mask
+
+
+class FunctionNet(nn.Module):
+    def __init__(self, function):
+        super().__init__()
+        self.function = function
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.b(self.function.apply(self.a(x)))
+
+
+class Counter(nn.Module):
+    """In-place buffer updates in forward: a counter, and an EMA under no_grad."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 4)
+        self.register_buffer("count", torch.zeros((), dtype=torch.long))
+        self.register_buffer("ema", torch.zeros(4))
+
+    def forward(self, x):
+        y = self.a(x)
+        self.count += 1
+        with torch.no_grad():
+            self.ema.mul_(0.9).add_(y.mean(0), alpha=0.1)
+        return y
+
+
+class Checkpointed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Linear(32, 64)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(4))
+
+    def forward(self, x):
+        x = torch.relu(self.stem(x))
+        for block in self.blocks:
+            x = cp.checkpoint(block, x, use_reentrant=False)
+        return x
+
+
+class Flagged(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 4)
+        self.scale, self.flip = 1.0, False
+
+    def forward(self, x):
+        y = self.a(x) * self.scale
+        return -y if self.flip else y
+
+
+class SideEffect(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 4)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return self.a(x)
+
+
+def _three_steps(model, x, config=None, mutate=None):
+    """Train ``model`` through memopt and a deep copy eagerly side by side; assert bit-identical results."""
+    reference = copy.deepcopy(model)
+    om = memopt.optimize(model, example_inputs=x, config=config or memopt.Config.exact())
+    for step in range(3):
+        if mutate is not None and step == 1:
+            mutate(model)
+            mutate(reference)
+        torch.manual_seed(step)
+        out = om(x)
+        torch.manual_seed(step)
+        ref = reference(x)
+        out.sum().backward()
+        ref.sum().backward()
+        assert torch.equal(out, ref), f"step {step}: outputs differ"
+        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+            assert torch.equal(p.grad, q.grad), f"step {step}: gradient of {name} differs"
+        for (name, b), c in zip(model.named_buffers(), reference.buffers()):
+            assert torch.equal(b, c), f"step {step}: buffer {name} differs"
+    return om, reference
+
+
+@pytest.mark.parametrize("function", [STE, GradReverse, SignReLU])
+def test_custom_autograd_functions_stay_whole(function):
+    torch.manual_seed(0)
+    model, x = FunctionNet(function), torch.randn(6, 8)
+    om, reference = _three_steps(model, x)
+    assert om.plan.capture == "symbolic_trace"
+    calls = [m for m in om.graph_module.modules() if isinstance(m, FunctionCall)]
+    assert [c.function for c in calls] == [function]
+    assert memopt.measure(om, x).saved_bytes <= memopt.measure(reference, x).saved_bytes
+
+
+def test_a_memory_saving_function_keeps_what_it_saves_under_every_config():
+    torch.manual_seed(0)
+    model, x = FunctionNet(SignReLU), torch.randn(6, 8)
+    stock = memopt.measure(copy.deepcopy(model), x).saved_bytes
+    for config in (memopt.Config.exact(), memopt.Config()):
+        om = memopt.optimize(copy.deepcopy(model), example_inputs=x, config=config)
+        assert memopt.measure(om, x).saved_bytes <= stock
+
+
+def test_export_refuses_to_inline_a_custom_function():
+    class ShapeBranch(FunctionNet):  # not fx-traceable (control flow on a shape), so torch.export is tried
+        def forward(self, x):
+            h = self.function.apply(self.a(x))
+            if x.shape[0] > 2:
+                h = h * 2
+            return self.b(h)
+
+    with pytest.raises(memopt.TraceError, match=r"torch.export inlines the custom autograd Function STE .*its own "
+                                                r"backward would not run"):
+        capture(ShapeBranch(STE), (torch.randn(4, 8),), {})
+    model, x = ShapeBranch(STE), torch.randn(4, 8)
+    om, _ = _three_steps(model, x)  # falls back per submodule: the Function runs in the model's own forward
+    assert om.plan.capture == "per-submodule"
+
+
+def test_buffer_updates_and_no_grad_regions_are_kept_and_optimize_leaves_state_alone():
+    torch.manual_seed(0)
+    model, x = Counter(), torch.randn(6, 8)
+    om = memopt.optimize(model, example_inputs=x, config=memopt.Config.exact())
+    assert model.count.item() == 0 and torch.equal(model.ema, torch.zeros(4)) and model.ema.grad_fn is None
+    assert om.plan.capture == "symbolic_trace"
+    model2 = Counter()
+    model2.load_state_dict(model.state_dict())
+    _three_steps(model2, x)
+    assert model2.count.item() == 3 and model2.ema.grad_fn is None
+
+
+def test_timm_batchnormact_counts_batches_as_stock():
+    timm = pytest.importorskip("timm")
+    torch.manual_seed(0)
+    model, x = timm.create_model("regnetx_002", num_classes=10), torch.randn(2, 3, 32, 32)
+    om, _ = _three_steps(model, x, config=memopt.Config())
+    assert om.plan.capture == "symbolic_trace"
+    tracked = [b for n, b in model.named_buffers() if n.endswith("num_batches_tracked")]
+    assert tracked and all(int(b) == 3 for b in tracked)
+
+
+def test_user_checkpointing_is_never_undone():
+    torch.manual_seed(0)
+    model, x = Checkpointed(), torch.randn(16, 32, requires_grad=True)
+    stock = memopt.measure(copy.deepcopy(model), x).saved_bytes
+    for config in (memopt.Config.exact(), memopt.Config()):
+        om = memopt.optimize(copy.deepcopy(model), example_inputs=x, config=config)
+        assert om.plan.capture == "per-submodule"
+        assert memopt.measure(om, x).saved_bytes <= stock
+        reasons = {s["path"]: s["why"] for s in om.plan.submodules}
+        assert "torch.utils.checkpoint" in reasons["blocks.0"]
+    _three_steps(model, x)
+
+
+def test_changed_python_attributes_are_guarded(caplog):
+    torch.manual_seed(0)
+    with caplog.at_level(logging.WARNING, logger="memopt"):
+        _three_steps(Flagged(), torch.randn(6, 8), mutate=lambda m: setattr(m, "flip", True))
+        _three_steps(Flagged(), torch.randn(6, 8), mutate=lambda m: setattr(m, "scale", 0.5))
+    assert "Flagged changed since it was captured (flip: False -> True)" in caplog.text
+    assert "(scale: 1.0 -> 0.5)" in caplog.text
+
+
+def test_forward_with_python_side_effects_is_not_captured_whole():
+    model, x = SideEffect(), torch.randn(6, 8)
+    om, _ = _three_steps(model, x)
+    assert om.plan.capture == "per-submodule"
+    assert om.plan.submodules[0]["why"] == "forward changes Python attributes calls: 0 -> 1"
+
+
+def test_the_check_runs_on_a_slice_and_the_plan_says_which():
+    model, x = FunctionNet(STE), torch.randn(32, 8)
+    om = memopt.optimize(model, example_inputs=x)
+    assert om.plan.soundness["checked"] is True
+    assert om.plan.soundness["slice"] == "the first 4 of 32 samples"
+    assert om.plan.soundness["captured_saved_bytes"] <= om.plan.soundness["eager_saved_bytes"]
+    args, kwargs, which = batch_slice((torch.randn(3, 2),), {"mask": torch.ones(3)})
+    assert which == "the whole example batch" and args[0].shape[0] == 3
+
+
+def test_the_check_is_skipped_on_meta_inputs_and_catches_a_wrong_graph():
+    model = FunctionNet(STE)
+    gm = capture(model, (torch.randn(4, 8),), {}).graph_module
+    skipped = check_capture(model, gm, "symbolic_trace", (torch.randn(4, 8, device="meta"),), {})
+    assert not skipped.checked and "meta" in skipped.slice
+    # a graph traced through the Function (what capture did before) is refused, with the parameters named
+    traced = torch.fx.symbolic_trace(model)
+    with pytest.raises(memopt.TraceError, match=r"gradients differ: a.weight, a.bias"):
+        check_capture(model, traced, "symbolic_trace", (torch.randn(4, 8),), {})
+
+
+def test_fingerprint_sees_submodule_training_flags():
+    model = Checkpointed()
+    before = attribute_fingerprint(model)
+    model.blocks[0].eval()
+    assert attribute_fingerprint(model) != before
+
+
+def test_outputs_of_any_pytree_type_train():
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Output:
+        logits: torch.Tensor
+        extra: dict
+
+    class DataclassNet(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(8, 4)
+
+        def forward(self, x):
+            y = self.a(x)
+            return Output(torch.relu(y), {"doubled": y * 2})
+
+    model, x = DataclassNet(), torch.randn(6, 8)
+    om = memopt.optimize(model, example_inputs=x)
+    out = om(x)
+    assert isinstance(out, Output) and om.plan.soundness["checked"]
+    from memopt.cost_model.step import default_loss
+
+    with pytest.raises(ValueError, match=r"memopt.optimize plans a step on the sum of the floating outputs: return "
+                                         r"the logits or the loss from forward"):
+        default_loss({"ids": torch.ones(3, dtype=torch.long)})
