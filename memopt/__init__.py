@@ -4,7 +4,7 @@ Public API: ``optimize``, ``Config``, ``estimate``, ``measure``, ``load``, ``Opt
 ``Plan`` and the errors ``MemoptError``, ``TraceError``, ``BudgetError``, ``PassError``.
 """
 from memopt.core.errors import BudgetError, MemoptError, PassError, TraceError
-from memopt.config import Config
+from memopt.config import Config, FidelityConfig
 from memopt.fewbit.config import FewBitConfig
 from memopt.fewbit.tables import fewbit_table
 from memopt.recompute.config import RecomputeConfig
@@ -18,6 +18,6 @@ from memopt.measure import Measurement, measure
 __version__ = "0.1.0"
 
 __all__ = [
-    "BudgetError", "Config", "EstimateReport", "FewBitConfig", "RecomputeConfig", "ReversibleConfig", "StashConfig", "fewbit_table", "Measurement", "MemoptError", "NodePlan", "OptimizedModule",
+    "BudgetError", "Config", "EstimateReport", "FidelityConfig", "FewBitConfig", "RecomputeConfig", "ReversibleConfig", "StashConfig", "fewbit_table", "Measurement", "MemoptError", "NodePlan", "OptimizedModule",
     "PassError", "Plan", "TraceError", "estimate", "load", "measure", "optimize", "__version__",
 ]

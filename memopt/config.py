@@ -24,6 +24,34 @@ _DEVICES = ("cpu", "cuda", "meta")
 CONFIG_SCHEMA_VERSION = 1
 
 
+@dataclass(frozen=True, kw_only=True)
+class FidelityConfig:
+    """The fidelity gate (``memopt/fidelity.py``): after a plan without a budget is applied, one exact and one
+    rewritten training step on a slice of the example batch compare every parameter's gradient; a parameter
+    below ``min_cosine`` gets the rewritten units nearest to it in the graph raised to their next bit width, or
+    exact, until it passes (at most ``max_rounds`` rounds). The report lists what the gate changed.
+
+    Attributes:
+        min_cosine: the least per-parameter gradient cosine against exact autograd, in (0, 1] (default 0.99).
+        tiny: parameters whose exact gradient norm is below ``tiny`` times the median norm are listed apart and
+            not gated (their direction is rounding noise, e.g. attention key biases), in [0, 1) (default 1e-3).
+        max_rounds: repair rounds, 1..20 (default 6).
+    """
+
+    min_cosine: float = 0.99
+    tiny: float = 1e-3
+    max_rounds: int = 6
+
+    def __post_init__(self) -> None:
+        if isinstance(self.min_cosine, bool) or not isinstance(self.min_cosine, (int, float)) or \
+                not 0 < self.min_cosine <= 1:
+            raise ValueError(f"FidelityConfig.min_cosine must be a number in (0, 1], got {self.min_cosine!r}")
+        if isinstance(self.tiny, bool) or not isinstance(self.tiny, (int, float)) or not 0 <= self.tiny < 1:
+            raise ValueError(f"FidelityConfig.tiny must be a number in [0, 1), got {self.tiny!r}")
+        if isinstance(self.max_rounds, bool) or not isinstance(self.max_rounds, int) or not 1 <= self.max_rounds <= 20:
+            raise ValueError(f"FidelityConfig.max_rounds must be an int in 1..20, got {self.max_rounds!r}")
+
+
 @dataclass(frozen=True)
 class Config:
     """Options of ``memopt.optimize``.
@@ -48,6 +76,8 @@ class Config:
             is the measured one. The CUDA default sits above the largest gap measured between a step's
             peak and its estimate (see docs/results/cuda/cuda.md); with cuDNN autotuning on a large free
             GPU, more may be taken.
+        fidelity: the fidelity gate (``FidelityConfig``; None turns it off): plans without a budget are checked
+            per parameter against exact gradients on the example inputs and repaired where they miss.
     """
 
     reversible: Optional[ReversibleConfig] = ReversibleConfig()
@@ -56,6 +86,7 @@ class Config:
     fewbit: Optional[FewBitConfig] = FewBitConfig()
     device: Optional[str] = None
     workspace_mb: Optional[float] = None
+    fidelity: Optional[FidelityConfig] = FidelityConfig()
 
     def __post_init__(self) -> None:
         for name, cls in _TECHNIQUES.items():
@@ -67,6 +98,9 @@ class Config:
             if not isinstance(self.device, str) or self.device.split(":")[0] not in _DEVICES:
                 raise ValueError(f"Config.device={self.device!r} is not supported; use None or one of "
                                  f"{list(_DEVICES)} (optionally with an index, e.g. 'cuda:1')")
+        if self.fidelity is not None and not isinstance(self.fidelity, FidelityConfig):
+            raise TypeError(f"Config.fidelity must be a memopt.FidelityConfig or None, got "
+                            f"{type(self.fidelity).__name__}: {self.fidelity!r:.80}")
         w = self.workspace_mb
         if w is not None and (isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w < 0):
             raise ValueError(f"Config.workspace_mb must be None or a finite number of MiB >= 0, got {w!r}")
@@ -100,6 +134,8 @@ class Config:
         if unknown:
             raise ValueError(f"unknown Config fields {unknown}; known fields are {sorted(names)}")
         data = dict(data)
+        if isinstance(data.get("fidelity"), dict):
+            data["fidelity"] = FidelityConfig(**data["fidelity"])
         for name, technique in _TECHNIQUES.items():
             if isinstance(data.get(name), dict):
                 data[name] = technique(**{k: tuple(v) if isinstance(v, list) else v for k, v in data[name].items()})

@@ -1,6 +1,7 @@
 """capture -> annotate (cost model) -> rewrite (passes) -> annotate again -> plan, for one input signature."""
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
@@ -14,7 +15,9 @@ from memopt.capture import capture, check_inputs, flat_inputs
 from memopt.config import Config
 from memopt.core.errors import BudgetError, MemoptError
 from memopt.plan import NodePlan, Plan, node_plans
+from memopt.fidelity import fidelity_gate, has_lossy_units
 from memopt.soundness import check_capture
+from memopt.passes.candidates import copy_graph_module
 from memopt.core.meta import DECISION_KEY
 from memopt.core.units import fmt_bytes
 from memopt.reversible.check import real_examples
@@ -25,6 +28,9 @@ from memopt.passes.planner import BudgetPlan, apply_decision, plan_for_budget, p
 from memopt.cost_model.histograms import record_input_histograms
 from memopt.fewbit.activations import TABLE_ACTIVATIONS
 from memopt.fewbit.activations import ACTIVATIONS
+
+
+log = logging.getLogger("memopt")
 
 
 @dataclass
@@ -85,8 +91,31 @@ def build(model: nn.Module, args: tuple, kwargs: dict, config: Config, budget_by
         record_input_histograms(gm, flat_inputs(gm, args, kwargs), TABLE_ACTIVATIONS, config.fewbit.domain)
     ctx = PassContext(args, kwargs, config.device,
                       None if _has_meta(args, kwargs) else real_examples(flat_inputs(gm, args, kwargs)))
+    gated = config.fidelity is not None and budget_bytes is None and plan is None and soundness.checked
+    pristine = copy_graph_module(gm) if gated else None  # the no-budget rewrite works on gm itself
     built = _rewrite(model, captured, args, kwargs, config, budget_bytes, optimizer, plan, baseline, ctx)
+    if gated and has_lossy_units(built.plan.units):
+        built = _gate(model, captured.method, args, kwargs, config, optimizer, baseline, pristine, ctx, built)
     built.plan.soundness = soundness.to_dict()
+    return built
+
+
+def _gate(model: nn.Module, method: str, args: tuple, kwargs: dict, config: Config, optimizer: Any,
+          baseline: Estimate, pristine: fx.GraphModule, ctx: PassContext, built: Built) -> Built:
+    """Run the fidelity gate on ``built``'s plan; re-apply the repaired decision when it changed anything."""
+    decision, report = fidelity_gate(model, args, kwargs, config, built.plan.chosen_units(), built.plan.units,
+                                     pristine)
+    if report["changes"]:
+        log.info("memopt: the fidelity gate changed %d units of %s: %s", len(report["changes"]),
+                 type(model).__name__, "; ".join(report["changes"][:3]))
+        gm, records = apply_decision(pristine, config, decision, ctx)
+        estimate = annotate(gm, args, kwargs, device=config.device, optimizer=optimizer)
+        plan = _make_plan(model, method, args, kwargs, config, None, baseline, estimate, records, gm, None)
+        built = Built(gm, plan, baseline, estimate)
+    if not report["passed"]:
+        log.warning("memopt: %s: the fidelity gate could not bring every parameter to cosine %s in %d rounds: %s",
+                    type(model).__name__, report["min_cosine"], report["rounds"], ", ".join(report["below"][:4]))
+    built.plan.fidelity = report
     return built
 
 

@@ -68,6 +68,8 @@ class Plan:
     planner: Dict[str, Any] = field(default_factory=dict)
     # The capture check (memopt/soundness.py): {"checked", "slice", "eager_saved_bytes", "captured_saved_bytes"}
     soundness: Dict[str, Any] = field(default_factory=dict)
+    # The fidelity gate (memopt/fidelity.py): per-parameter cosines, what it changed, on which slice
+    fidelity: Dict[str, Any] = field(default_factory=dict)
     schema_version: int = PLAN_SCHEMA_VERSION
 
     def chosen_units(self) -> Dict[str, Dict[str, int]]:

@@ -48,7 +48,9 @@ class Soundness:
 
 
 @dataclass
-class _Run:
+class StepResult:
+    """One training step's outputs, buffers after it, parameter and input gradients, and saved bytes."""
+
     output: List[torch.Tensor]
     buffers: List[torch.Tensor]
     grads: List[Optional[torch.Tensor]]
@@ -95,7 +97,7 @@ def _fresh_inputs(args: tuple, kwargs: dict) -> Tuple[tuple, dict, List[torch.Te
     return copied_args, copied_kwargs, leaves
 
 
-def _run(fn, model: nn.Module, args: tuple, kwargs: dict, rng: torch.Tensor) -> _Run:
+def training_step(fn, model: nn.Module, args: tuple, kwargs: dict, rng: torch.Tensor, loss_fn=None) -> StepResult:
     params = list(model.parameters())
     state = {storage_key(t) for t in params + list(model.buffers())}
     args, kwargs, inputs = _fresh_inputs(args, kwargs)
@@ -108,12 +110,12 @@ def _run(fn, model: nn.Module, args: tuple, kwargs: dict, rng: torch.Tensor) -> 
             out = fn(*args, **kwargs)
         saved = distinct_saved_bytes(recorder.saved, state)
         del recorder
-        compute_loss(out, None).backward()
+        compute_loss(out, loss_fn).backward()
         outputs = [t.detach().clone() for t in output_tensors(out)]
         buffers = [b.detach().clone() for b in model.buffers()]
         grads = [None if p.grad is None else p.grad.detach().clone() for p in params]
         input_grads = [None if t.grad is None else t.grad.detach().clone() for t in inputs]
-    return _Run(outputs, buffers, grads, input_grads, saved)
+    return StepResult(outputs, buffers, grads, input_grads, saved)
 
 
 def _same(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> bool:
@@ -127,7 +129,7 @@ def _same(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> bool:
     return bool(torch.equal(a, b))
 
 
-def _differences(model: nn.Module, eager: _Run, captured: _Run, method: str) -> List[str]:
+def _differences(model: nn.Module, eager: StepResult, captured: StepResult, method: str) -> List[str]:
     names = [n for n, _ in model.named_parameters()]
     buffer_names = [n for n, _ in model.named_buffers()]
     found = []
@@ -167,7 +169,7 @@ def check_capture(model: nn.Module, gm: fx.GraphModule, method: str, args: tuple
     rng = torch.get_rng_state()
     fingerprint = attribute_fingerprint(model)
     try:
-        eager = _run(model, model, sliced_args, sliced_kwargs, rng)
+        eager = training_step(model, model, sliced_args, sliced_kwargs, rng)
     except Exception as e:  # noqa: BLE001 - reported with the model named
         raise MemoptError(f"memopt cannot check its capture of {type(model).__name__}: one training step of the "
                           f"eager model on {which} of the example inputs fails ({type(e).__name__}: {e}). Pass "
@@ -179,7 +181,7 @@ def check_capture(model: nn.Module, gm: fx.GraphModule, method: str, args: tuple
                          f"buffers, or optimize the submodules without it.",
                          f"forward changes Python attributes {', '.join(changed[:4])}")
     try:
-        captured = _run(graph, model, sliced_args, sliced_kwargs, rng)
+        captured = training_step(graph, model, sliced_args, sliced_kwargs, rng)
     except Exception as e:  # noqa: BLE001 - the captured graph does not run where the model does
         raise TraceError(f"memopt's capture of {type(model).__name__} ({method}) fails on {which} of the example inputs "
                          f"where the eager model runs ({type(e).__name__}: {e}).",

@@ -87,5 +87,7 @@ def test_loss_without_grad_is_explained():
         def forward(self, x):
             return x * 2
 
-    with pytest.raises(ValueError, match="nothing to train; pass loss_fn"):
+    with pytest.raises(ValueError, match=r"nothing to train; memopt.optimize plans a step on the sum of the floating "
+                                         r"outputs: return the logits or the loss from forward \(memopt.estimate and "
+                                         r"memopt.measure also take loss_fn=\.\.\. returning a scalar\)"):
         memopt.estimate(NoGrad(), torch.randn(2))

@@ -163,7 +163,7 @@ def test_model_gradients_agree_and_the_estimate_is_the_measurement_on_both_paths
     for use in (True, False):
         m = copy.deepcopy(model)
         with contextlib.nullcontext() if use else native.disabled():
-            om = memopt.optimize(m, example_inputs=x, config=memopt.Config(fewbit=None))
+            om = memopt.optimize(m, example_inputs=x, config=memopt.Config(fewbit=None, fidelity=None))
             real = memopt.measure(om, x)
             assert real.peak_bytes == om.plan.estimated_peak_bytes
             assert real.saved_bytes == om.plan.estimated_saved_bytes

@@ -64,7 +64,8 @@ def _grads(model, x, config, seed=1):
 
 
 def _config(**kw):
-    return memopt.Config(stash=memopt.StashConfig(bits=4, min_per_channel=1, **kw), fewbit=None)
+    # the stash by itself: the fidelity gate (tests/fidelity) would raise the bits these tests measure
+    return memopt.Config(stash=memopt.StashConfig(bits=4, min_per_channel=1, **kw), fewbit=None, fidelity=None)
 
 
 def _cos(a, b):
@@ -135,7 +136,7 @@ def test_no_link_without_a_depthwise_conv_into_a_batchnorm():
     om, *_ = _grads(model, x, _config())
     assert _linked(om) == 0
     model, x = build("resnet18")
-    om = memopt.optimize(model, example_inputs=x, config=memopt.Config(fewbit=None))
+    om = memopt.optimize(model, example_inputs=x, config=memopt.Config(fewbit=None, fidelity=None))
     assert _linked(om) == 0
 
 
@@ -167,7 +168,7 @@ def test_running_statistics_update_once_with_links():
 def test_mobilenet_v2_links_every_expand_chain_and_codes_projections_with_one_more_bit():
     pytest.importorskip("torchvision")
     model, x = build("mobilenet_v2")
-    om = memopt.optimize(model, example_inputs=x, config=memopt.Config(fewbit=None))
+    om = memopt.optimize(model, example_inputs=x, config=memopt.Config(fewbit=None, fidelity=None))
     chains = [n for n in om.plan.nodes if n.op == "bn_act_stash"]
     linked = [n for n in chains if "scale identity" in n.reason]
     assert len(linked) == _linked(om) > 0
@@ -175,7 +176,8 @@ def test_mobilenet_v2_links_every_expand_chain_and_codes_projections_with_one_mo
     assert identity and all(n.bits == 5 for n in identity)
     assert all(n.bits == 4 for n in chains if n not in identity)
     om = memopt.optimize(build("mobilenet_v2")[0], example_inputs=x,
-                         config=memopt.Config(stash=memopt.StashConfig(identity_extra_bit=False), fewbit=None))
+                         config=memopt.Config(stash=memopt.StashConfig(identity_extra_bit=False), fewbit=None,
+                                              fidelity=None))
     assert all(n.bits == 4 for n in om.plan.nodes if n.op == "bn_act_stash")
 
 

@@ -1,0 +1,98 @@
+"""The fidelity gate (memopt/fidelity.py): a plan's gradients checked per parameter against exact autograd on
+the example inputs, and repaired where they miss."""
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import memopt
+from memopt.fidelity import RandomProjection, parameter_fidelity
+
+
+class GeluMLP(nn.Module):
+    def __init__(self, width=64, depth=4):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+        self.head = nn.Linear(width, 8)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = nn.functional.gelu(layer(x))
+        return self.head(x)
+
+
+def _cosines(model, om, x):
+    """Per-parameter cosine of memopt's gradient against a deep copy's eager one, under the gate's own loss."""
+    reference = copy.deepcopy(model)
+    for m in (model, reference):
+        m.zero_grad(set_to_none=True)
+    loss = RandomProjection(seed=3)
+    torch.manual_seed(0)
+    loss(om(x)).backward()
+    loss = RandomProjection(seed=3)
+    torch.manual_seed(0)
+    loss(reference(x)).backward()
+    names = [n for n, _ in model.named_parameters()]
+    return parameter_fidelity(names, [q.grad for q in reference.parameters()], [p.grad for p in model.parameters()],
+                              1e-3)
+
+
+def test_a_plan_that_misses_the_gate_is_repaired_and_the_report_says_how():
+    torch.manual_seed(0)
+    model, x = GeluMLP(), torch.randn(64, 64)
+    crushed = memopt.Config(fewbit=memopt.FewBitConfig(bits=1), stash=None, reversible=None)
+    ungated = memopt.optimize(copy.deepcopy(model), example_inputs=x,
+                              config=memopt.Config(fewbit=memopt.FewBitConfig(bits=1), stash=None, reversible=None,
+                                                   fidelity=None))
+    assert not ungated.plan.fidelity
+    worst_ungated = min(f["cosine"] for f in _cosines(ungated.original_module, ungated, x).values() if not f["tiny"])
+    assert worst_ungated < 0.99  # 1-bit GELU backward: the plan misses
+
+    om = memopt.optimize(model, example_inputs=x, config=crushed)
+    report = om.plan.fidelity
+    assert report["passed"] and report["changes"] and report["slice"] == "the first 4 of 64 samples"
+    assert all("fewbit" in change and ("bits" in change or "exact" in change) for change in report["changes"])
+    assert report["worst"]["cosine"] >= 0.99
+    assert set(report["parameters"]) == {n for n, _ in model.named_parameters()}
+    # the repaired plan is what runs: its bits went up, it still saves, and the gradients hold at full batch
+    bits = [u["chosen"]["bits"] for u in om.plan.units if u["chosen"]["technique"] == "fewbit"]
+    assert bits and all(b is None or b > 1 for b in bits)
+    assert memopt.measure(om, x).saved_bytes == om.plan.estimated_saved_bytes
+    assert ungated.plan.estimated_saved_bytes <= om.plan.estimated_saved_bytes < om.plan.baseline_saved_bytes
+    worst = min(f["cosine"] for f in _cosines(model, om, x).values() if not f["tiny"])
+    assert worst > worst_ungated
+
+
+def test_the_gate_can_be_switched_off_and_leaves_exact_plans_alone():
+    model, x = GeluMLP(depth=2), torch.randn(8, 64)
+    om = memopt.optimize(model, example_inputs=x, config=memopt.Config(fidelity=None))
+    assert om.plan.fidelity == {}
+    om = memopt.optimize(GeluMLP(depth=2), example_inputs=x, config=memopt.Config.exact())
+    assert om.plan.fidelity == {}  # nothing lossy to check
+
+
+def test_parameter_fidelity_lists_tiny_gradients_apart():
+    exact = [torch.ones(4), torch.full((4,), 1e-6), torch.ones(4)]
+    approx = [torch.ones(4), -torch.full((4,), 1e-6), torch.tensor([1.0, 1.0, 1.0, -1.0])]
+    figures = parameter_fidelity(["a", "b", "c"], exact, approx, tiny=1e-3)
+    assert figures["a"]["cosine"] == pytest.approx(1.0) and not figures["a"]["tiny"]
+    assert figures["b"]["tiny"] and figures["b"]["cosine"] == pytest.approx(-1.0)
+    assert figures["c"]["cosine"] == pytest.approx(0.5) and figures["c"]["relative_error"] == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"min_cosine": 1.5}, r"FidelityConfig.min_cosine must be a number in \(0, 1\], got 1.5"),
+    ({"tiny": -0.1}, r"FidelityConfig.tiny must be a number in \[0, 1\), got -0.1"),
+    ({"max_rounds": 0}, r"FidelityConfig.max_rounds must be an int in 1..20, got 0"),
+])
+def test_bad_gate_settings_name_the_value_and_range(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        memopt.FidelityConfig(**kwargs)
+    with pytest.raises(TypeError, match=r"Config.fidelity must be a memopt.FidelityConfig or None, got float"):
+        memopt.Config(fidelity=0.99)
+
+
+def test_config_round_trips_with_the_gate():
+    config = memopt.Config(fidelity=memopt.FidelityConfig(min_cosine=0.95))
+    assert memopt.Config.from_dict(config.to_dict()) == config
