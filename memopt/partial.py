@@ -150,7 +150,7 @@ def capture_units(model: nn.Module, args: tuple, kwargs: dict, config: Config, w
                                        "model runs it"})
                 continue
             try:
-                built = build(child, a, kw, config, None)
+                built = build(child, a, kw, config, None, whole=False)
             except (MemoptError, ValueError) as e:
                 # not capturable, or its analysis failed (a data-dependent op the cost model cannot run on fake
                 # tensors, nothing to train in its outputs, ...): this submodule runs eagerly, its children are

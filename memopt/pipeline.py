@@ -1,6 +1,7 @@
 """capture -> annotate (cost model) -> rewrite (passes) -> annotate again -> plan, for one input signature."""
 from __future__ import annotations
 
+import difflib
 import logging
 import math
 from dataclasses import dataclass
@@ -74,7 +75,7 @@ def validate_budget(budget_mb: Any) -> Optional[int]:
 
 
 def build(model: nn.Module, args: tuple, kwargs: dict, config: Config, budget_bytes: Optional[int],
-          optimizer: Any = None, plan: Optional[Plan] = None) -> Built:
+          optimizer: Any = None, plan: Optional[Plan] = None, whole: bool = True) -> Built:
     """Capture, annotate, choose the rewrites, apply them and re-annotate, for one input signature.
 
     ``plan`` (a saved ``Plan`` for these inputs) replaces planning: its chosen units are applied
@@ -84,6 +85,8 @@ def build(model: nn.Module, args: tuple, kwargs: dict, config: Config, budget_by
     check_inputs(model, args, kwargs)
     captured = capture(model, args, kwargs)
     gm = captured.graph_module
+    if whole:  # a submodule's graph (per-submodule capture) holds only some of the names
+        warn_unknown_names(config, {n.name for n in gm.graph.nodes}, type(model).__name__)
     baseline = annotate(gm, args, kwargs, device=config.device, optimizer=optimizer)
     soundness = check_capture(model, gm, captured.method, args, kwargs,
                               recapture=lambda a, k: capture(model, a, k).graph_module)
@@ -98,6 +101,24 @@ def build(model: nn.Module, args: tuple, kwargs: dict, config: Config, budget_by
         built = _gate(model, captured.method, args, kwargs, config, optimizer, baseline, pristine, ctx, built)
     built.plan.soundness = soundness.to_dict()
     return built
+
+
+def warn_unknown_names(config: Config, names: set, model: str) -> None:
+    """A node name in a technique's allow / deny / node_bits that the captured graph does not have is most
+    likely misspelled: it would be ignored without a word."""
+    for field in ("stash", "fewbit"):
+        cfg = getattr(config, field)
+        if cfg is None:
+            continue
+        for option in ("allow", "deny", "node_bits"):
+            given = getattr(cfg, option) or ()
+            unknown = sorted({entry[0] if isinstance(entry, tuple) else entry for entry in given} - names)
+            for name in unknown:
+                close = difflib.get_close_matches(name, sorted(names), n=3)
+                log.warning("memopt: %s: %sConfig.%s names %r, which is no node of the captured graph%s",
+                            model, "Stash" if field == "stash" else "FewBit", option, name,
+                            f"; did you mean {', '.join(map(repr, close))}?" if close else
+                            " (om.report() lists the node names)")
 
 
 def _gate(model: nn.Module, method: str, args: tuple, kwargs: dict, config: Config, optimizer: Any,

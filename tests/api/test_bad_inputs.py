@@ -299,3 +299,17 @@ def test_state_dict_from_the_original_loads_into_the_optimized_module_and_back()
     assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), donor.state_dict().values()))
     with pytest.raises(RuntimeError, match="Missing key"):
         om.load_state_dict({"fc.weight": donor.fc.weight})
+
+
+def test_a_misspelled_node_name_in_allow_deny_or_node_bits_is_named(caplog):
+    import logging
+
+    model, x = build("tiny_resnet")
+    config = memopt.Config(stash=memopt.StashConfig(deny=("layers_0_bn_1",), node_bits={"layers_9_bn1": 8}),
+                           fewbit=memopt.FewBitConfig(allow=("stem_2",)), fidelity=None)
+    with caplog.at_level(logging.WARNING, logger="memopt"):
+        memopt.optimize(model, example_inputs=x, config=config)
+    assert "StashConfig.deny names 'layers_0_bn_1', which is no node of the captured graph; did you mean " \
+           "'layers_0_bn1'" in caplog.text
+    assert "StashConfig.node_bits names 'layers_9_bn1'" in caplog.text
+    assert "FewBitConfig.allow names 'stem_2'" not in caplog.text  # a real node
