@@ -20,7 +20,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch import fx, nn
 from torch._subclasses.fake_tensor import FakeTensor
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_map
 
 from memopt.core.errors import MemoptError, TraceError
 from memopt.core.state import preserved_state
@@ -153,6 +153,19 @@ def _differences(model: nn.Module, eager: StepResult, captured: StepResult, meth
     return found
 
 
+def _dtype_hint(model: nn.Module, args: tuple, kwargs: dict) -> str:
+    """Names floating inputs whose dtype no floating parameter has (float64 data for a float32 model)."""
+    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    odd = [(keystr(path), t.dtype) for path, t in tree_flatten_with_path((args, kwargs))[0]
+           if isinstance(t, torch.Tensor) and t.is_floating_point() and dtypes and t.dtype not in dtypes]
+    if not odd:
+        return ""
+    path, dtype = odd[0]
+    want = sorted(str(d).replace("torch.", "") for d in dtypes)[0]
+    return (f"Example input {path} is {str(dtype).replace('torch.', '')} but the parameters are "
+            f"{', '.join(sorted(str(d).replace('torch.', '') for d in dtypes))}: pass it as x.to(torch.{want}). ")
+
+
 def check_capture(model: nn.Module, gm: fx.GraphModule, method: str, args: tuple, kwargs: dict,
                   recapture=None) -> Soundness:
     """Compare one training step of ``gm`` (captured by ``method``, not rewritten) with the eager ``model`` on a
@@ -172,8 +185,8 @@ def check_capture(model: nn.Module, gm: fx.GraphModule, method: str, args: tuple
         eager = training_step(model, model, sliced_args, sliced_kwargs, rng)
     except Exception as e:  # noqa: BLE001 - reported with the model named
         raise MemoptError(f"memopt cannot check its capture of {type(model).__name__}: one training step of the "
-                          f"eager model on {which} of the example inputs fails ({type(e).__name__}: {e}). Pass "
-                          f"example inputs the model trains on.") from e
+                          f"eager model on {which} of the example inputs fails ({type(e).__name__}: {e}). "
+                          f"{_dtype_hint(model, args, kwargs)}Pass example inputs the model trains on.") from e
     changed = changed_attributes(fingerprint, attribute_fingerprint(model))
     if changed:
         raise TraceError(f"memopt cannot capture {type(model).__name__}: its forward changes Python attributes "

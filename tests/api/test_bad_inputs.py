@@ -313,3 +313,10 @@ def test_a_misspelled_node_name_in_allow_deny_or_node_bits_is_named(caplog):
            "'layers_0_bn1'" in caplog.text
     assert "StashConfig.node_bits names 'layers_9_bn1'" in caplog.text
     assert "FewBitConfig.allow names 'stem_2'" not in caplog.text  # a real node
+
+
+def test_float64_inputs_for_a_float32_model_are_named():
+    model, x = build("mlp")
+    with pytest.raises(memopt.MemoptError, match=r"Example input \[0\]\[0\] is float64 but the parameters are "
+                                                 r"float32: pass it as x.to\(torch.float32\)"):
+        memopt.optimize(model, example_inputs=x.double())
