@@ -93,7 +93,8 @@ def build(model: nn.Module, args: tuple, kwargs: dict, config: Config, budget_by
     if config.fewbit is not None and config.fewbit.weight == "data" and not _has_meta(args, kwargs):
         record_input_histograms(gm, flat_inputs(gm, args, kwargs), TABLE_ACTIVATIONS, config.fewbit.domain)
     ctx = PassContext(args, kwargs, config.device,
-                      None if _has_meta(args, kwargs) else real_examples(flat_inputs(gm, args, kwargs)))
+                      None if _has_meta(args, kwargs) else real_examples(flat_inputs(gm, args, kwargs)),
+                      foreign_inputs=not whole)
     gated = config.fidelity is not None and budget_bytes is None and plan is None and soundness.checked
     pristine = copy_graph_module(gm) if gated else None  # the no-budget rewrite works on gm itself
     built = _rewrite(model, captured, args, kwargs, config, budget_bytes, optimizer, plan, baseline, ctx)

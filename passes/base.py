@@ -42,6 +42,9 @@ class PassContext:
             allow / deny / node_bits / segments). The user's config objects are never edited to carry it.
         explore: the planner's candidate runs: every unit the config does not deny, at ``level`` bits (None:
             the technique has no bit width), so the planner sees every option.
+        foreign_inputs: the graph is a submodule captured on its own (per-submodule capture): its inputs come
+            from code around it, which may keep them anyway, so a rewrite that only frees an input frees nothing
+            and its codes would be extra bytes.
     """
 
     args: tuple = ()
@@ -51,6 +54,7 @@ class PassContext:
     decision: Optional[Decision] = None
     explore: bool = False
     level: Optional[int] = None
+    foreign_inputs: bool = False
 
     def chosen(self, technique: str, unit: str) -> Optional[bool]:
         """Whether the planner's decision rewrites ``unit``; None when there is no decision (the config says)."""

@@ -104,6 +104,9 @@ def _why_not(node: fx.Node, kind: str, module: Optional[nn.Module], cfg: FewBitC
     kept = [s for s in cost.saved if s.category in ("activation", "input", "extra")]
     if not kept:
         return "it keeps nothing for backward here (its input does not require grad)"
+    if ctx.foreign_inputs and any(s.category == "input" for s in kept):
+        return ("it keeps an input of this separately captured submodule, which the code around it may keep too: "
+                "few-bit codes could add bytes instead of freeing them")
     if all(set(s.savers) != {node.name} for s in kept):  # a storage frees only when all its savers go
         others = sorted({other for s in kept for other in s.savers if other != node.name})
         return (f"the tensor it keeps is also kept by {', '.join(others[:3])}, so few-bit alone frees nothing "

@@ -247,6 +247,11 @@ def stash_pass(gm: fx.GraphModule, cfg: StashConfig, ctx: PassContext) -> PassRe
         if (chosen is None and cfg.allow is not None and bn.name not in cfg.allow) or bn.name in cfg.deny:
             bn.meta[DECISION_KEY] = {"technique": "exact", "reason": "stash: excluded by StashConfig allow/deny"}
             continue
+        if ctx.foreign_inputs and bn.args and isinstance(bn.args[0], fx.Node) and bn.args[0].op == "placeholder":
+            bn.meta[DECISION_KEY] = {"technique": "exact", "reason": "stash: its input is an input of this separately "
+                                                                     "captured submodule, which the code around it may "
+                                                                     "keep too: codes could add bytes"}
+            continue
         found = _match(bn, modules)
         per_channel = _per_channel_count(bn) or 0
         if not isinstance(found, str) and per_channel < cfg.min_per_channel:

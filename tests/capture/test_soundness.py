@@ -276,3 +276,30 @@ def test_outputs_of_any_pytree_type_train():
     with pytest.raises(ValueError, match=r"memopt.optimize plans a step on the sum of the floating outputs: return "
                                          r"the logits or the loss from forward"):
         default_loss({"ids": torch.ones(3, dtype=torch.long)})
+
+
+def test_a_submodule_captured_alone_never_codes_an_input_the_code_around_it_keeps():
+    class Gate(nn.Module):
+        def forward(self, g, u):
+            return nn.functional.silu(g) * u
+
+    class Outer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.gate, self.out = nn.Linear(8, 32), Gate(), nn.Linear(16, 4)
+
+        def forward(self, x):
+            h = self.lin(x)
+            g, u = h.chunk(2, -1)
+            if h.sum() > -1e9:  # control flow on a tensor value: captured per submodule
+                h = h + 0
+            return self.out(self.gate(g, u) * g)  # the code around the submodule keeps g too
+
+    torch.manual_seed(0)
+    model, x = Outer(), torch.randn(16, 8)
+    stock = memopt.measure(copy.deepcopy(model), x).saved_bytes
+    om = memopt.optimize(model, example_inputs=x, config=memopt.Config(fidelity=None))
+    assert om.plan.capture == "per-submodule"
+    assert memopt.measure(om, x).saved_bytes <= stock
+    reasons = [n.reason for n in om.plan.nodes if n.op == "silu"]
+    assert reasons and all("separately captured submodule" in r for r in reasons)
