@@ -1,0 +1,743 @@
+"""python -m tools.bench.capture.sweep_soundness [--only torchvision|timm|hf] [--limit N] [--out PATH]
+
+Soundness sweep over a model zoo (issue 21): does memopt train the user's real model, and never keep more?
+
+Every torchvision classification model, one model per timm family (the smallest variant by parameter count),
+and ~35 Hugging Face architectures from tiny configs; random weights, train mode, batch 2, the smallest
+input each model accepts. Per model, memopt.optimize(model, example_inputs=x) with memopt.Config() defaults,
+compared with a deepcopy of the model run eagerly (the stock model).
+
+Columns: `capture` is om.plan.capture (or `refused` when optimize raised); `soundness check` is
+om.plan.soundness (the capture-time check: eager vs captured saved bytes on its slice of the batch) or, for a
+per-submodule plan, why the whole model was not captured (the first om.plan.submodules record);
+`fwd equal` is torch.equal on every output tensor of a training-mode forward of om and of the stock copy
+from the same RNG seed (torch, numpy and random seeded), over 3 training steps; `buffers equal` compares
+every buffer (and parameter) of the model om wraps with the stock copy's after those 3 steps (each step:
+forward with the same seed, loss = sum of the floating outputs (memopt.cost_model.step.default_loss),
+backward; no optimizer). `stock saved` / `memopt saved` are memopt.measure(...).saved_bytes (saved-tensor
+hooks) of the stock copy and of om; `ratio` = memopt / stock. Gradients are not compared here: the
+default Config's lossy techniques (stash, few-bit) change them by design; the capture check compares them
+bit for bit under the exact graph. Flags: `MORE THAN STOCK` (memopt saved > stock saved), `SILENT DIFF`
+(forward, buffers or parameters differ while optimize succeeded), `REFUSED` (optimize raised a
+MemoptError), `ERROR` (any other exception, a timeout or a crashed worker; type and first line recorded),
+`SETUP` (the stock model itself could not be built or run at any tried size: a sweep limitation, not
+memopt's). Each model runs in a worker process with a per-model timeout; models above 100M parameters
+run one at a time.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import copy
+import gc
+import io
+import json
+import os
+import random
+import statistics
+import sys
+import time
+import traceback
+import warnings
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+FAMILIES = ("torchvision", "timm", "hf")
+HEAVY_PARAMS = 100_000_000
+BATCH = 2
+IMAGE_SIZES = (32, 64, 96, 128, 160, 224, 256, 299)
+TITLE = "Soundness sweep: memopt vs the stock model over a model zoo"
+LOCK_PATH = "/tmp/memopt_sweep_soundness_heavy.lock"
+
+# One model per timm family (timm module): the variant with the fewest parameters among
+# timm.list_models(module=family), counted on the meta device (timm test_* models left out where the family
+# has a real one); 49 of timm's 98 families, covering CNNs, mobile CNNs, hybrids, ViTs and MLP models.
+TIMM_MODELS = [
+    # CNNs
+    "resnet10t", "resnetv2_18", "legacy_seresnet18", "skresnet18", "resnest14d", "res2next50", "tresnet_m",
+    "regnetx_002", "densenet121", "dla46x_c", "dpn48b", "cs3darknet_focus_s", "ese_vovnet19b_slim_dw",
+    "hrnet_w18_small", "xception41p", "inception_v3", "nf_regnet_b0", "hgnetv2_b0", "mobileone_s1",
+    "convnext_zepto_rms", "starnet_s050",
+    # mobile CNNs
+    "mobilenetv2_035", "mobilenetv3_small_050", "ghostnet_050", "rexnet_100", "repvit_m1", "fastvit_t8",
+    # hybrids and efficient transformers
+    "mobilevit_xxs", "edgenext_xx_small", "levit_128s", "efficientformerv2_s0", "efficientvit_m0", "coat_tiny",
+    "convit_tiny", "pvt_v2_b0", "twins_svt_small", "pit_ti_224", "xcit_nano_12_p8_224", "tiny_vit_5m_224",
+    "maxvit_pico_rw_256", "vit_tiny_r_s16_p8_224",
+    # ViTs, Swin, MLP / pooling mixers
+    "vit_tiny_patch16_224", "deit_tiny_patch16_224", "beit_base_patch16_224", "vit_tiny_patch16_dinov3_qkvb",
+    "swin_tiny_patch4_window7_224", "gmlp_ti16_224", "poolformerv2_s12", "mambaout_femto",
+]
+
+
+# ------------------------------------------------------------------------------------------- the zoo
+def torchvision_names() -> List[str]:
+    import torchvision
+    return list(torchvision.models.list_models(module=torchvision.models))
+
+
+def _image(size: int) -> Callable[[], Any]:
+    import torch
+    return lambda: torch.randn(BATCH, 3, size, size)
+
+
+def _restore(model, buffers) -> None:
+    import torch
+    with torch.no_grad():
+        for (_, b), saved in zip(model.named_buffers(), buffers):
+            b.copy_(saved)
+
+
+def _accepts(model, size: int) -> bool:
+    """A train-mode forward at ``size`` (no grad; buffers and RNG restored after)."""
+    import torch
+    buffers = [b.detach().clone() for _, b in model.named_buffers()]
+    rng = torch.get_rng_state()
+    try:
+        with torch.no_grad():
+            model(torch.randn(BATCH, 3, size, size))
+        return True
+    except Exception:  # noqa: BLE001 - too small for this model: try the next size
+        return False
+    finally:
+        _restore(model, buffers)
+        torch.set_rng_state(rng)
+
+
+def _smallest(make: Callable[[Optional[int]], Any], sized: bool, sizes=IMAGE_SIZES):
+    """(model, size) at the smallest accepted size; ``make(size)`` builds for ``size`` when ``sized``."""
+    import torch
+    model = None if sized else make(None)
+    last = None
+    for size in sizes:
+        if sized:
+            torch.manual_seed(0)
+            try:
+                model = make(size)
+            except Exception as e:  # noqa: BLE001
+                last = e
+                continue
+        if _accepts(model.train(), size):
+            return model, size
+    raise RuntimeError(f"no input size in {sizes} accepted" + (f" (last build error: {last})" if last else ""))
+
+
+def build_torchvision(name: str):
+    import torchvision
+    builder = getattr(torchvision.models, name)
+    if name.startswith("vit_"):  # the patch embedding fixes the size; one patch grid of 2x2 (1x1 for /32)
+        patch = int(name.rsplit("_", 1)[1])
+        size = 2 * patch if patch < 32 else 32
+        return builder(weights=None, image_size=size), size
+    if name == "maxvit_t":
+        return _smallest(lambda s: builder(weights=None, input_size=(s, s)), sized=True, sizes=(224,))
+    if name in ("googlenet", "inception_v3"):
+        return _smallest(lambda s: builder(weights=None, init_weights=True), sized=False)
+    return _smallest(lambda s: builder(weights=None), sized=False)
+
+
+def build_timm(name: str):
+    import timm
+
+    def make(size):
+        kw = {} if size is None else {"img_size": size}
+        return timm.create_model(name, pretrained=False, num_classes=10, **kw)
+
+    first: Dict[int, Any] = {}
+    try:
+        first[IMAGE_SIZES[0]] = make(IMAGE_SIZES[0])
+        takes_size = True
+    except TypeError:
+        takes_size = False
+    except Exception:  # noqa: BLE001 - takes img_size, but not this one
+        takes_size = True
+    return _smallest(lambda size: first.pop(size) if size in first else make(size), sized=takes_size)
+
+
+def _tokens(vocab: int, seq: int = 12, **extra):
+    import torch
+
+    def make():
+        d = {"input_ids": torch.randint(4, vocab, (BATCH, seq))}
+        for k, v in extra.items():
+            d[k] = torch.randint(4, vocab, (BATCH, v))
+        return d
+    return make
+
+
+def _pixels(size: int, channels: int = 3):
+    import torch
+    return lambda: {"pixel_values": torch.randn(BATCH, channels, size, size)}
+
+
+def hf_models() -> Dict[str, Tuple[Callable[[], Any], Callable[[], Any], str]]:
+    """name -> (make model, make inputs, input description)."""
+    import torch
+    import transformers as T
+
+    V = 512
+    enc = dict(vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+               max_position_embeddings=64)
+    dec = dict(vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+               max_position_embeddings=64, use_cache=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    vit = dict(image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+               intermediate_size=64)
+    tok = ("input_ids (2, 12)", _tokens(V))
+    px = ("pixel_values (2, 3, 32, 32)", _pixels(32))
+
+    def whisper():
+        from transformers.models.whisper.modeling_whisper import WhisperEncoder
+        return WhisperEncoder(T.WhisperConfig(vocab_size=V, d_model=32, encoder_layers=2, encoder_attention_heads=2,
+                                              encoder_ffn_dim=64, decoder_layers=1, decoder_attention_heads=2,
+                                              decoder_ffn_dim=64, num_mel_bins=16, max_source_positions=8,
+                                              max_target_positions=16))
+
+    speech = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                  conv_dim=(16, 16), conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=16,
+                  num_conv_pos_embedding_groups=2, vocab_size=V)
+    audio = ("input_values (2, 400)", lambda: {"input_values": torch.randn(BATCH, 400)})
+    seq2seq = ("input_ids (2, 12), decoder_input_ids (2, 8)", _tokens(V, decoder_input_ids=8))
+    lm = lambda cls, cfg, **kw: (lambda: cls(cfg(**{**dec, **kw})))  # noqa: E731
+    models = {
+        "BERT": (lambda: T.BertModel(T.BertConfig(**enc)), *tok),
+        "RoBERTa": (lambda: T.RobertaModel(T.RobertaConfig(**{**enc, "max_position_embeddings": 66})), *tok),
+        "XLM-RoBERTa": (lambda: T.XLMRobertaModel(T.XLMRobertaConfig(**{**enc, "max_position_embeddings": 66})), *tok),
+        "DistilBERT": (lambda: T.DistilBertModel(T.DistilBertConfig(vocab_size=V, dim=32, n_layers=2, n_heads=2,
+                                                                    hidden_dim=64, max_position_embeddings=64)), *tok),
+        "ALBERT": (lambda: T.AlbertModel(T.AlbertConfig(embedding_size=16, **enc)), *tok),
+        "ELECTRA": (lambda: T.ElectraModel(T.ElectraConfig(embedding_size=32, **enc)), *tok),
+        "DeBERTa": (lambda: T.DebertaModel(T.DebertaConfig(**enc)), *tok),
+        "DeBERTa-v2": (lambda: T.DebertaV2Model(T.DebertaV2Config(**enc)), *tok),
+        "MPNet": (lambda: T.MPNetModel(T.MPNetConfig(**{**enc, "max_position_embeddings": 66})), *tok),
+        "ModernBERT": (lambda: T.ModernBertModel(T.ModernBertConfig(
+            vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+            max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=1,
+            sep_token_id=2)), *tok),
+        "GPT-2": (lambda: T.GPT2LMHeadModel(T.GPT2Config(vocab_size=V, n_embd=32, n_layer=2, n_head=2,
+                                                         n_positions=64, use_cache=False, bos_token_id=1,
+                                                         eos_token_id=2)), *tok),
+        "GPT-Neo": (lambda: T.GPTNeoForCausalLM(T.GPTNeoConfig(
+            vocab_size=V, hidden_size=32, num_layers=2, num_heads=2, attention_types=[[["global", "local"], 1]],
+            max_position_embeddings=64, window_size=8, use_cache=False)), *tok),
+        "GPT-J": (lambda: T.GPTJForCausalLM(T.GPTJConfig(vocab_size=V, n_embd=32, n_layer=2, n_head=2, rotary_dim=8,
+                                                         n_positions=64, use_cache=False)), *tok),
+        "GPT-NeoX": (lambda: T.GPTNeoXForCausalLM(T.GPTNeoXConfig(**dec)), *tok),
+        "CodeGen": (lambda: T.CodeGenForCausalLM(T.CodeGenConfig(vocab_size=V, n_embd=32, n_layer=2, n_head=2,
+                                                                 rotary_dim=8, n_positions=64, use_cache=False)),
+                    *tok),
+        "OPT": (lambda: T.OPTForCausalLM(T.OPTConfig(vocab_size=V, hidden_size=32, num_hidden_layers=2, ffn_dim=64,
+                                                     num_attention_heads=2, word_embed_proj_dim=32,
+                                                     max_position_embeddings=64, use_cache=False)), *tok),
+        "BLOOM": (lambda: T.BloomForCausalLM(T.BloomConfig(vocab_size=V, hidden_size=32, n_layer=2, n_head=2,
+                                                           use_cache=False)), *tok),
+        "Llama": (lm(T.LlamaForCausalLM, T.LlamaConfig, num_key_value_heads=1), *tok),
+        "Mistral": (lm(T.MistralForCausalLM, T.MistralConfig, num_key_value_heads=1), *tok),
+        "Mixtral (MoE)": (lm(T.MixtralForCausalLM, T.MixtralConfig, num_key_value_heads=1, num_local_experts=4,
+                             num_experts_per_tok=2), *tok),
+        "Qwen2": (lm(T.Qwen2ForCausalLM, T.Qwen2Config, num_key_value_heads=1), *tok),
+        "Qwen3": (lm(T.Qwen3ForCausalLM, T.Qwen3Config, num_key_value_heads=1, head_dim=16), *tok),
+        "Gemma": (lm(T.GemmaForCausalLM, T.GemmaConfig, num_key_value_heads=1, head_dim=16), *tok),
+        "Gemma2": (lm(T.Gemma2ForCausalLM, T.Gemma2Config, num_key_value_heads=1, head_dim=16), *tok),
+        "Phi": (lm(T.PhiForCausalLM, T.PhiConfig), *tok),
+        "Phi-3": (lm(T.Phi3ForCausalLM, T.Phi3Config), *tok),
+        "Falcon": (lambda: T.FalconForCausalLM(T.FalconConfig(vocab_size=V, hidden_size=32, num_hidden_layers=2,
+                                                              num_attention_heads=2, use_cache=False)), *tok),
+        "OLMo": (lm(T.OlmoForCausalLM, T.OlmoConfig, num_key_value_heads=1), *tok),
+        "T5 encoder": (lambda: T.T5EncoderModel(T.T5Config(vocab_size=V, d_model=32, d_kv=16, d_ff=64,
+                                                           num_layers=2, num_heads=2)), *tok),
+        "T5 (encoder-decoder)": (lambda: T.T5Model(T.T5Config(vocab_size=V, d_model=32, d_kv=16, d_ff=64,
+                                                              num_layers=1, num_decoder_layers=1, num_heads=2,
+                                                              use_cache=False)), *seq2seq),
+        "BART": (lambda: T.BartModel(T.BartConfig(vocab_size=V, d_model=32, encoder_layers=1, decoder_layers=1,
+                                                  encoder_attention_heads=2, decoder_attention_heads=2,
+                                                  encoder_ffn_dim=64, decoder_ffn_dim=64,
+                                                  max_position_embeddings=64, use_cache=False)), *seq2seq),
+        "ViT": (lambda: T.ViTModel(T.ViTConfig(**vit)), *px),
+        "DeiT": (lambda: T.DeiTModel(T.DeiTConfig(**vit)), *px),
+        "BEiT": (lambda: T.BeitModel(T.BeitConfig(**vit, use_relative_position_bias=True)), *px),
+        "DINOv2": (lambda: T.Dinov2Model(T.Dinov2Config(**vit)), *px),
+        "CLIP vision": (lambda: T.CLIPVisionModel(T.CLIPVisionConfig(**vit)), *px),
+        "Swin": (lambda: T.SwinModel(T.SwinConfig(image_size=32, patch_size=4, embed_dim=16, depths=[1, 1],
+                                                  num_heads=[1, 2], window_size=4)), *px),
+        "ConvNeXt": (lambda: T.ConvNextModel(T.ConvNextConfig(num_stages=2, hidden_sizes=[16, 32], depths=[1, 1])), *px),
+        "ResNet": (lambda: T.ResNetModel(T.ResNetConfig(embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1],
+                                                        layer_type="basic")), *px),
+        "MobileViT": (lambda: T.MobileViTModel(T.MobileViTConfig(image_size=64)),
+                      "pixel_values (2, 3, 64, 64)", _pixels(64)),
+        "SegFormer": (lambda: T.SegformerModel(T.SegformerConfig(num_encoder_blocks=2, depths=[1, 1],
+                                                                 sr_ratios=[2, 1], hidden_sizes=[16, 32],
+                                                                 patch_sizes=[7, 3], strides=[4, 2],
+                                                                 num_attention_heads=[1, 2], mlp_ratios=[2, 2])),
+                      *px),
+        "Whisper encoder": (whisper, "input_features (2, 16, 16)",
+                            lambda: {"input_features": torch.randn(BATCH, 16, 16)}),
+        "Wav2Vec2": (lambda: T.Wav2Vec2Model(T.Wav2Vec2Config(**speech)), *audio),
+        "HuBERT": (lambda: T.HubertModel(T.HubertConfig(**speech)), *audio),
+    }
+    return {name: (make, inputs, desc) for name, (make, desc, inputs) in models.items()}
+
+
+def names(family: str) -> List[str]:
+    if family == "torchvision":
+        return torchvision_names()
+    if family == "timm":
+        return list(TIMM_MODELS)
+    return list(hf_models())
+
+
+def build(family: str, name: str):
+    """(model in train mode, inputs, input description), random weights, seeded."""
+    import torch
+    torch.manual_seed(0)
+    if family == "hf":
+        make, inputs, desc = hf_models()[name]
+        model = make()
+        torch.manual_seed(1)
+        return model.train(), inputs(), desc
+    model, size = build_torchvision(name) if family == "torchvision" else build_timm(name)
+    torch.manual_seed(1)
+    return model.train(), _image(size)(), f"(2, 3, {size}, {size})"
+
+
+def count_params(family: str, name: str) -> int:
+    """Parameters, counted on the meta device (0 if that fails)."""
+    import torch
+    try:
+        with torch.device("meta"):
+            if family == "torchvision":
+                import torchvision
+                m = getattr(torchvision.models, name)(weights=None)
+            elif family == "timm":
+                import timm
+                m = timm.create_model(name, pretrained=False, num_classes=10)
+            else:
+                m = hf_models()[name][0]()
+        return sum(p.numel() for p in m.parameters())
+    except Exception:  # noqa: BLE001
+        return 0
+
+
+# ------------------------------------------------------------------------------------------- one model
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0][:200] if text else ''}"
+
+
+def _seed(s: int) -> None:
+    import numpy as np
+    import torch
+    torch.manual_seed(s)
+    np.random.seed(s)
+    random.seed(s)
+
+
+def _call(model, x):
+    if isinstance(x, dict):
+        return model(**x)
+    if isinstance(x, tuple):
+        return model(*x)
+    return model(x)
+
+
+def _compare_outputs(a, b) -> Optional[str]:
+    """None when every output tensor is bit-identical; else what differs."""
+    from memopt.cost_model.step import output_tensors
+    ta, tb = output_tensors(a), output_tensors(b)
+    if len(ta) != len(tb):
+        return f"{len(ta)} vs {len(tb)} output tensors"
+    for i, (x, y) in enumerate(zip(ta, tb)):
+        if x.shape != y.shape or x.dtype != y.dtype:
+            return f"output {i}: {tuple(x.shape)} {x.dtype} vs {tuple(y.shape)} {y.dtype}"
+        if not __import__("torch").equal(x, y):
+            diff = (x.detach().double() - y.detach().double()).abs().max().item() if x.is_floating_point() else "-"
+            return f"output {i} differs (max abs {diff:.3g})" if isinstance(diff, float) else f"output {i} differs"
+    return None
+
+
+def _compare_state(model, ref) -> List[str]:
+    import torch
+    differ = []
+    ours = dict(model.named_buffers())
+    theirs = dict(ref.named_buffers())
+    for name in sorted(set(ours) | set(theirs)):
+        if name not in ours or name not in theirs or not torch.equal(ours[name], theirs[name]):
+            differ.append(name)
+    ours_p, theirs_p = dict(model.named_parameters()), dict(ref.named_parameters())
+    for name in sorted(set(ours_p) | set(theirs_p)):
+        if name not in ours_p or name not in theirs_p or not torch.equal(ours_p[name], theirs_p[name]):
+            differ.append(f"param {name}")
+    return differ
+
+
+def _soundness(plan) -> str:
+    s = getattr(plan, "soundness", None) or {}
+    if plan.capture == "per-submodule" or getattr(plan, "submodules", None):
+        subs = plan.submodules or []
+        return f"whole model not captured: {subs[0]['why']}" if subs else "per-submodule (no records)"
+    if not s:
+        return "(no soundness record)"
+    if not s.get("checked"):
+        return f"skipped: {s.get('slice')}"
+    return f"passed on {s.get('slice')} (eager {s.get('eager_saved_bytes')} B, captured {s.get('captured_saved_bytes')} B)"
+
+
+def _fallback(plan) -> str:
+    subs = getattr(plan, "submodules", None) or []
+    if not subs:
+        return ""
+    captured = [s for s in subs if s.get("captured")]
+    eager = [s for s in subs[1:] if not s.get("captured")]
+    text = f"per-submodule: {len(captured)} captured, {len(eager)} left eager"
+    if eager:
+        why = eager[0]["why"]
+        same = sum(1 for s in eager if s["why"] == why)
+        text += (f"; first: {eager[0]['path']} ({eager[0]['class']}): {why[:160]}"
+                 + (f" (same reason for {same} of them)" if same > 1 else ""))
+    return text
+
+
+def _stock_error(ref, x) -> Optional[str]:
+    """None if one training step of the stock model runs (on a copy); else its error."""
+    from memopt.cost_model.step import default_loss
+    try:
+        _seed(7)
+        default_loss(_call(copy.deepcopy(ref), x)).backward()
+        return None
+    except Exception as e:  # noqa: BLE001
+        return _first_line(e)
+
+
+def run_one(family: str, name: str) -> Dict[str, Any]:
+    import torch
+    import memopt
+    from memopt.cost_model.step import default_loss
+
+    row: Dict[str, Any] = {"family": family, "model": name}
+    start = time.time()
+    try:
+        model, x, desc = build(family, name)
+        row["input"] = desc
+        row["params"] = sum(p.numel() for p in model.parameters())
+        ref = copy.deepcopy(model)
+    except Exception as e:  # noqa: BLE001
+        row.update(status="setup", reason=f"building the stock model: {_first_line(e)}")
+        return row
+    try:
+        _seed(3)
+        om = memopt.optimize(model, example_inputs=x)
+    except Exception as e:  # noqa: BLE001
+        stock = _stock_error(ref, x)
+        if stock is not None:
+            row.update(status="setup", reason=f"the stock model cannot train on these inputs: {stock}")
+            return row
+        row.update(status="refused" if isinstance(e, memopt.MemoptError) else "error", capture="refused",
+                   reason=f"optimize: {_first_line(e)}")
+        om = None
+    if om is not None:
+        plan = om.plan
+        row["capture"] = plan.capture
+        row["soundness"] = _soundness(plan)
+        row["reason"] = _fallback(plan)
+        try:
+            fwd = None
+            for step in range(3):
+                _seed(100 + step)
+                out_ref = _call(ref, x)
+                default_loss(out_ref).backward()
+                _seed(100 + step)
+                out_om = _call(om, x)
+                default_loss(out_om).backward()
+                diff = _compare_outputs(out_om, out_ref)
+                if diff and fwd is None:
+                    fwd = f"step {step + 1}: {diff}"
+                del out_ref, out_om
+                for p in list(model.parameters()) + list(ref.parameters()):
+                    p.grad = None
+            row["fwd_equal"] = "yes" if fwd is None else f"NO ({fwd})"
+            differ = _compare_state(model, ref)
+            row["buffers_equal"] = "yes" if not differ else (
+                f"NO ({len(differ)}: {', '.join(differ[:3])}{', ...' if len(differ) > 3 else ''})")
+        except Exception as e:  # noqa: BLE001
+            stock = _stock_error(ref, x)
+            row.update(status="setup" if stock else "error",
+                       reason=f"the stock model cannot train on these inputs: {stock}" if stock
+                       else f"training steps: {_first_line(e)}")
+    try:
+        row["stock_saved"] = memopt.measure(ref, x).saved_bytes
+        if om is not None and row.get("status") != "error":
+            row["memopt_saved"] = memopt.measure(om, x).saved_bytes
+    except Exception as e:  # noqa: BLE001
+        if row.get("status") is None:
+            row.update(status="error", reason=f"memopt.measure: {_first_line(e)}")
+    row["seconds"] = round(time.time() - start, 1)
+    row.setdefault("status", "ok")
+    return row
+
+
+def _worker(conn, threads: int) -> None:
+    """A worker process: receives (family, name), answers ("started", ...) then ("row", row)."""
+    import fcntl
+
+    import torch
+    warnings.filterwarnings("ignore")
+    import logging
+    logging.getLogger("memopt").setLevel(logging.ERROR)
+    torch.set_num_threads(threads)
+    while True:
+        task = conn.recv()
+        if task is None:
+            return
+        family, name = task
+        heavy = count_params(family, name) > HEAVY_PARAMS
+        lock = open(LOCK_PATH, "w") if heavy else None
+        if lock is not None:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released by the kernel if this process is killed
+        conn.send(("started", None))
+        try:
+            row = run_one(family, name)
+        except BaseException as e:  # noqa: BLE001
+            traceback.print_exc()
+            row = {"family": family, "model": name, "status": "error", "reason": f"sweep: {_first_line(e)}"}
+        finally:
+            if lock is not None:
+                lock.close()
+        gc.collect()
+        conn.send(("row", row))
+
+
+# ------------------------------------------------------------------------------------------- the sweep
+def _flags(row: Dict[str, Any]) -> List[str]:
+    flags = []
+    status = row.get("status")
+    if status == "setup":
+        flags.append("SETUP")
+    elif status == "refused":
+        flags.append("REFUSED")
+    elif status in ("error", "timeout", "crashed"):
+        flags.append("ERROR")
+    if str(row.get("fwd_equal", "")).startswith("NO") or str(row.get("buffers_equal", "")).startswith("NO"):
+        flags.append("SILENT DIFF")
+    if row.get("memopt_saved") is not None and row.get("stock_saved") is not None \
+            and row["memopt_saved"] > row["stock_saved"]:
+        flags.append("MORE THAN STOCK")
+    return flags
+
+
+def _ratio(row) -> Optional[float]:
+    s, m = row.get("stock_saved"), row.get("memopt_saved")
+    if s is None or m is None or not s:
+        return None
+    return m / s
+
+
+def _cell(text: Any, width: int = 220) -> str:
+    text = "" if text is None else str(text)
+    text = " ".join(text.split()).replace("|", "\\|")
+    return text if len(text) <= width else text[:width - 3] + "..."
+
+
+def code_state() -> str:
+    """The commit and any uncommitted changes to the code under test, at the start of the run."""
+    import subprocess
+    root = Path(__file__).resolve().parents[3]
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "memopt", "passes", "cost_model"], cwd=root,
+                               capture_output=True, text=True, check=True).stdout.split("\n")
+    except (OSError, subprocess.CalledProcessError):
+        return "code state unknown (no git)"
+    changed = [line[3:] for line in dirty if line.strip()]
+    return f"memopt at {head}" + (f" with uncommitted changes to {', '.join(changed)}" if changed else "")
+
+
+def render(rows: List[Dict[str, Any]], command: str, total: int, done: bool, started: float, kept: int = 0,
+           code: str = "") -> str:
+    from tabulate import tabulate
+    from memopt.core.units import fmt_bytes
+
+    summary = []
+    for family in FAMILIES + ("all",):
+        fr = [r for r in rows if family == "all" or r["family"] == family]
+        if not fr:
+            continue
+        paths = collections.Counter(r.get("capture", "-") for r in fr if r.get("status") not in ("setup",))
+        ratios = [x for x in (_ratio(r) for r in fr) if x is not None]
+        summary.append([
+            family, len(fr),
+            ", ".join(f"{k} {v}" for k, v in sorted(paths.items())),
+            sum(1 for r in fr if r.get("capture") == "per-submodule"),
+            sum(1 for r in fr if r.get("status") == "refused"),
+            sum(1 for r in fr if r.get("status") in ("error", "timeout", "crashed")),
+            sum(1 for r in fr if r.get("status") == "setup"),
+            sum(1 for r in fr if "SILENT DIFF" in _flags(r)),
+            sum(1 for r in fr if "MORE THAN STOCK" in _flags(r)),
+            f"{statistics.median(ratios):.3f}" if ratios else "-",
+        ])
+    summary_table = tabulate(summary, ["family", "models", "capture paths", "fallbacks (per-submodule)", "refusals",
+                                       "errors", "setup failures", "silent differences (goal 0)",
+                                       "more than stock (goal 0)", "median saved ratio memopt/stock"],
+                             tablefmt="github")
+    table = []
+    for r in rows:
+        ratio = _ratio(r)
+        table.append([r["family"], r["model"], r.get("input", ""), r.get("capture", "-"),
+                      _cell(r.get("soundness", ""), 160), _cell(r.get("fwd_equal", "-"), 80),
+                      _cell(r.get("buffers_equal", "-"), 100),
+                      fmt_bytes(r["stock_saved"]) if r.get("stock_saved") is not None else "-",
+                      fmt_bytes(r["memopt_saved"]) if r.get("memopt_saved") is not None else "-",
+                      f"{ratio:.3f}" if ratio is not None else "-", r.get("seconds", "-"),
+                      ", ".join(_flags(r)), _cell(r.get("reason", ""))])
+    full = tabulate(table, ["family", "model", "input", "capture", "soundness check", "fwd equal (3 steps)",
+                            "buffers equal (3 steps)", "stock saved", "memopt saved", "ratio", "s", "flag",
+                            "fallback / refusal / error reason"], tablefmt="github")
+    flagged = [r for r in rows if _flags(r)]
+    flag_lines = "\n".join(f"- {r['family']} / {r['model']}: {', '.join(_flags(r))}: "
+                           f"{_cell(r.get('reason') or r.get('fwd_equal') or '', 300)}"
+                           + (f"; buffers {_cell(r.get('buffers_equal'), 200)}"
+                              if str(r.get('buffers_equal', '')).startswith('NO') else "")
+                           for r in flagged) or "- none"
+    state = (f"Complete: {len(rows)} models, {(time.time() - started) / 60:.0f} min." if done else
+             f"**Partial results** ({len(rows)} of {total} models so far; the sweep is still running or was "
+             f"stopped).")
+    if code:
+        state += f" Code at the start of the run: {code}."
+    if kept:
+        state += (f" {kept} rows were kept from the earlier run recorded in the .jsonl next to this file (--resume); "
+                  f"the others ran now.")
+    return (f"{state} Load average at write time: {os.getloadavg()[0]:.1f} (other jobs may share the cores; "
+            f"seconds per model are not reliable).\n\n## Summary\n\n{summary_table}\n\n## Flagged rows\n\n"
+            f"{flag_lines}\n\n## All models\n\n{full}\n")
+
+
+def main() -> None:
+    import multiprocessing as mp
+    from multiprocessing.connection import wait
+
+    from tools.bench.common import RESULTS, write_results
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", choices=FAMILIES, action="append", help="a family (repeatable); default all")
+    parser.add_argument("--limit", type=int, default=None, help="the first N models of each family")
+    parser.add_argument("--models", default=None, help="comma-separated model names (within the families)")
+    parser.add_argument("--out", type=Path, default=RESULTS / "capture" / "soundness_sweep.md")
+    parser.add_argument("--workers", type=int, default=2, help="worker processes (threads split among them)")
+    parser.add_argument("--timeout", type=float, default=300, help="seconds per model")
+    parser.add_argument("--resume", action="store_true",
+                        help="keep the rows of the .jsonl next to --out (timeouts and crashes run again)")
+    args = parser.parse_args()
+    command = "python -m tools.bench.capture.sweep_soundness" + "".join(f" {a}" for a in sys.argv[1:])
+    families = args.only or list(FAMILIES)
+    wanted = set(args.models.split(",")) if args.models else None
+    tasks = []
+    for family in families:
+        ns = [n for n in names(family) if wanted is None or n in wanted]
+        tasks += [(family, n) for n in ns[:args.limit]]
+    jsonl = args.out.with_suffix(".jsonl")
+    done_rows: Dict[Tuple[str, str], Dict[str, Any]] = {}
+    if args.resume and jsonl.exists():
+        for line in jsonl.read_text().splitlines():  # later lines win; timeouts and crashes run again
+            r = json.loads(line)
+            if r.get("status") in ("timeout", "crashed"):
+                done_rows.pop((r["family"], r["model"]), None)
+            else:
+                done_rows[(r["family"], r["model"])] = r
+    else:
+        jsonl.parent.mkdir(parents=True, exist_ok=True)
+        jsonl.write_text("")
+    pending = collections.deque(t for t in tasks if t not in done_rows)
+    kept = len(tasks) - len(pending)
+    threads = max(1, (os.cpu_count() or 2) // args.workers)
+    ctx = mp.get_context("spawn")
+    started = time.time()
+    code = code_state()
+    print(f"{len(tasks)} models ({len(pending)} to run), {args.workers} workers x {threads} threads", flush=True)
+
+    def spawn():
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=_worker, args=(child, threads), daemon=True)
+        proc.start()
+        child.close()
+        return {"proc": proc, "conn": parent, "task": None, "since": None}
+
+    def write(done: bool) -> None:
+        rows = [done_rows[t] for t in tasks if t in done_rows]
+        body = render(rows, command, len(tasks), done, started, kept, code)
+        if done:
+            write_results(args.out, TITLE, command, __doc__, body)
+        else:  # the same file, quietly, after every model
+            with contextlib.redirect_stdout(io.StringIO()):
+                write_results(args.out, TITLE, command, __doc__, body)
+
+    def record(row: Dict[str, Any]) -> None:
+        done_rows[(row["family"], row["model"])] = row
+        with jsonl.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        print(f"[{len(done_rows)}/{len(tasks)} {time.time() - started:.0f}s] {row['family']} {row['model']}: "
+              f"{row.get('capture', '-')} {row.get('status')} fwd={row.get('fwd_equal', '-')} "
+              f"buf={row.get('buffers_equal', '-')} ratio={_ratio(row)} {', '.join(_flags(row))} "
+              f"{row.get('reason', '')[:200]}", flush=True)
+        write(False)
+
+    # a model whose worker died (out of memory, most likely, next to another model) runs once more, alone, at the end
+    solo: collections.deque = collections.deque()
+    first_try: Dict[Tuple[str, str], str] = {}
+    workers = [spawn() for _ in range(min(args.workers, max(1, len(pending))))]
+    while pending or solo or any(w["task"] for w in workers):
+        for w in workers:
+            if w["task"] is None and (pending or (solo and not any(x["task"] for x in workers))):
+                w["task"], w["since"] = (pending or solo).popleft(), None
+                w["sent"] = time.time()
+                w["conn"].send(w["task"])
+        busy = [w for w in workers if w["task"]]
+        ready = wait([w["conn"] for w in busy] + [w["proc"].sentinel for w in busy], timeout=2)
+        for i, w in enumerate(workers):
+            if not w["task"]:
+                continue
+            family, name = w["task"]
+            if w["conn"] in ready:
+                try:
+                    kind, payload = w["conn"].recv()
+                except (EOFError, OSError):
+                    kind, payload = "dead", None
+                if kind == "started":
+                    w["since"] = time.time()
+                    continue
+                if kind == "row":
+                    if w["task"] in first_try:
+                        payload["reason"] = (f"{first_try[w['task']]}; ran again alone: "
+                                             + payload.get("reason", "")).rstrip("; :")
+                    record(payload)
+                    w["task"] = None
+                    continue
+            alive = w["proc"].is_alive()
+            overdue = w["since"] is not None and time.time() - w["since"] > args.timeout
+            if not alive or overdue:
+                if alive:
+                    w["proc"].kill()
+                w["proc"].join(5)
+                status = "timeout" if alive else "crashed"
+                others = sum(1 for x in workers if x["task"] and x is not w)
+                reason = (f"timeout: no result within {args.timeout:.0f} s" if alive
+                          else f"worker died (exit code {w['proc'].exitcode}; out of memory?)"
+                          + (f" with {others} other model(s) running" if others else ""))
+                if status == "crashed" and others and w["task"] not in first_try:
+                    first_try[w["task"]] = f"first try: {reason}"
+                    solo.append(w["task"])
+                    print(f"{family} {name}: {reason}; will run again alone at the end", flush=True)
+                else:
+                    record({"family": family, "model": name, "status": status, "reason": reason,
+                            "seconds": round(time.time() - (w["since"] or w["sent"]), 1)})
+                workers[i] = spawn()
+    for w in workers:
+        try:
+            w["conn"].send(None)
+        except (BrokenPipeError, OSError):
+            pass
+        w["proc"].join(10)
+    write(True)
+
+
+if __name__ == "__main__":
+    main()
