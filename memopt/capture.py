@@ -9,6 +9,8 @@ buffers, so training it trains the user's model.
 from __future__ import annotations
 
 import logging
+import os
+import traceback
 from dataclasses import dataclass
 from typing import Any, Dict, Tuple
 
@@ -261,12 +263,14 @@ def _recorder(applied: Dict[type, str]):
 
 def _caller() -> str:
     """``file:line`` of the innermost frame outside torch and memopt (the model code applying a Function)."""
-    import os
-    import traceback
-
-    skip = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(os.path.dirname(__file__)) + os.sep)
-    frames = [f for f in traceback.extract_stack() if not f.filename.startswith(skip) and not f.filename.startswith("<")]
+    frames = _model_frames(traceback.extract_stack())
     return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "?"
+
+
+def _model_frames(frames) -> list:
+    """The frames of the model's own code: neither torch's nor memopt's, nor generated (``<...>``)."""
+    skip = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(os.path.dirname(__file__)) + os.sep)
+    return [f for f in frames if not f.filename.startswith(skip) and not f.filename.startswith("<")]
 
 
 def capture(model: nn.Module, args: tuple, kwargs: dict) -> Captured:
@@ -359,10 +363,8 @@ def trace_error(message: str, summary: str) -> TraceError:
 def user_frame(error: BaseException) -> str:
     """``file:line (function): code`` of the innermost frame of the traceback outside torch: the
     construct of the model's own code that tracing failed on ("" when there is none)."""
-    import os
-    import traceback
-
     torch_dir = os.path.dirname(torch.__file__) + os.sep
+    # memopt's own test models (memopt/testing) count as model code here; only this file is skipped
     frames = [f for f in traceback.extract_tb(error.__traceback__)
               if not f.filename.startswith(torch_dir) and not f.filename.startswith("<")
               and os.path.abspath(f.filename) != os.path.abspath(__file__)]

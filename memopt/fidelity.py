@@ -137,8 +137,7 @@ def fidelity_gate(model: nn.Module, args: tuple, kwargs: dict, config: Config, d
     rng = torch.Generator().manual_seed(0).get_state()  # a fixed draw (dropout): the same plan, the same report
     loss = RandomProjection()
     exact = training_step(model, model, sliced_args, sliced_kwargs, rng, loss).grads
-    lossy_nodes = {(u["chosen"]["technique"], u["chosen"]["unit"]): set(u["nodes"]) for u in units
-                   if u["chosen"]["technique"] != "exact" and u["chosen"]["fidelity"] > 0}
+    lossy_nodes = {(u["chosen"]["technique"], u["chosen"]["unit"]): set(u["nodes"]) for u in units if _lossy(u)}
     decision = {t: dict(us) for t, us in decision.items()}
     changes: List[str] = []
     radius = 2
@@ -177,6 +176,10 @@ def fidelity_gate(model: nn.Module, args: tuple, kwargs: dict, config: Config, d
     return decision, report
 
 
+def _lossy(unit: Dict[str, Any]) -> bool:
+    """Whether a ``Plan.units`` entry's chosen option approximates a gradient (a fidelity proxy above zero)."""
+    return unit["chosen"]["technique"] != "exact" and unit["chosen"]["fidelity"] > 0
+
+
 def has_lossy_units(units: List[Dict[str, Any]]) -> bool:
-    """Whether any chosen unit approximates a gradient (a fidelity proxy above zero)."""
-    return any(u["chosen"]["technique"] != "exact" and u["chosen"]["fidelity"] > 0 for u in units)
+    return any(_lossy(u) for u in units)
