@@ -31,7 +31,9 @@ from memopt.soundness import batch_slice, training_step
 
 log = logging.getLogger("memopt")
 
-# techniques whose units have bit widths the gate can raise (the others can only be made exact)
+# techniques whose units have bit widths the gate can raise, within the widths the planner may choose
+# (``plan_bits``, 8 included by default: the error of 3-4-bit tables compounds with depth in SiLU / hard-swish
+# CNNs where 8 bits, still a quarter of float32's bytes, do not); the other techniques can only be made exact
 _LEVELS = {"stash": lambda config: config.stash.plan_bits, "fewbit": lambda config: config.fewbit.plan_bits}
 
 
@@ -55,8 +57,10 @@ class RandomProjection:
 
 
 def parameter_fidelity(names: List[str], exact: List[Optional[torch.Tensor]], approx: List[Optional[torch.Tensor]],
-                       tiny: float) -> Dict[str, Dict[str, Any]]:
-    """{parameter: {"cosine", "relative_error", "tiny"}} of the approximate gradients against the exact ones."""
+                       tiny: float, invariant: Optional[Dict[str, str]] = None) -> Dict[str, Dict[str, Any]]:
+    """{parameter: {"cosine", "relative_error", "tiny", "excluded"}} of the approximate gradients against the
+    exact ones; ``excluded``: tiny, or in ``invariant`` (parameters whose exact gradient is ~0 by construction)."""
+    invariant = invariant or {}
     norms = [float(g.norm()) if g is not None else 0.0 for g in exact]
     positive = sorted(n for n in norms if n > 0)
     median = positive[len(positive) // 2] if positive else 0.0
@@ -68,7 +72,76 @@ def parameter_fidelity(names: List[str], exact: List[Optional[torch.Tensor]], ap
         denominator = float(g64.norm() * a64.norm())
         cosine = float(g64 @ a64) / denominator if denominator > 0 else (1.0 if float(a64.norm()) == norm else 0.0)
         relative = float((a64 - g64).norm()) / norm if norm > 0 else float(a64.norm() > 0)
-        out[name] = {"cosine": cosine, "relative_error": relative, "tiny": norm <= tiny * median}
+        small = norm <= tiny * median
+        out[name] = {"cosine": cosine, "relative_error": relative, "tiny": small,
+                     "excluded": small or name in invariant}
+    return out
+
+
+def _training_batch_norm(node: fx.Node, modules: Dict[str, nn.Module]) -> bool:
+    """Whether ``node`` normalises with batch statistics (a BatchNorm module in training mode, ``F.batch_norm``
+    or an ATen batch norm with ``training=True``)."""
+    if node.op == "call_module":
+        module = modules.get(node.target)
+        return isinstance(module, nn.modules.batchnorm._BatchNorm) and (module.training or module.running_mean is None)
+    if node.op != "call_function":
+        return False
+    name = getattr(node.target, "__name__", str(node.target))
+    if "batch_norm" not in name or "no_training" in name or "backward" in name:
+        return False
+    training = node.kwargs.get("training", node.args[5] if len(node.args) > 5 else False)
+    return training is True
+
+
+def _weight_and_bias(node: fx.Node, modules: Dict[str, nn.Module]) -> Tuple[Optional[Tuple[str, torch.Tensor]], ...]:
+    """((name, tensor) of the weight, of the bias) of a conv / linear node, either missing as None."""
+    if node.op == "call_module":
+        module = modules.get(node.target)
+        if not isinstance(module, (nn.Linear, nn.modules.conv._ConvNd)):
+            return None, None
+        return tuple((f"{node.target}.{a}", getattr(module, a)) if getattr(module, a, None) is not None else None
+                     for a in ("weight", "bias"))
+    name = getattr(node.target, "__name__", str(node.target))
+    if node.op != "call_function" or not any(k in name for k in ("conv", "linear")):
+        return None, None
+    out = []
+    for arg in (node.args[1:3] if len(node.args) >= 2 else ()):
+        if isinstance(arg, fx.Node) and arg.op == "get_attr":
+            out.append((arg.target, _get_attr(node.graph.owning_module, arg.target)))
+        else:
+            out.append(None)
+    return (tuple(out) + (None, None))[:2]
+
+
+def _get_attr(root: nn.Module, target: str) -> Optional[torch.Tensor]:
+    value: Any = root
+    for part in target.split("."):
+        value = getattr(value, part, None)
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def invariant_parameters(gm: fx.GraphModule) -> Dict[str, str]:
+    """{parameter: why} for the parameters whose exact gradient is zero by construction, up to BatchNorm's eps and
+    rounding: the bias of a conv / linear whose only reader is a training-mode BatchNorm (the batch mean takes it
+    out), and a weight with one element per output channel there (a depthwise 1x1 conv: the normalisation takes
+    its scale out). Any approximation of the backward leaves a gradient of the approximation's error's size where
+    the exact one is rounding; a cosine between the two is noise (timm RepViT's RepVggDw 1x1 branch: -0.94 with
+    an 8-bit stash), so the gate lists these apart with the reason instead of chasing them."""
+    modules = dict(gm.named_modules())
+    out: Dict[str, str] = {}
+    for node in gm.graph.nodes:
+        if not _training_batch_norm(node, modules) or not node.args or not isinstance(node.args[0], fx.Node):
+            continue
+        producer = node.args[0]
+        if len(producer.users) != 1:
+            continue
+        weight, bias = _weight_and_bias(producer, modules)
+        if bias is not None:
+            out[bias[0]] = (f"{producer.name}'s bias before the training-mode BatchNorm {node.name}: the batch mean "
+                            f"cancels it")
+        if weight is not None and weight[1].dim() >= 1 and weight[1][0].numel() == 1:
+            out[weight[0]] = (f"{producer.name}'s per-channel scale before the training-mode BatchNorm {node.name}: "
+                              f"the normalisation cancels it (its exact gradient is BatchNorm's eps term)")
     return out
 
 
@@ -118,10 +191,34 @@ def _raise(decision: Decision, config: Config, technique: str, unit: str) -> str
     return f"{technique} {unit}: {'' if bits is None else f'{bits} bits '}-> exact"
 
 
+# When more than this fraction of the gated parameters miss (and more than WIDESPREAD_LEAST of them), the error is
+# the compounding of many lossy units along the whole backward (3-bit SiLU / hard-swish tables over 20-50 layers),
+# not one unit's: the gate then raises every lossy unit of one technique a level at once, the technique whose
+# raise helps most (one trial step each). Otherwise it raises the units nearest to each missing parameter.
+WIDESPREAD = 0.05
+WIDESPREAD_LEAST = 3
+
+
+def _key(decision: Decision) -> tuple:
+    return tuple(sorted((t, tuple(sorted(us.items(), key=lambda kv: kv[0]))) for t, us in decision.items()))
+
+
+def _raise_all(decision: Decision, config: Config, technique: str, lossy: Set[Tuple[str, str]]) -> Tuple[Decision, str]:
+    """A copy of ``decision`` with every lossy unit of ``technique`` one level up (or exact past the top), and
+    what changed ("5 units 3 -> 4 bits, 2 units 8 bits -> exact"); exact units (1-bit masks) stay."""
+    raised = {t: dict(us) for t, us in decision.items()}
+    moves: Dict[str, int] = {}
+    for unit in [u for u in raised.get(technique, {}) if (technique, u) in lossy]:
+        move = _raise(raised, config, technique, unit).partition(": ")[2]
+        moves[move] = moves.get(move, 0) + 1
+    return raised, ", ".join(f"{n} unit{'s' * (n > 1)} {move}" for move, n in sorted(moves.items()))
+
+
 def fidelity_gate(model: nn.Module, args: tuple, kwargs: dict, config: Config, decision: Decision,
-                  units: List[Dict[str, Any]], planned: fx.GraphModule) -> Tuple[Decision, Dict[str, Any]]:
+                  units: List[Dict[str, Any]], planned: fx.GraphModule,
+                  verify_only: bool = False) -> Tuple[Decision, Dict[str, Any]]:
     """(the repaired decision, the report) for ``decision`` on ``model`` (``units``: ``Plan.units``; ``planned``:
-    the annotated, not yet rewritten graph the plan was made on)."""
+    the annotated, not yet rewritten graph the plan was made on; ``verify_only``: measure, repair nothing)."""
     gate = config.fidelity
     start = time.perf_counter()
     sliced_args, sliced_kwargs, which = batch_slice(args, kwargs)
@@ -134,21 +231,45 @@ def fidelity_gate(model: nn.Module, args: tuple, kwargs: dict, config: Config, d
     ctx = PassContext(sliced_args, sliced_kwargs, config.device, real_examples(flat_inputs(base, sliced_args,
                                                                                          sliced_kwargs)))
     names = [n for n, _ in model.named_parameters()]
+    invariant = invariant_parameters(base)
     rng = torch.Generator().manual_seed(0).get_state()  # a fixed draw (dropout): the same plan, the same report
     loss = RandomProjection()
     exact = training_step(model, model, sliced_args, sliced_kwargs, rng, loss).grads
     lossy_nodes = {(u["chosen"]["technique"], u["chosen"]["unit"]): set(u["nodes"]) for u in units if _lossy(u)}
+    cache: Dict[tuple, Tuple[Dict[str, Dict[str, Any]], List[str]]] = {}
+
+    def evaluate(trial: Decision) -> Tuple[Dict[str, Dict[str, Any]], List[str]]:
+        """(per-parameter fidelity, the failing parameters, worst first) of the plan ``trial``."""
+        key = _key(trial)
+        if key not in cache:
+            rewritten, _ = apply_decision(base, config, trial, ctx)
+            approx = training_step(rewritten, model, sliced_args, sliced_kwargs, rng, loss).grads
+            per = parameter_fidelity(names, exact, approx, gate.tiny, invariant)
+            failing = sorted((p for p, f in per.items() if not f["excluded"] and f["cosine"] < gate.min_cosine),
+                             key=lambda p: per[p]["cosine"])
+            cache[key] = (per, failing)
+        return cache[key]
+
     decision = {t: dict(us) for t, us in decision.items()}
     changes: List[str] = []
     radius = 2
+    before = None
     for round_ in range(gate.max_rounds + 1):
-        rewritten, _ = apply_decision(base, config, decision, ctx)
-        approx = training_step(rewritten, model, sliced_args, sliced_kwargs, rng, loss).grads
-        per_parameter = parameter_fidelity(names, exact, approx, gate.tiny)
-        failing = sorted((p for p, f in per_parameter.items() if not f["tiny"] and f["cosine"] < gate.min_cosine),
-                         key=lambda p: per_parameter[p]["cosine"])
-        if not failing or round_ == gate.max_rounds:
+        per_parameter, failing = evaluate(decision)
+        before = before or {"parameter": failing[0] if failing else None,
+                            "cosine": per_parameter[failing[0]]["cosine"] if failing else per_min(per_parameter)}
+        if not failing or round_ == gate.max_rounds or verify_only:
             break
+        gated = sum(not f["excluded"] for f in per_parameter.values())
+        techniques = sorted(t for t, us in decision.items() if any((t, u) in lossy_nodes for u in us))
+        if len(failing) > max(WIDESPREAD * gated, WIDESPREAD_LEAST) and techniques:
+            trials = {t: _raise_all(decision, config, t, set(lossy_nodes)) for t in techniques}
+            scored = sorted((len(evaluate(d)[1]), -per_min(evaluate(d)[0]), t) for t, (d, _) in trials.items())
+            technique = scored[0][2]
+            decision, moves = trials[technique]
+            changes.append(f"{technique}, every unit one level up: {moves} ({len(failing)} of {gated} parameters "
+                           f"below {gate.min_cosine}, worst {failing[0]} {per_parameter[failing[0]]['cosine']:.4f})")
+            continue
         lossy = {k: v for k, v in lossy_nodes.items() if k[1] in decision.get(k[0], {})}
         touched = set()
         for parameter in failing:
@@ -159,21 +280,27 @@ def fidelity_gate(model: nn.Module, args: tuple, kwargs: dict, config: Config, d
                                    f"{per_parameter[parameter]['cosine']:.4f})")
         if not touched:
             radius += 2  # every unit near the failing parameters is exact already: look further
-    gated = {p: f for p, f in per_parameter.items() if not f["tiny"]}
-    worst = min(gated.items(), key=lambda kv: kv[1]["cosine"]) if gated else None
+    kept = {p: f for p, f in per_parameter.items() if not f["excluded"]}
+    worst = min(kept.items(), key=lambda kv: kv[1]["cosine"]) if kept else None
     report = {
         "min_cosine": gate.min_cosine, "slice": which, "rounds": round_, "changes": changes,
-        "passed": not failing,
+        "passed": not failing, "steps": len(cache) + 1, "before": before,
         "worst": None if worst is None else {"parameter": worst[0], "cosine": round(worst[1]["cosine"], 6),
                                              "relative_error": round(worst[1]["relative_error"], 6)},
         "below": [f"{p} ({per_parameter[p]['cosine']:.4f})" for p in failing],
         "tiny": sorted(p for p, f in per_parameter.items() if f["tiny"]),
+        "invariant": {p: invariant[p] for p in sorted(invariant) if p in per_parameter},
         "parameters": {p: {"cosine": round(f["cosine"], 6), "relative_error": round(f["relative_error"], 6)}
                        for p, f in per_parameter.items()},
     }
-    log.info("memopt: fidelity gate on %s: %d rounds, %d changes, %.2f s", type(model).__name__, round_,
-             len(changes), time.perf_counter() - start)
+    log.info("memopt: fidelity gate on %s: %d rounds, %d steps, %d changes, %.2f s", type(model).__name__, round_,
+             len(cache) + 1, len(changes), time.perf_counter() - start)
     return decision, report
+
+
+def per_min(per_parameter: Dict[str, Dict[str, Any]]) -> float:
+    """The least cosine over the parameters not listed apart."""
+    return min((f["cosine"] for f in per_parameter.values() if not f["excluded"]), default=1.0)
 
 
 def _lossy(unit: Dict[str, Any]) -> bool:

@@ -1,6 +1,7 @@
 """capture -> annotate (cost model) -> rewrite (passes) -> annotate again -> plan, for one input signature."""
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import logging
 import math
@@ -25,7 +26,7 @@ from memopt.reversible.check import real_examples
 from memopt.passes.base import PassContext
 from memopt.passes.candidates import rewritten_units
 from memopt.passes.manager import passes_for, run_passes
-from memopt.passes.planner import BudgetPlan, apply_decision, plan_for_budget, plan_units
+from memopt.passes.planner import BudgetPlan, apply_decision, fit_decision, plan_for_budget, plan_units
 from memopt.cost_model.histograms import record_input_histograms
 from memopt.fewbit.activations import TABLE_ACTIVATIONS
 from memopt.fewbit.activations import ACTIVATIONS
@@ -40,6 +41,7 @@ class Built:
     plan: Plan
     baseline: Estimate
     estimate: Estimate
+    planned: Optional[BudgetPlan] = None  # the budget planner's choice (None without a budget)
 
 
 def input_signature(args: tuple, kwargs: dict) -> List[str]:
@@ -95,11 +97,12 @@ def build(model: nn.Module, args: tuple, kwargs: dict, config: Config, budget_by
     ctx = PassContext(args, kwargs, config.device,
                       None if _has_meta(args, kwargs) else real_examples(flat_inputs(gm, args, kwargs)),
                       foreign_inputs=not whole)
-    gated = config.fidelity is not None and budget_bytes is None and plan is None and soundness.checked
+    gated = config.fidelity is not None and plan is None and soundness.checked
     pristine = copy_graph_module(gm) if gated else None  # the no-budget rewrite works on gm itself
     built = _rewrite(model, captured, args, kwargs, config, budget_bytes, optimizer, plan, baseline, ctx)
     if gated and has_lossy_units(built.plan.units):
-        built = _gate(model, captured.method, args, kwargs, config, optimizer, baseline, pristine, ctx, built)
+        built = _gate(model, captured.method, args, kwargs, config, budget_bytes, optimizer, baseline, pristine, ctx,
+                      built)
     built.plan.soundness = soundness.to_dict()
     return built
 
@@ -122,23 +125,62 @@ def warn_unknown_names(config: Config, names: set, model: str) -> None:
                             " (om.report() lists the node names)")
 
 
-def _gate(model: nn.Module, method: str, args: tuple, kwargs: dict, config: Config, optimizer: Any,
-          baseline: Estimate, pristine: fx.GraphModule, ctx: PassContext, built: Built) -> Built:
-    """Run the fidelity gate on ``built``'s plan; re-apply the repaired decision when it changed anything."""
+def _gate(model: nn.Module, method: str, args: tuple, kwargs: dict, config: Config, budget_bytes: Optional[int],
+          optimizer: Any, baseline: Estimate, pristine: fx.GraphModule, ctx: PassContext, built: Built) -> Built:
+    """Run the fidelity gate on ``built``'s plan; re-apply the repaired decision when it changed anything. Under a
+    budget, the bytes the repair gives back are found again by exact recomputation (the planner's last resort);
+    a budget that cannot be met at the gate's cosine raises ``BudgetError`` with the least peak that can."""
     decision, report = fidelity_gate(model, args, kwargs, config, built.plan.chosen_units(), built.plan.units,
                                      pristine)
     if report["changes"]:
         log.info("memopt: the fidelity gate changed %d units of %s: %s", len(report["changes"]),
                  type(model).__name__, "; ".join(report["changes"][:3]))
-        gm, records = apply_decision(pristine, config, decision, ctx)
-        estimate = annotate(gm, args, kwargs, device=config.device, optimizer=optimizer)
-        plan = _make_plan(model, method, args, kwargs, config, None, baseline, estimate, records, gm, None)
-        built = Built(gm, plan, baseline, estimate)
+        if built.planned is None:
+            gm, records = apply_decision(pristine, config, decision, ctx)
+            estimate = annotate(gm, args, kwargs, device=config.device, optimizer=optimizer)
+            plan = _make_plan(model, method, args, kwargs, config, None, baseline, estimate, records, gm, None)
+            built = Built(gm, plan, baseline, estimate)
+        else:
+            built = _refit(model, method, args, kwargs, config, budget_bytes, optimizer, baseline, pristine, ctx,
+                           built, decision, report)
     if not report["passed"]:
         log.warning("memopt: %s: the fidelity gate could not bring every parameter to cosine %s in %d rounds: %s",
                     type(model).__name__, report["min_cosine"], report["rounds"], ", ".join(report["below"][:4]))
     built.plan.fidelity = report
     return built
+
+
+def _refit(model: nn.Module, method: str, args: tuple, kwargs: dict, config: Config, budget_bytes: int,
+           optimizer: Any, baseline: Estimate, pristine: fx.GraphModule, ctx: PassContext, built: Built,
+           decision: Dict[str, Dict[str, Any]], report: Dict[str, Any]) -> Built:
+    """The gate's repaired decision under the budget: recomputed blocks on top where it no longer fits."""
+    target = budget_bytes - config.workspace_bytes(baseline.device)
+    found, best = fit_decision(pristine, ctx, args, kwargs, config, baseline, target, optimizer, built.planned,
+                               decision)
+    if found is None:
+        least = best.estimate.peak_bytes
+        raise BudgetError(
+            f"budget_mb={budget_bytes / 2**20:.1f} ({fmt_bytes(budget_bytes)}) cannot be met for {type(model).__name__} "
+            f"with every parameter's gradient at cosine >= {report['min_cosine']} (Config.fidelity): the planner's "
+            f"plan reaches {fmt_bytes(built.plan.estimated_peak_bytes)} but its gradients miss (worst "
+            f"{report['before']['parameter']} at cosine {report['before']['cosine']:.4f}), and with the gate's repairs "
+            f"{'plus every recomputable block' if config.recompute is not None else '(recomputation is off)'} "
+            f"the least estimated peak is {fmt_bytes(least)}. Raise the budget to at least "
+            f"{math.ceil((least + config.workspace_bytes(baseline.device)) / 2**20 * 100) / 100} MiB, lower "
+            f"FidelityConfig.min_cosine, or accept the approximate gradients with Config(fidelity=None).",
+            budget_bytes, least)
+    added = sorted(set(found.decision.get("recompute", {})) - set(built.planned.decision.get("recompute", {})))
+    plan = _make_plan(model, method, args, kwargs, config, budget_bytes, baseline, found.estimate, found.records,
+                      found.graph_module, found)
+    if added:
+        report["changes"].append(f"recompute {', '.join(added)}: exact recomputation frees the bytes the raised "
+                                 f"bits gave back, within the budget")
+        # the figures of the plan that runs: recomputed blocks replaced some lossy units by exact ones
+        _, final = fidelity_gate(model, args, kwargs, dataclasses.replace(config, fidelity=dataclasses.replace(
+            config.fidelity, max_rounds=1)), plan.chosen_units(), plan.units, pristine, verify_only=True)
+        report.update({k: final[k] for k in ("passed", "worst", "below", "parameters")})
+        report["steps"] += final["steps"]
+    return Built(found.graph_module, plan, baseline, found.estimate, found)
 
 
 def _rewrite(model: nn.Module, captured: Any, args: tuple, kwargs: dict, config: Config, budget_bytes: Optional[int],
@@ -169,7 +211,7 @@ def _rewrite(model: nn.Module, captured: Any, args: tuple, kwargs: dict, config:
                         planned)
     if budget_bytes is not None and plan is None and result.estimated_peak_bytes > target:
         raise BudgetError(_budget_message(result, config), budget_bytes, result.estimated_peak_bytes)
-    return Built(gm, result, baseline, estimate)
+    return Built(gm, result, baseline, estimate, planned)
 
 
 def _make_plan(model: nn.Module, method: str, args: tuple, kwargs: dict, config: Config, budget_bytes: Optional[int],

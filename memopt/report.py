@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import re
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from tabulate import tabulate
 
@@ -42,6 +42,8 @@ def render(plan: Plan, *, top: Optional[int] = None, group: bool = True, fmt: st
     lines.append("")
     if plan.planner:
         lines += [_planner_table(plan, top, fmt), ""]
+    if getattr(plan, "fidelity", None):
+        lines += _fidelity_lines(plan.fidelity) + [""]
     if getattr(plan, "submodules", None):  # a model captured per submodule (memopt/partial.py)
         lines += ["captured per submodule: the whole model could not be captured; its other code runs exact",
                   tabulate(submodule_table(plan), headers=["submodule", "class", "captured by", "calls",
@@ -74,6 +76,23 @@ def _planner_table(plan: Plan, top: Optional[int], fmt: str) -> str:
 
 def _short(reason: str, limit: int = 90) -> str:
     return reason if len(reason) <= limit else reason[: limit - 3] + "..."
+
+
+def _fidelity_lines(gate: Dict[str, Any]) -> List[str]:
+    """The fidelity gate's verdict, what it changed and why, and the parameters it listed apart."""
+    worst = gate.get("worst") or {}
+    verdict = "passed" if gate["passed"] else f"FAILED ({len(gate['below'])} parameters below)"
+    lines = [f"fidelity gate ({gate['slice']}, {gate.get('steps', '?')} training steps): {verdict}; every parameter's "
+             f"gradient cosine against exact autograd >= {gate['min_cosine']} is the bar; worst "
+             f"{worst.get('parameter')} at {worst.get('cosine')}"]
+    lines += [f"  changed: {change}" for change in gate["changes"]]
+    lines += [f"  below the bar: {entry}" for entry in gate["below"][:10]]
+    lines += [f"  listed apart, exact gradient ~0 by construction: {p}: {why}"
+              for p, why in gate.get("invariant", {}).items()]
+    if gate.get("tiny"):
+        lines.append(f"  listed apart, exact gradient below the tiny share of the median norm: "
+                     f"{', '.join(gate['tiny'][:10])}{' ...' if len(gate['tiny']) > 10 else ''}")
+    return lines
 
 
 def _totals(plan: Plan, fmt: str) -> str:

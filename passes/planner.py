@@ -271,6 +271,31 @@ def _last_resort(gm, ctx: PassContext, args, kwargs, config, baseline: Estimate,
     return None, best
 
 
+def fit_decision(gm: fx.GraphModule, ctx: PassContext, args: tuple, kwargs: dict, config: Any, baseline: Estimate,
+                 budget_bytes: int, optimizer: Any, planned: BudgetPlan,
+                 decision: Decision) -> Tuple[Optional[BudgetPlan], BudgetPlan]:
+    """(the plan of ``decision`` -- the fidelity gate's repair of ``planned.decision`` -- on ``planned``'s groups,
+    with recomputed blocks on top where the raised bits no longer fit ``budget_bytes``, or None; the plan with the
+    most recomputation, for the error message). Recomputation is exact: it trades the bytes the gate gave back
+    for FLOPs, never for gradient error."""
+    start = time.perf_counter()
+    groups = planned.groups
+    choice = [_option_index(group, decision) for group in groups]
+    best = _applied(gm, ctx, args, kwargs, config, groups, _solution(groups, choice), optimizer,
+                    planned.required_bytes, planned.rounds + 1, start)
+    if best.estimate.peak_bytes <= budget_bytes:
+        return best, best
+    return _last_resort(gm, ctx, args, kwargs, config, baseline, budget_bytes, optimizer, groups, best, start)
+
+
+def _option_index(group: Group, decision: Decision) -> int:
+    """The option of ``group`` that ``decision`` chose (0, exact, when it chose none of them)."""
+    for i, option in enumerate(group.options):
+        if option.technique != "exact" and decision.get(option.technique, {}).get(option.unit, False) == option.bits:
+            return i
+    return 0
+
+
 def _applied(gm, ctx: PassContext, args, kwargs, config, groups, solution, optimizer, required, rounds,
              start) -> BudgetPlan:
     chosen = chosen_decision(groups, solution.choice)

@@ -35,8 +35,9 @@ class FewBitConfig:
         node_bits: per-node overrides {node name: bits} for table activations, ahead of
             ``bits_by_kind``; the budget planner's
             choices do not go here but to the pass (``PassContext.decision``).
-        plan_bits: the bits the budget planner may choose from for table activations (default
-            (1, 2, 3, 4)).
+        plan_bits: the bits the budget planner and the fidelity gate may choose from for table activations
+            (default (1, 2, 3, 4, 8): 8 is the gate's last lossy step before exact, for deep SiLU / hard-swish
+            networks where the error of 3-4-bit tables compounds with depth).
     """
 
     bits: int = 3
@@ -49,7 +50,7 @@ class FewBitConfig:
     deny: Tuple[str, ...] = ()
     exact_masks: bool = True
     node_bits: Union[Tuple[Tuple[str, int], ...], Mapping[str, int]] = ()
-    plan_bits: Tuple[int, ...] = (1, 2, 3, 4)
+    plan_bits: Tuple[int, ...] = (1, 2, 3, 4, 8)
 
     def __post_init__(self) -> None:
         check_bits(self.bits, "FewBitConfig.bits")

@@ -83,8 +83,9 @@ def _smallest(make: Callable[[Optional[int]], Any], sized: bool, sizes=IMAGE_SIZ
     raise RuntimeError(f"no input size in {sizes} accepted" + (f" (last build error: {last})" if last else ""))
 
 
-def build_torchvision(name: str):
+def build_torchvision(name: str, min_size: int = IMAGE_SIZES[0]):
     import torchvision
+    sizes = tuple(s for s in IMAGE_SIZES if s >= min_size)
     builder = getattr(torchvision.models, name)
     if name.startswith("vit_"):  # the patch embedding fixes the size; one patch grid of 2x2 (1x1 for /32)
         patch = int(name.rsplit("_", 1)[1])
@@ -93,12 +94,13 @@ def build_torchvision(name: str):
     if name == "maxvit_t":
         return _smallest(lambda s: builder(weights=None, input_size=(s, s)), sized=True, sizes=(224,))
     if name in ("googlenet", "inception_v3"):
-        return _smallest(lambda s: builder(weights=None, init_weights=True), sized=False)
-    return _smallest(lambda s: builder(weights=None), sized=False)
+        return _smallest(lambda s: builder(weights=None, init_weights=True), sized=False, sizes=sizes)
+    return _smallest(lambda s: builder(weights=None), sized=False, sizes=sizes)
 
 
-def build_timm(name: str):
+def build_timm(name: str, min_size: int = IMAGE_SIZES[0]):
     import timm
+    sizes = tuple(s for s in IMAGE_SIZES if s >= min_size)
 
     def make(size):
         kw = {} if size is None else {"img_size": size}
@@ -106,13 +108,13 @@ def build_timm(name: str):
 
     first: Dict[int, Any] = {}
     try:
-        first[IMAGE_SIZES[0]] = make(IMAGE_SIZES[0])
+        first[sizes[0]] = make(sizes[0])
         takes_size = True
     except TypeError:
         takes_size = False
     except Exception:  # noqa: BLE001 - takes img_size, but not this one
         takes_size = True
-    return _smallest(lambda size: first.pop(size) if size in first else make(size), sized=takes_size)
+    return _smallest(lambda size: first.pop(size) if size in first else make(size), sized=takes_size, sizes=sizes)
 
 
 def _tokens(vocab: int, seq: int = 12, **extra):
@@ -246,8 +248,9 @@ def names(family: str) -> List[str]:
     return list(hf_models())
 
 
-def build(family: str, name: str):
-    """(model in train mode, inputs, input description), random weights, seeded."""
+def build(family: str, name: str, min_size: int = IMAGE_SIZES[0]):
+    """(model in train mode, inputs, input description), random weights, seeded; images at least ``min_size``
+    (the smallest size in IMAGE_SIZES from there that the model accepts)."""
     import torch
     torch.manual_seed(0)
     if family == "hf":
@@ -255,7 +258,7 @@ def build(family: str, name: str):
         model = make()
         torch.manual_seed(1)
         return model.train(), inputs(), desc
-    model, size = build_torchvision(name) if family == "torchvision" else build_timm(name)
+    model, size = build_torchvision(name, min_size) if family == "torchvision" else build_timm(name, min_size)
     torch.manual_seed(1)
     return model.train(), _image(size)(), f"(2, 3, {size}, {size})"
 

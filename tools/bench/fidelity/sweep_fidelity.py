@@ -1,0 +1,164 @@
+"""python -m tools.bench.fidelity.sweep_fidelity [--only torchvision|timm|hf] [--limit N] [--models a,b] [--resume]
+
+Gradient fidelity sweep (issue 22): at the default config, how close are memopt's gradients to exact autograd on
+real models, what did the fidelity gate change, and what is left of the savings?
+
+The zoo of the soundness sweep (tools/bench/capture/zoo.py: every torchvision classifier, one model per timm
+family, Hugging Face architectures from tiny configs; random weights, train mode, batch 2; images of 128x128 or
+the smallest larger size the model accepts (torchvision ViTs: their fixed patch grid), where BatchNorm sees
+enough elements per channel to be a fair test). Per model: `memopt.optimize(model, example_inputs=x)` with `memopt.Config()` defaults (the
+fidelity gate on), then one training step of om and of a deep copy run eagerly from the same RNG seed, loss =
+the floating outputs times fixed random weights (memopt.fidelity.RandomProjection, seed 11: not the gate's
+seed 0), and the per-parameter gradient cosine (memopt.fidelity.parameter_fidelity) over the parameters not
+listed apart: `worst` and `p5` (5th percentile) cosine, `< 0.99` how many miss 0.99; parameters whose exact
+gradient is below 1e-3 of the median norm, and those the gate lists as cancelled by a training-mode
+BatchNorm (memopt.fidelity.invariant_parameters), are counted in `apart`. `gate` is om.plan.fidelity:
+passed or not, its training steps and changes (the first one shown), `-` where no lossy unit was planned
+and `per-submodule` where the model was captured per submodule (each submodule gated on its own).
+`stock saved` / `memopt saved`: memopt.measure(...).saved_bytes (saved-tensor hooks); `ratio` = stock /
+memopt (higher is better). Flags: `BELOW 0.98` (the issue's goal: none), `ERROR`, `SETUP` (the stock model
+cannot train on the inputs: a sweep limitation).
+"""
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from typing import Any, Dict, List, Optional
+
+from tools.bench.capture.runner import call, first_line, run_state, seed, sweep
+from tools.bench.capture.zoo import FAMILIES, build
+from tools.bench.common import RESULTS
+
+TITLE = "Gradient fidelity sweep: memopt's default config vs exact autograd over a model zoo"
+GOAL = 0.98
+MIN_SIZE = 128
+
+
+def _gradients(module, model, x, loss) -> List[Any]:
+    model.zero_grad(set_to_none=True)
+    seed(7)
+    loss(call(module, x)).backward()
+    return [p.grad for p in model.parameters()]
+
+
+def run_one(family: str, name: str) -> Dict[str, Any]:
+    import memopt
+    from memopt.capture import capture
+    from memopt.fidelity import RandomProjection, invariant_parameters, parameter_fidelity
+
+    row: Dict[str, Any] = {"family": family, "model": name}
+    start = time.time()
+    try:
+        model, x, desc = build(family, name, MIN_SIZE)
+        row["input"] = desc
+        ref = copy.deepcopy(model)
+    except Exception as e:  # noqa: BLE001
+        row.update(status="setup", reason=f"building the stock model: {first_line(e)}")
+        return row
+    try:
+        seed(3)
+        t = time.time()
+        om = memopt.optimize(model, example_inputs=x)
+        row["optimize_s"] = round(time.time() - t, 1)
+    except Exception as e:  # noqa: BLE001
+        row.update(status="error", reason=f"optimize: {first_line(e)}")
+        return row
+    plan = om.plan
+    gate = getattr(plan, "fidelity", None)
+    if getattr(plan, "submodules", None):
+        row["gate"] = "per-submodule"
+    elif gate:
+        row["gate"] = (f"{'passed' if gate['passed'] else 'FAILED'}, {gate.get('steps')} steps, "
+                       f"{len(gate['changes'])} changes" + (f": {gate['changes'][0]}" if gate["changes"] else ""))
+    else:
+        row["gate"] = "-"
+    try:
+        exact = _gradients(ref, ref, x, RandomProjection(seed=11))
+        approx = _gradients(om, model, x, RandomProjection(seed=11))
+        names = [n for n, _ in model.named_parameters()]
+        try:
+            invariant = invariant_parameters(capture(ref, x if isinstance(x, tuple) else (x,), {}).graph_module) \
+                if not isinstance(x, dict) else {}
+        except Exception:  # noqa: BLE001  (models only captured per submodule: nothing listed apart)
+            invariant = {}
+        figures = parameter_fidelity(names, exact, approx, 1e-3, invariant)
+        kept = sorted(f["cosine"] for f in figures.values() if not f["excluded"])
+        if kept:
+            worst = min(figures.items(), key=lambda kv: kv[1]["cosine"] if not kv[1]["excluded"] else 2.0)
+            row.update(worst=round(kept[0], 4), worst_parameter=worst[0], p5=round(kept[len(kept) // 20], 4),
+                       below=sum(c < 0.99 for c in kept), gated=len(kept),
+                       apart=sum(f["excluded"] for f in figures.values()))
+        row["stock_saved"] = memopt.measure(ref, x).saved_bytes
+        row["memopt_saved"] = memopt.measure(om, x).saved_bytes
+    except Exception as e:  # noqa: BLE001
+        row.update(status="error", reason=f"gradients / measure: {first_line(e)}")
+    row["seconds"] = round(time.time() - start, 1)
+    row.setdefault("status", "ok")
+    return row
+
+
+def _ratio(row) -> Optional[float]:
+    s, m = row.get("stock_saved"), row.get("memopt_saved")
+    return s / m if s and m else None
+
+
+def _flags(row: Dict[str, Any]) -> List[str]:
+    flags = []
+    if row.get("status") == "setup":
+        flags.append("SETUP")
+    elif row.get("status") not in ("ok", None):
+        flags.append("ERROR")
+    if row.get("worst") is not None and row["worst"] < GOAL:
+        flags.append(f"BELOW {GOAL}")
+    return flags
+
+
+def render(rows: List[Dict[str, Any]], command: str, total: int, done: bool, started: float, kept: int = 0,
+           code: str = "") -> str:
+    from tabulate import tabulate
+    from memopt.core.units import fmt_bytes
+
+    summary = []
+    for family in FAMILIES + ("all",):
+        fr = [r for r in rows if family == "all" or r["family"] == family]
+        if not fr:
+            continue
+        ratios = [x for x in (_ratio(r) for r in fr) if x is not None]
+        worst = [r["worst"] for r in fr if r.get("worst") is not None]
+        summary.append([family, len(fr), len(worst), sum(w < GOAL for w in worst), sum(w < 0.99 for w in worst),
+                        f"{min(worst):.4f}" if worst else "-", f"{statistics.median(worst):.4f}" if worst else "-",
+                        sum(1 for r in fr if str(r.get("gate", "")).startswith("FAILED")),
+                        sum(1 for r in fr if "ERROR" in _flags(r)),
+                        f"{statistics.median(ratios):.2f}" if ratios else "-"])
+    summary_table = tabulate(summary, ["family", "models", "compared", f"worst < {GOAL} (goal 0)", "worst < 0.99",
+                                       "least worst", "median worst", "gate failed", "errors",
+                                       "median saved ratio stock/memopt"], tablefmt="github")
+    table = []
+    for r in sorted(rows, key=lambda r: (r["family"], r.get("worst", 2.0))):
+        ratio = _ratio(r)
+        table.append([r["family"], r["model"], r.get("input", ""), r.get("worst", "-"),
+                      r.get("worst_parameter", "-"), r.get("p5", "-"),
+                      f"{r['below']}/{r['gated']}" if "below" in r else "-", r.get("apart", "-"),
+                      " ".join(str(r.get("gate", "-")).split())[:160].replace("|", "\\|"),
+                      fmt_bytes(r["stock_saved"]) if r.get("stock_saved") else "-",
+                      fmt_bytes(r["memopt_saved"]) if r.get("memopt_saved") else "-",
+                      f"{ratio:.2f}" if ratio else "-", r.get("optimize_s", "-"), ", ".join(_flags(r)),
+                      " ".join(str(r.get("reason", "")).split())[:200].replace("|", "\\|")])
+    full = tabulate(table, ["family", "model", "input", "worst", "worst parameter", "p5", "< 0.99", "apart", "gate",
+                            "stock saved", "memopt saved", "ratio", "optimize s", "flag", "reason"],
+                    tablefmt="github")
+    return (f"{run_state(rows, total, done, started, kept, code)}\n\n## Summary\n\n{summary_table}\n\n"
+            f"## All models (worst first per family)\n\n{full}\n")
+
+
+def main() -> None:
+    sweep(__doc__, TITLE, "tools.bench.fidelity.sweep_fidelity", RESULTS / "fidelity" / "fidelity_sweep.md",
+          "tools.bench.fidelity.sweep_fidelity:run_one", render,
+          lambda row: (f"{row.get('status')} worst={row.get('worst')} ({row.get('worst_parameter')}) "
+                       f"ratio={_ratio(row)} gate={str(row.get('gate'))[:120]} {', '.join(_flags(row))} "
+                       f"{row.get('reason', '')[:200]}"))
+
+
+if __name__ == "__main__":
+    main()
