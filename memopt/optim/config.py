@@ -14,14 +14,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from memopt.optim.layout import TENSOR_LAYOUTS
 from memopt.optim.quant import QUANT_MAPS, QuantSpec
 
 FIRST_ORDER_KEYS = {"adamw": ("exp_avg", "exp_avg_sq"), "sgd": ("momentum_buffer",)}
 SCHEDULES = ("reference", "eager")
 # group keys added after the first release, with the value that reproduces a checkpoint saved before them
-LEGACY_GROUP_DEFAULTS = {"schedule": "eager", "qr_iters": 1, "eigh_every": 0}
-# hyper-parameters that shape the stored state; the quantization ones only matter below 32 bits
-_LAYOUT_KEYS = ("bits", "quantize", "graft", "max_order")
+LEGACY_GROUP_DEFAULTS = {"schedule": "eager", "qr_iters": 1, "eigh_every": 0, "tensor_layout": "matrix",
+                         "vector_bits": None}
+# hyper-parameters that shape the stored state; the quantization ones only matter when something is quantized
+_LAYOUT_KEYS = ("bits", "vector_bits", "quantize", "graft", "max_order", "tensor_layout")
 _QUANT_LAYOUT_KEYS = ("block_size", "quant_map", "min_quant_numel")
 
 
@@ -35,7 +37,7 @@ def _unit_interval(name: str, value: Any) -> None:
         raise ValueError(f"{name}={value!r} must be a float in [0, 1)")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ShampooConfig:
     """One param group's hyperparameters, validated (see ``Shampoo`` for their meaning)."""
 
@@ -59,6 +61,8 @@ class ShampooConfig:
     qr_iters: int
     eigh_every: int
     quantize: str
+    tensor_layout: str
+    vector_bits: int | None
 
     def __post_init__(self) -> None:
         if not isinstance(self.lr, (int, float)) or isinstance(self.lr, bool) or not self.lr >= 0:
@@ -93,6 +97,13 @@ class ShampooConfig:
                              f"(Björck steps at statistic and at root updates)")
         if self.quantize not in ("eigenvectors", "statistics"):
             raise ValueError(f"quantize={self.quantize!r} is not known; use 'eigenvectors' or 'statistics'")
+        if self.vector_bits not in (None, 4, 8, 32) or isinstance(self.vector_bits, bool):
+            raise ValueError(f"vector_bits={self.vector_bits!r} is not supported; use None (the same as bits), "
+                             f"4, 8 or 32 (the storage of the eigenvector matrices)")
+        if self.tensor_layout not in TENSOR_LAYOUTS:
+            raise ValueError(f"tensor_layout={self.tensor_layout!r} is not known; use one of {TENSOR_LAYOUTS}: "
+                             f"'matrix' preconditions a tensor as (shape[0], -1), 'modes' each dimension of "
+                             f"a conv weight or other tensor of rank >= 3")
 
     @classmethod
     def from_group(cls, group: dict[str, Any]) -> ShampooConfig:
@@ -105,6 +116,12 @@ class ShampooConfig:
     @property
     def spec(self) -> QuantSpec | None:
         return None if self.bits == 32 else QuantSpec(self.bits, self.block_size, self.quant_map)
+
+    @property
+    def vector_spec(self) -> QuantSpec | None:
+        """How eigenvector matrices are stored: ``vector_bits``, or ``bits`` when it is None."""
+        bits = self.bits if self.vector_bits is None else self.vector_bits
+        return None if bits == 32 else QuantSpec(bits, self.block_size, self.quant_map)
 
 
 # --- schedule -----------------------------------------------------------------------------------
@@ -157,7 +174,8 @@ def stat_update_index(cfg: ShampooConfig, k: int) -> int:
 def state_layout(cfg: ShampooConfig) -> dict[str, Any]:
     """The hyper-parameters a parameter's stored state was laid out with (plain values, so the
     dict survives ``torch.save`` / ``torch.load(weights_only=True)``)."""
-    keys = _LAYOUT_KEYS + (_QUANT_LAYOUT_KEYS if cfg.bits != 32 else ())
+    quantized = cfg.spec is not None or cfg.vector_spec is not None
+    keys = _LAYOUT_KEYS + (_QUANT_LAYOUT_KEYS if quantized else ())
     return {key: getattr(cfg, key) for key in keys}
 
 

@@ -145,15 +145,19 @@ def quantize(m: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torch.Tens
 _BYTE_TABLES: dict[tuple[str, int, torch.device], torch.Tensor] = {}
 
 
-def _byte_table(quant_map: str, bits: int, device: torch.device) -> torch.Tensor:
+def _byte_table(quant_map: str, bits: int, device: torch.device, real: bool = False) -> torch.Tensor:
     """(256, 8 // bits): the code-book values of the codes packed in each possible byte, in
     ``memopt.runtime.bitpack``'s order (code j of a byte in bits [j*bits, (j+1)*bits)).
 
     Cached per device for real tensors (building it cost 0.2 ms of a 2 ms MLP step); never under
-    a fake-tensor mode, where a cached real tensor would mix with fake ones."""
+    a fake-tensor mode, where a cached real tensor would mix with fake ones. ``real``: the caller's
+    codes are a plain tensor, so no fake mode is at work and the check for one (a sizeable part of
+    a small matrix's dequantization) is skipped. A 65536-entry table over byte pairs would halve
+    the gathers but is 1 MiB, which the cost model would count as a transient at every simulated
+    step while a real run builds it once: its estimate would no longer be exact."""
     key = (quant_map, bits, torch.device(device))
     table = _BYTE_TABLES.get(key)
-    if table is not None and detect_fake_mode() is None:
+    if table is not None and (real or detect_fake_mode() is None):
         return table
     book = codebook(quant_map, bits, device)
     byte = torch.arange(256, device=device)
@@ -165,19 +169,31 @@ def _byte_table(quant_map: str, bits: int, device: torch.device) -> torch.Tensor
     return table
 
 
+def _scale_blocks(values: torch.Tensor, scales: torch.Tensor, block_size: int) -> torch.Tensor:
+    """``values`` (rows, cols), a fresh tensor, times each block's scale, in place: the whole blocks
+    broadcast their scale, the short last block of each row apart. Why in place: a second n x n
+    buffer (or an expanded copy of the scales) costs as much as the gather itself."""
+    rows, cols = values.shape
+    whole = cols // block_size
+    cut = whole * block_size
+    if cut == cols:  # whole blocks only (the common case): one broadcast multiply
+        return values.view(rows, whole, block_size).mul_(scales.unsqueeze(-1)).view(rows, cols)
+    if whole:
+        values[:, :cut].unflatten(1, (whole, block_size)).mul_(scales[:, :whole, None])
+    if cut < cols:
+        values[:, cut:].mul_(scales[:, whole:])
+    return values
+
+
 def dequantize(packed: torch.Tensor, scales: torch.Tensor, shape: tuple[int, int], spec: QuantSpec) -> torch.Tensor:
     """Inverse of ``quantize`` up to rounding: an fp32 matrix of ``shape``."""
     rows, cols = shape
     if 8 % spec.bits == 0:
-        # one gather per byte through a 256-entry table
-        # (measured: 576x576 at 4 bits, 1 CPU thread, index_select 0.45 ms vs 1 ms for
-        # indexing with [] and 1.3 ms for unpacking first); the roots take this path at every step
-        values = _byte_table(spec.quant_map, spec.bits, packed.device).index_select(0, packed.int())
+        # one gather per byte through a 256-entry table; the roots take this path at every step
+        table = _byte_table(spec.quant_map, spec.bits, packed.device, real=type(packed) is torch.Tensor)
+        values = table.index_select(0, packed.int())
         values = values.view(-1)[:rows * cols]
     else:
         book = codebook(spec.quant_map, spec.bits, packed.device)
         values = book[unpack_bits(packed, spec.bits, rows * cols).long()]
-    if cols % spec.block_size == 0:  # whole blocks: broadcast the scales, no expanded copy
-        blocks = values.view(rows, cols // spec.block_size, spec.block_size)
-        return (blocks * scales.unsqueeze(-1)).view(rows, cols)
-    return values.view(rows, cols) * _expand(scales, spec.block_size, cols)
+    return _scale_blocks(values.view(rows, cols), scales, spec.block_size)

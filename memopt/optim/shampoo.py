@@ -15,7 +15,10 @@ At a root update:
     V = bjorck(deq(Vᵀ)ᵀ, rectify_iters[1])
     Â = V diag((λ + eps · max λ)^(-1/4)) Vᵀ;  store diag(Â) in fp32, quant(offdiag(Â))
 Every step once a root exists: D = L̂ G R̂ per block, D *= ||G||_F / ||D||_F (grafting, whole
-tensor); before that D = G. Then AdamW (decoupled weight decay) or SGD-momentum (L2 weight decay
+tensor); before that D = G. With ``tensor_layout="modes"`` a tensor of rank k >= 3 keeps one such
+statistic per dimension (its mode unfolding in place of G) and D = G ×_1 Â_1 ... ×_k Â_k with
+roots A^(-1/(2k)) (``memopt.optim.layout``). ``vector_bits`` stores the eigenvector matrices at
+other than ``bits``. Then AdamW (decoupled weight decay) or SGD-momentum (L2 weight decay
 added to D) steps with D as the gradient.
 
 When updates happen is ``schedule`` (``memopt.optim.config``): "reference" (default) gathers
@@ -42,7 +45,6 @@ import copy
 import math
 import warnings
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -51,35 +53,12 @@ from torch._guards import detect_fake_mode
 from memopt.core.storage import distinct_bytes
 from memopt.optim.config import (FIRST_ORDER_KEYS, LEGACY_GROUP_DEFAULTS, ShampooConfig, check_layout,
                                  preconditioned, root_due, stat_due, stat_update_index, state_layout)
+from memopt.optim.layout import TensorLayout, apply_roots, make_layout, mode_gram
 from memopt.optim.linalg import bjorck, eigh_inverse_root, inverse_root, subspace_step
-from memopt.optim.quant import dequantize, quantize
+from memopt.optim.quant import QuantSpec, dequantize, quantize
 
 ADAM_EPS = 1e-8  # AdamW's denominator epsilon (the API's ``eps`` is Shampoo's ridge and initial statistic)
 PRECONDITIONER_PREFIX = "pre."  # state keys of the preconditioner; everything else is first-order state
-
-
-@dataclass(frozen=True)
-class _Layout:
-    """A parameter seen as a (rows, cols) matrix, cut into blocks of at most ``max_order``."""
-
-    rows: int
-    cols: int
-    max_order: int
-
-    def blocks(self) -> list[tuple[int, slice, slice]]:
-        def cuts(n: int) -> list[slice]:
-            return [slice(i, min(i + self.max_order, n)) for i in range(0, n, self.max_order)]
-
-        pairs = [(r, c) for r in cuts(self.rows) for c in cuts(self.cols)]
-        return [(i, r, c) for i, (r, c) in enumerate(pairs)]
-
-
-def _layout(shape: torch.Size, max_order: int) -> _Layout | None:
-    """(shape[0], -1) after squeezing; None (no preconditioner) for rank <= 1 or empty tensors."""
-    dims = [d for d in shape if d != 1]
-    if len(dims) < 2 or 0 in dims:
-        return None
-    return _Layout(dims[0], math.prod(dims[1:]), max_order)
 
 
 class _MatrixStore:
@@ -88,15 +67,19 @@ class _MatrixStore:
     Quantized (bits < 32 and numel >= min_quant_numel): ``key.codes`` (packed uint8) and
     ``key.scales`` (fp32); a symmetric matrix (``sym``) keeps its diagonal in ``key.diag`` (fp32)
     and quantizes only the off-diagonal, whose scale the large diagonal would otherwise swamp.
-    Otherwise the fp32 matrix itself under ``key``. Existing tensors are overwritten in place, so
+    Otherwise the fp32 matrix itself under ``key``. Eigenvector matrices (keys ending ".vecs") use
+    ``vector_bits``, everything else ``bits``. Existing tensors are overwritten in place, so
     storages keep their identity and size across steps.
     """
 
     def __init__(self, state: dict[str, Any], cfg: ShampooConfig) -> None:
-        self.state, self.spec, self.min_numel = state, cfg.spec, cfg.min_quant_numel
+        self.state, self.min_numel = state, cfg.min_quant_numel
+        self.specs = {False: cfg.spec, True: cfg.vector_spec}
 
-    def _quantized(self, n: int) -> bool:
-        return self.spec is not None and n * n >= self.min_numel
+    def _spec(self, key: str, n: int) -> QuantSpec | None:
+        """How the (n, n) matrix under ``key`` is quantized; None: stored in fp32."""
+        spec = self.specs[key.endswith(".vecs")]
+        return spec if spec is not None and n * n >= self.min_numel else None
 
     def _set(self, key: str, value: torch.Tensor) -> None:
         if key in self.state:
@@ -105,22 +88,24 @@ class _MatrixStore:
             self.state[key] = value.detach().clone()
 
     def put(self, key: str, m: torch.Tensor, sym: bool = False) -> None:
-        if not self._quantized(m.shape[0]):
+        spec = self._spec(key, m.shape[0])
+        if spec is None:
             self._set(key, m)
             return
         if sym:
             self._set(key + ".diag", m.diagonal())
             m = m.clone()
             m.diagonal().zero_()
-        codes, scales = quantize(m, self.spec)
+        codes, scales = quantize(m, spec)
         self._set(key + ".codes", codes)
         self._set(key + ".scales", scales)
 
     def get(self, key: str, n: int, sym: bool = False) -> torch.Tensor:
         """The fp32 (n, n) matrix; for an unquantized one, the state tensor itself (do not modify)."""
-        if not self._quantized(n):
+        spec = self._spec(key, n)
+        if spec is None:
             return self.state[key]
-        m = dequantize(self.state[key + ".codes"], self.state[key + ".scales"], (n, n), self.spec)
+        m = dequantize(self.state[key + ".codes"], self.state[key + ".scales"], (n, n), spec)
         if sym:
             m.diagonal().add_(self.state[key + ".diag"])  # m is fresh: in place saves an n x n transient
         return m
@@ -151,11 +136,21 @@ class Shampoo(torch.optim.Optimizer):
         qr_iters: 1 (published) warm-started QR iterations per statistic update; more iterations
             bring the tracked eigenvectors closer to the statistic's at the cost of one QR each.
         eigh_every: 0 (never); N > 0 replaces every N-th statistic update's QR iterations by an
-            exact ``torch.linalg.eigh``, which resets the eigenvector tracking error.
+            exact ``torch.linalg.eigh``, which resets the QR iterations' tracking error (not the
+            error of quantized eigenvectors, which re-enters at every update: see vector_bits).
         quantize: "eigenvectors" (the method) or "statistics" (the naive baseline).
+        tensor_layout: "matrix" (published: a tensor is preconditioned as (shape[0], -1)) or "modes"
+            (tensors of rank >= 3 after squeezing, e.g. conv weights, get one preconditioner per
+            dimension with inverse roots A^(-1/(2·rank)); see ``memopt.optim.layout``).
+        vector_bits: None (= bits, published), 4, 8 or 32: the storage of the eigenvector matrices
+            alone (roots keep ``bits``). Why: every statistic update rebuilds the statistic from the
+            stored eigenvectors, so their quantization error enters the statistic again at each
+            update and accumulates, whatever qr_iters or eigh_every; 8-bit eigenvectors with
+            eigh_every=1 track the statistic closer than one 4-bit quantization of its exact ones.
     Parameters of rank <= 1 after squeezing are not preconditioned (D = G). Each param group may
-    override any of these; bits, quantize, graft, max_order and (below 32 bits) block_size,
-    quant_map and min_quant_numel are fixed once a parameter has state. ``p.grad`` is never modified.
+    override any of these; bits, vector_bits, quantize, graft, max_order, tensor_layout and (when
+    anything is quantized) block_size, quant_map and min_quant_numel are fixed once a parameter has
+    state. ``p.grad`` is never modified.
     """
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, *, bits: int = 4,
@@ -164,14 +159,16 @@ class Shampoo(torch.optim.Optimizer):
                  root_every: int = 500, start_step: int = 1, schedule: str = "reference", block_size: int = 64,
                  max_order: int = 1200, min_quant_numel: int = 4096, quant_map: str = "linear2",
                  rectify_iters: tuple[int, int] = (1, 4), qr_iters: int = 1, eigh_every: int = 0,
-                 quantize: str = "eigenvectors") -> None:
+                 quantize: str = "eigenvectors", tensor_layout: str = "matrix",
+                 vector_bits: int | None = None) -> None:
         defaults = {"lr": lr, "bits": bits, "betas": tuple(betas) if isinstance(betas, list) else betas,
                     "weight_decay": weight_decay, "graft": graft, "momentum": momentum,
                     "stat_decay": stat_decay, "eps": eps, "stat_every": stat_every, "root_every": root_every,
                     "start_step": start_step, "schedule": schedule, "block_size": block_size,
                     "max_order": max_order, "min_quant_numel": min_quant_numel, "quant_map": quant_map,
                     "rectify_iters": rectify_iters, "qr_iters": qr_iters, "eigh_every": eigh_every,
-                    "quantize": quantize}
+                    "quantize": quantize, "tensor_layout": tensor_layout,
+                    "vector_bits": vector_bits}
         ShampooConfig(**defaults)  # fail at construction, naming the bad value
         self._warned_nonfinite: set[int] = set()  # ids of parameters already warned about
         super().__init__(params, defaults)
@@ -229,14 +226,17 @@ class Shampoo(torch.optim.Optimizer):
 
     @staticmethod
     def _finite(params: list[torch.Tensor]) -> list[bool]:
-        """Whether each gradient is all finite, with one host sync for the group. Under a fake-tensor
-        mode (the cost model) the same ops run and every gradient counts as finite."""
+        """Whether each gradient is all finite, with one host sync for the group. A finite norm means
+        every element is finite, and one norm pass per gradient costs less than ``isfinite`` (which
+        writes a bool tensor and reads it again); only a gradient whose norm is not finite (a NaN or
+        inf, or finite elements whose squares overflow) is checked element by element. Under a
+        fake-tensor mode (the cost model) the same ops run and every gradient counts as finite."""
         if not params:
             return []
-        flags = torch.stack([torch.isfinite(p.grad).all() for p in params])
+        flags = torch.isfinite(torch.stack([n.float() for n in torch._foreach_norm([p.grad for p in params])]))
         if detect_fake_mode(flags) is not None:
             return [True] * len(params)
-        return flags.tolist()
+        return [finite or bool(torch.isfinite(p.grad).all()) for finite, p in zip(flags.tolist(), params)]
 
     def _warn_nonfinite(self, p: torch.Tensor, group: dict[str, Any], index: int) -> None:
         if id(p) in self._warned_nonfinite:
@@ -253,15 +253,15 @@ class Shampoo(torch.optim.Optimizer):
             f"scale the loss if this repeats", RuntimeWarning, stacklevel=3)
 
     def _init_state(self, p: torch.Tensor, state: dict[str, Any], cfg: ShampooConfig,
-                    layout: _Layout | None) -> None:
+                    layout: TensorLayout | None) -> None:
         state["step"] = 0
         state["layout"] = state_layout(cfg)
         for key in FIRST_ORDER_KEYS[cfg.graft]:
             state[key] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
         store = _MatrixStore(state, cfg)
-        for b, rows, cols in layout.blocks() if layout else ():
-            for side, sl in (("L", rows), ("R", cols)):
-                n, key = sl.stop - sl.start, f"{PRECONDITIONER_PREFIX}{b}.{side}"
+        for block in layout.blocks() if layout else ():
+            for side, n in zip(layout.sides, block.dims):
+                key = f"{PRECONDITIONER_PREFIX}{block.index}.{side}"
                 eye = torch.eye(n, dtype=torch.float32, device=p.device)
                 vals = torch.full((n,), cfg.eps, dtype=torch.float32, device=p.device)
                 if cfg.quantize == "eigenvectors":  # eps·I: eigenvalues eps, eigenvectors I
@@ -269,7 +269,7 @@ class Shampoo(torch.optim.Optimizer):
                     store.put(key + ".vecs", eye)
                 else:
                     store.put(key + ".stat", eye * cfg.eps, sym=True)
-                store.put(key + ".root", inverse_root(eye, vals, cfg.eps), sym=True)
+                store.put(key + ".root", inverse_root(eye, vals, cfg.eps, layout.root), sym=True)
 
     def _update_stat(self, store: _MatrixStore, key: str, gg: torch.Tensor, cfg: ShampooConfig, k: int) -> None:
         n, beta = gg.shape[0], cfg.stat_decay
@@ -288,44 +288,52 @@ class Shampoo(torch.optim.Optimizer):
         store.put(key + ".vecs", v.mT)  # stored as Vᵀ: a quantization block lies in one eigenvector
         vals.copy_(vals_new)
 
-    def _update_root(self, store: _MatrixStore, key: str, n: int, cfg: ShampooConfig) -> None:
+    def _update_root(self, store: _MatrixStore, key: str, n: int, cfg: ShampooConfig, root: int = 4) -> None:
         if cfg.quantize == "statistics":
-            root = eigh_inverse_root(store.get(key + ".stat", n, sym=True), cfg.eps)
+            inv = eigh_inverse_root(store.get(key + ".stat", n, sym=True), cfg.eps, root)
         else:
             v = bjorck(store.get(key + ".vecs", n).mT, cfg.rectify_iters[1])
-            root = inverse_root(v, store.state[key + ".vals"], cfg.eps)
-        store.put(key + ".root", root, sym=True)
+            inv = inverse_root(v, store.state[key + ".vals"], cfg.eps, root)
+        store.put(key + ".root", inv, sym=True)
 
-    def _direction(self, g: torch.Tensor, state: dict[str, Any], cfg: ShampooConfig, layout: _Layout) -> torch.Tensor:
+    def _direction(self, g: torch.Tensor, state: dict[str, Any], cfg: ShampooConfig,
+                   layout: TensorLayout) -> torch.Tensor:
         """The grafted preconditioned direction for the fp32 gradient ``g`` (updating statistics
         and roots when the schedule says so); ``g`` itself before the first root."""
         k = state["step"]
-        update_stat, update_root = stat_due(cfg, k), root_due(cfg, k)
-        if not (update_stat or update_root or preconditioned(cfg, k)):
+        update_stat, update_root, used = stat_due(cfg, k), root_due(cfg, k), preconditioned(cfg, k)
+        if not (update_stat or update_root or used):
             return g
-        gm = g.reshape(layout.rows, layout.cols)
+        gm = g.reshape(layout.shape)
         store = _MatrixStore(state, cfg)
-        out = torch.empty_like(gm)
-        for b, rows, cols in layout.blocks():
-            gb = gm[rows, cols]
+        blocks = layout.blocks()
+        out = torch.empty_like(gm) if len(blocks) > 1 else None
+        for block in blocks:
+            gb = gm[block.where]
             roots = []
-            for side, n in (("L", gb.shape[0]), ("R", gb.shape[1])):
-                key = f"{PRECONDITIONER_PREFIX}{b}.{side}"
-                if update_stat:  # GGᵀ / GᵀG only when the statistic is updated
-                    self._update_stat(store, key, gb @ gb.mT if side == "L" else gb.mT @ gb, cfg, k)
+            for mode, (side, n) in enumerate(zip(layout.sides, block.dims)):
+                key = f"{PRECONDITIONER_PREFIX}{block.index}.{side}"
+                if update_stat:  # the Gram matrix only when the statistic is updated
+                    self._update_stat(store, key, mode_gram(gb, mode), cfg, k)
                 if update_root:
-                    self._update_root(store, key, n, cfg)
-                roots.append(store.get(key + ".root", n, sym=True))
-            out[rows, cols] = roots[0] @ gb @ roots[1]
-        if not preconditioned(cfg, k):  # statistics gathered, no root yet: the grafted optimizer alone
+                    self._update_root(store, key, n, cfg, layout.root)
+                if used:
+                    roots.append(store.get(key + ".root", n, sym=True))
+            if not used:
+                continue
+            if out is None:  # one block: no copy into a separate output
+                out = apply_roots(gb, roots)
+            else:
+                out[block.where] = apply_roots(gb, roots)
+        if not used:  # statistics gathered, no root yet: the grafted optimizer alone
             return g
         # grafting: the preconditioner picks the direction, the gradient's norm the step length
         scale = torch.linalg.vector_norm(gm) / torch.linalg.vector_norm(out).clamp_min(torch.finfo(out.dtype).tiny)
-        return (out * scale).view(g.shape)
+        return out.mul_(scale).reshape(g.shape)
 
     def _step_param(self, p: torch.Tensor, cfg: ShampooConfig) -> None:
         state = self.state[p]
-        layout = _layout(p.shape, cfg.max_order)
+        layout = make_layout(p.shape, cfg.max_order, cfg.tensor_layout)
         if not state:
             self._init_state(p, state, cfg, layout)
         state.setdefault("layout", state_layout(cfg))  # state saved before the key existed
@@ -338,10 +346,14 @@ class Shampoo(torch.optim.Optimizer):
             exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
             exp_avg.lerp_(d, 1 - beta1)
             exp_avg_sq.mul_(beta2).addcmul_(d, d, value=1 - beta2)
-            denom = (exp_avg_sq / (1 - beta2 ** step)).sqrt_().add_(ADAM_EPS)
-            update = (exp_avg / (1 - beta1 ** step)) / denom
             if cfg.weight_decay:
                 p.mul_(1 - cfg.lr * cfg.weight_decay)
+            # torch's AdamW arithmetic, in place: sqrt(v / bc2) + eps as sqrt(v) / sqrt(bc2) + eps
+            denom = exp_avg_sq.sqrt().div_(math.sqrt(1 - beta2 ** step)).add_(ADAM_EPS)
+            if p.dtype == torch.float32:
+                p.addcdiv_(exp_avg, denom, value=-cfg.lr / (1 - beta1 ** step))
+                return
+            update = exp_avg.div(denom).div_(1 - beta1 ** step)
         else:
             if cfg.weight_decay:
                 d = d + cfg.weight_decay * p.detach().float()

@@ -158,7 +158,7 @@ def test_checkpoint_without_the_new_options_resumes_on_the_eager_schedule():
     opt.step()
     saved = opt.state_dict()
     for group in saved["param_groups"]:  # as written before schedule / qr_iters / eigh_every existed
-        for key in ("schedule", "qr_iters", "eigh_every"):
+        for key in ("schedule", "qr_iters", "eigh_every", "tensor_layout", "vector_bits"):
             del group[key]
     del saved["state"][0]["layout"]
     buf = io.BytesIO()
@@ -169,8 +169,9 @@ def test_checkpoint_without_the_new_options_resumes_on_the_eager_schedule():
     group = opt2.param_groups[0]
     assert (group["schedule"], group["qr_iters"], group["eigh_every"]) == ("eager", 1, 0)  # ... but not here
     opt2.step()
-    assert opt2.state[w]["layout"] == {"bits": 4, "quantize": "eigenvectors", "graft": "adamw", "max_order": 1200,
-                                       "block_size": 64, "quant_map": "linear2", "min_quant_numel": 4096}
+    assert opt2.state[w]["layout"] == {"bits": 4, "vector_bits": None, "quantize": "eigenvectors", "graft": "adamw",
+                                       "max_order": 1200, "tensor_layout": "matrix", "block_size": 64,
+                                       "quant_map": "linear2", "min_quant_numel": 4096}
 
 
 def test_layout_record_survives_save_and_load():
