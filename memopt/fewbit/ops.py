@@ -10,6 +10,11 @@ the same comparisons as PyTorch's own backward; for the others the piece index o
 table (``memopt.fewbit.tables``), from ``bucketize`` over the internal borders (a value equal to a
 border goes to the lower piece). A non-finite input poisons the levels with NaN, so parameter
 gradients come out non-finite as they would in stock PyTorch (and AMP's GradScaler skips the step).
+
+Kernels (``memopt.runtime.kernels``, ``MEMOPT_KERNELS``): by default CUDA tensors take two Triton kernels
+(``memopt.runtime.triton_fewbit``: encode + pack in forward, unpack + gather + scale in backward, instead of a
+dozen small PyTorch kernels); everything else takes the plain path below, the reference, whose packing uses the
+fused C kernels on the CPU. Both write the same codes and gradients (tests/runtime/test_triton_fewbit.py).
 """
 from __future__ import annotations
 
@@ -17,10 +22,12 @@ import struct
 from typing import Optional, Tuple
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from memopt.core.errors import MemoptError
 from memopt.fewbit.activations import Params, get_activation
 from memopt.core.leaf import graph_leaf
+from memopt.runtime import kernels, triton_fewbit
 from memopt.runtime.bitpack import pack_bits, unpack_bits
 from memopt.runtime.layout import memory_order, memory_order_perm
 
@@ -55,6 +62,41 @@ def _round_to(dtype: torch.dtype, value: float) -> float:
     return struct.unpack("<f", struct.pack("<I", bits))[0]
 
 
+# The exact masks of memopt.fewbit.activations as the Triton encoder takes them: (kind, low bound, high bound or
+# None) from the params; the same comparisons (tests/runtime/test_triton_fewbit.py checks every op, NaN included).
+_MASK_BOUNDS = {
+    "relu": lambda p: (triton_fewbit.OUTSIDE_CLOSED, 0.0, None),
+    "relu6": lambda p: (triton_fewbit.OUTSIDE_CLOSED, 0.0, 6.0),
+    "hardtanh": lambda p: (triton_fewbit.OUTSIDE_CLOSED, p["min_val"], p["max_val"]),
+    "leaky_relu": lambda p: (triton_fewbit.INSIDE_OPEN, 0.0, None),
+    "hardsigmoid": lambda p: (triton_fewbit.INSIDE_OPEN, -3.0, 3.0),
+    "threshold": lambda p: (triton_fewbit.OUTSIDE_CLOSED, p["threshold"], None),
+}
+
+
+def _triton_encode(dense: torch.Tensor, name: str, params: Params, bits: int, borders: Tuple[float, ...],
+                   levels: Tuple[float, ...]):
+    """The Triton forward: (packed codes, levels poisoned by a non-finite input, or None for a mask)."""
+    dtype, device, fake = dense.dtype, dense.device, isinstance(dense, FakeTensor)
+    if name in _MASK_BOUNDS:
+        kind, low, high = _MASK_BOUNDS[name](dict(params))
+        high = None if high is None else _round_to(dtype, float(high))
+        return triton_fewbit.encode_mask(dense, bits, kind, _round_to(dtype, float(low)), high), None
+    rounded = tuple(_round_to(dtype, b) for b in borders)
+    return triton_fewbit.encode_table(dense, triton_fewbit.constants(rounded, device, fake),
+                                      triton_fewbit.constants(levels, device, fake), bits, nan_top=len(borders) > 15)
+
+
+def _contiguous_strides(shape) -> list:
+    """Row-major strides of ``shape``: where the codes of the dense (memory-order) view sit; computed, not read
+    off a tensor, because the Triton backward never unpacks the codes into one."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.insert(0, step)
+        step *= size
+    return strides
+
+
 CHUNK = 1 << 20  # elements per slice of the backward gather: bounds its int64 index to 8 MiB
 
 
@@ -77,6 +119,11 @@ class _FewBit(torch.autograd.Function):
         dense, perm = memory_order(x)
         ctx.shape, ctx.perm, ctx.bits, ctx.exact, ctx.node, ctx.levels = dense.shape, perm, bits, act.exact, node, levels
         ctx.grad_layout = act.grad_layout
+        ctx.triton = kernels.fewbit_triton(x, node) and (not act.exact or name in _MASK_BOUNDS)
+        if ctx.triton:
+            packed, level_t = _triton_encode(dense, name, params, bits, borders, levels)
+            ctx.save_for_backward(*([packed] if level_t is None else [packed, level_t]))
+            return y
         if act.exact:  # the two levels are Python floats; only the mask is kept
             ctx.save_for_backward(pack_bits(act.mask(dense, dict(params)), bits))
             return y
@@ -97,6 +144,10 @@ class _FewBit(torch.autograd.Function):
                               f"Exclude the node with memopt.FewBitConfig(deny=(...)) or set Config(fewbit=None).")
         packed, *table = ctx.saved_tensors
         inverse = sorted(range(len(ctx.perm)), key=ctx.perm.__getitem__)
+        if ctx.triton and grad.dtype in triton_fewbit.DTYPES and type(grad) in (torch.Tensor, FakeTensor):
+            grad_x = _triton_backward(ctx, grad, packed, table, inverse)
+            if grad_x is not None:
+                return grad_x, None, None, None, None, None, None
         codes = unpack_bits(packed, ctx.bits, grad.numel()).view(ctx.shape).permute(inverse)
         if ctx.exact:  # where, not multiply: a masked-out inf/NaN gradient gives 0, as in PyTorch
             low, high = ctx.levels
@@ -110,6 +161,25 @@ class _FewBit(torch.autograd.Function):
         else:
             grad_x = _scale_by_levels(grad, codes, table[0].to(grad.dtype))
         return grad_x, None, None, None, None, None, None
+
+
+def _triton_backward(ctx, grad: torch.Tensor, packed: torch.Tensor, table: list, inverse: list):
+    """The Triton backward into the layout the plain path gives (below), or None where its kernel cannot walk
+    the layouts (more than four dimensions once merged)."""
+    dense_strides = _contiguous_strides(ctx.shape)
+    code_strides = [dense_strides[inverse[d]] for d in range(len(inverse))]
+    if ctx.exact:
+        dense = grad.permute(memory_order_perm(grad)).is_contiguous()
+        out = (torch.empty_like(grad) if ctx.grad_layout and dense else
+               torch.empty(ctx.shape, dtype=grad.dtype, device=grad.device).permute(inverse))
+    else:
+        out = torch.empty(grad.shape, dtype=grad.dtype, device=grad.device)
+    if not triton_fewbit.scale_fits(grad, out, code_strides):
+        return None
+    if ctx.exact:
+        low, high = ctx.levels
+        return triton_fewbit.unpack_scale(packed, ctx.bits, grad, code_strides, out, low=low, high=high)
+    return triton_fewbit.unpack_scale(packed, ctx.bits, grad, code_strides, out, levels=table[0])
 
 
 @graph_leaf

@@ -13,7 +13,8 @@ half precision, strided views) takes the plain path. The library is built with t
 (``$CC``, else ``cc`` / ``gcc``; ``-O3 -march=native -ffp-contract=off -fno-trapping-math -fopenmp``) into
 ``$MEMOPT_CACHE_DIR`` (default ``~/.cache/memopt``), once per source, flags and CPU. Without a working
 compiler memopt warns once (quoting the compiler's error) and uses the plain path: same codes, slower;
-``MEMOPT_NATIVE=0`` chooses the plain path without building anything.
+``MEMOPT_NATIVE=0`` chooses the plain path without building anything, as ``MEMOPT_KERNELS=torch`` does
+(``memopt.runtime.kernels``, which also decides when few-bit backward runs its Triton kernels instead).
 
 Under a ``FakeTensorMode`` (the cost model) a wrapper allocates exactly the outputs the kernel would fill
 and runs nothing, so the estimated peak is the measured one on either path.
@@ -35,6 +36,8 @@ from typing import Iterator, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
+
+from memopt.runtime import kernels
 
 __all__ = ["PackedMask", "available", "applies", "disabled", "pack", "unpack", "encode", "rebuild", "mask_from_codes",
            "bn_backward", "act_mask", "channel_extremes", "chain_grid"]
@@ -127,7 +130,7 @@ def _library() -> Optional[ctypes.CDLL]:
 
 def available() -> bool:
     """Whether the kernels are enabled and built (building them now if needed)."""
-    return _enabled and _library() is not None
+    return _enabled and kernels.native_allowed() and _library() is not None
 
 
 @contextlib.contextmanager
@@ -149,7 +152,7 @@ def applies(*tensors: torch.Tensor, float_dtype: bool = False) -> bool:
             return False
         if type(t) not in (torch.Tensor, torch.nn.Parameter, FakeTensor):
             return False
-    return _enabled and _library() is not None
+    return _enabled and kernels.native_allowed() and _library() is not None
 
 
 def _runs(*tensors: torch.Tensor) -> bool:

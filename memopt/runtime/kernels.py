@@ -1,0 +1,88 @@
+"""Which kernels run the runtime's hot loops: the one place that decides, from ``MEMOPT_KERNELS``.
+
+``MEMOPT_KERNELS`` is read once, when memopt is imported:
+- unset (the default): the fused C kernels (``memopt.runtime.native``) on contiguous CPU tensors, plain PyTorch
+  otherwise. The Triton kernels (``memopt.runtime.triton_fewbit``) are opt-in on CUDA for now: they have been
+  checked bit for bit only under Triton's CPU interpreter, never compiled on a GPU, and a default must not be
+  the first run of a kernel;
+- ``triton``: the Triton kernels for every few-bit op they take (float32/bfloat16/float16, real tensors); CPU
+  tensors only under ``TRITON_INTERPRET=1`` (the interpreter: what the tests use); the C kernels still run the
+  stash's codecs, which have no Triton version yet;
+- ``native``: no Triton; the C kernels where they apply (as before Triton existed);
+- ``torch``: plain PyTorch everywhere, the C kernels too left out (the reference path; ``MEMOPT_NATIVE=0`` still
+  skips only the C kernels).
+Every path writes the same codes and gradients (tests/runtime/test_triton_fewbit.py, tests/runtime/test_native.py);
+the switch trades speed and build requirements, never results. ``forced`` overrides it inside a block (tests).
+Under the cost model's fake tensors the path real tensors would take allocates its outputs and runs nothing (the
+estimated peak is the measured one); other tensor subclasses take the plain path.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Iterator, Optional
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor
+
+from memopt.core.errors import MemoptError
+from memopt.runtime import triton_fewbit
+
+CHOICES = ("triton", "native", "torch")
+
+
+def parse(raw: Optional[str]) -> Optional[str]:
+    """The choice ``MEMOPT_KERNELS`` names (None: unset or empty, the default)."""
+    value = (raw or "").strip().lower()
+    if not value:
+        return None
+    if value not in CHOICES:
+        raise MemoptError(f"MEMOPT_KERNELS={raw!r} is not one of {', '.join(CHOICES)}; set one of those, or unset it "
+                          f"for the default (the C kernels on CPU tensors, plain PyTorch on CUDA ones)")
+    return value
+
+
+_choice = parse(os.environ.get("MEMOPT_KERNELS"))
+
+
+def choice() -> Optional[str]:
+    """The kernels asked for: 'triton', 'native', 'torch', or None (the default)."""
+    return _choice
+
+
+@contextlib.contextmanager
+def forced(value: Optional[str]) -> Iterator[None]:
+    """Use ``value`` (one of ``CHOICES``, or None for the default) inside this block instead of MEMOPT_KERNELS."""
+    global _choice
+    before, _choice = _choice, parse(value)
+    try:
+        yield
+    finally:
+        _choice = before
+
+
+def native_allowed() -> bool:
+    """Whether the fused C kernels may run (``native.applies`` asks): all but ``MEMOPT_KERNELS=torch``."""
+    return _choice != "torch"
+
+
+def fewbit_triton(x: torch.Tensor, node: str) -> bool:
+    """Whether few-bit node ``node`` runs its Triton kernels on input ``x``. With ``MEMOPT_KERNELS=triton`` a
+    tensor they cannot take on this machine (triton missing, a CPU tensor outside the interpreter) is an error
+    naming the fix, not a silent fallback; a dtype or tensor type they do not take (float64, subclasses)
+    takes the plain path, which gives the same results. Fake tensors (the cost model) take the path the real ones
+    would, which allocates the same outputs and launches nothing."""
+    if _choice in ("native", "torch"):
+        return False
+    if type(x) not in (torch.Tensor, torch.nn.Parameter, FakeTensor) or x.dtype not in triton_fewbit.DTYPES:
+        return False
+    if _choice is None:
+        return False  # opt-in until the kernels have run on a GPU (module docstring)
+    if not triton_fewbit.AVAILABLE:
+        raise MemoptError(f"MEMOPT_KERNELS=triton but `import triton` failed ({triton_fewbit.IMPORT_ERROR}) for "
+                          f"few-bit node {node}; install triton, or set MEMOPT_KERNELS=native (or unset it)")
+    if x.device.type == "cpu" and not triton_fewbit.interpreting():
+        raise MemoptError(f"MEMOPT_KERNELS=triton but few-bit node {node} has a CPU input, which Triton runs only "
+                          f"in its interpreter; set TRITON_INTERPRET=1 (tests), or MEMOPT_KERNELS=native for the "
+                          f"C kernels on CPU (or unset it)")
+    return True
