@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Union
 
 import torch
 from torch import nn
+from torch._dynamo.eval_frame import OptimizedModule as CompiledModule
 
 from memopt.cost_model.analysis import Estimate, NodeCost, annotate
 from memopt.cost_model.optimizers import resolve_optimizer
@@ -23,13 +25,42 @@ from memopt.pipeline import input_signature
 from memopt.plan import node_plans
 from memopt.partial import estimate_partial
 
+log = logging.getLogger("memopt")
 
-def _check_model(model: Any) -> nn.Module:
+
+def _check_model(model: Any, caller: str = "optimize") -> nn.Module:
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}: {model!r:.80}")
+    model = _uncompiled(model, caller)
     if isinstance(model, OptimizedModule):
         raise TypeError("model is already a memopt.OptimizedModule; pass its original_module to optimize again")
     return model
+
+
+def _uncompiled(model: nn.Module, caller: str) -> nn.Module:
+    """The module a ``torch.compile`` wrapper compiles (``_orig_mod``), with a warning.
+
+    Optimizing the wrapper itself silently kept as much as stock (issue 24: it was captured through
+    torch.export and nothing was rewritten), and memopt cannot rewrite inside a dynamo graph (AOT
+    autograd re-partitions and re-saves). Unwrapping is sound: the wrapper holds no state of its own (its
+    parameters, buffers and submodules are ``_orig_mod``'s, which the result shares) and compiling
+    does not change what the module computes. Only the compile options are not carried over, so the
+    warning says to compile the result."""
+    unwrapped = model
+    while isinstance(unwrapped, CompiledModule):
+        unwrapped = unwrapped._orig_mod
+    if unwrapped is model or isinstance(unwrapped, OptimizedModule):  # the latter: _check_model says what to do
+        return unwrapped
+    name = type(unwrapped).__name__
+    if caller == "optimize":
+        log.warning("memopt.optimize: the model is a torch.compile wrapper of %s; memopt rewrites its original "
+                    "module (_orig_mod) and the result runs uncompiled, since compiling the model first would "
+                    "throw the savings away. Compile the result instead: om = memopt.optimize(model, ...); "
+                    "om = torch.compile(om)", name)
+    else:
+        log.warning("memopt.%s: the model is a torch.compile wrapper of %s; %s its original module (_orig_mod)",
+                    caller, name, "estimating" if caller == "estimate" else "using")
+    return unwrapped
 
 
 def _check_plan(plan: Any) -> Plan:
@@ -117,7 +148,7 @@ def estimate(model: nn.Module, example_inputs: Any, *, device: Optional[str] = N
              loss_fn=None) -> EstimateReport:
     """Run the cost model on fake tensors (no activation memory is allocated) and report the baseline."""
 
-    model = _check_model(model)
+    model = _check_model(model, "estimate")
     config = Config(device=device)
     resolve_optimizer(optimizer)
     args, kwargs = normalize_inputs(example_inputs)
