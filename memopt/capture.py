@@ -12,12 +12,13 @@ import logging
 import os
 import traceback
 from dataclasses import dataclass
-from typing import Any, Dict, Tuple
+from typing import Any, Dict
 
 import torch
 from torch import fx, nn
 from torch.utils._pytree import tree_flatten
 
+from memopt.canonical import canonical_batch_norms
 from memopt.core.errors import TraceError
 from memopt.core.leaf import LEAF_FUNCTIONS
 from memopt.core.state import preserved_state
@@ -282,6 +283,7 @@ def capture(model: nn.Module, args: tuple, kwargs: dict) -> Captured:
         with preserved_state(model):
             traced = tracer.trace(model)
         gm = _rebuild_on_model(model, traced, None, tracer.functions)
+        canonical_batch_norms(gm, model)
         return Captured(gm, "symbolic_trace")
     except Exception as fx_error:  # noqa: BLE001 - any tracing failure sends us to the export path
         fx_msg = f"{type(fx_error).__name__}: {fx_error}"

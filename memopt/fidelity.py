@@ -20,6 +20,7 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 import torch
 from torch import fx, nn
 
+from memopt.canonical import proxy_name
 from memopt.capture import capture, flat_inputs
 from memopt.config import Config
 from memopt.core.meta import HISTOGRAM_KEY, META_KEY
@@ -147,9 +148,10 @@ def invariant_parameters(gm: fx.GraphModule) -> Dict[str, str]:
 
 def _consumers(graph: fx.Graph, parameter: str) -> List[fx.Node]:
     """The nodes that use ``parameter``: its module's calls, or its get_attr (functional and export graphs)."""
-    module = parameter.rpartition(".")[0]
-    return [n for n in graph.nodes
-            if (n.op == "call_module" and n.target == module) or (n.op == "get_attr" and n.target == parameter)]
+    module, _, attr = parameter.rpartition(".")
+    modules = (module, proxy_name(module))  # a fused norm-act module's BatchNorm runs as its stock twin
+    return [n for n in graph.nodes if (n.op == "call_module" and n.target in modules) or
+            (n.op == "get_attr" and n.target in (parameter, f"{modules[1]}.{attr}"))]
 
 
 def _distances(graph: fx.Graph, start: List[fx.Node], radius: int) -> Dict[str, int]:

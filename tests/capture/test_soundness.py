@@ -187,10 +187,23 @@ def test_timm_batchnormact_counts_batches_as_stock():
     timm = pytest.importorskip("timm")
     torch.manual_seed(0)
     model, x = timm.create_model("regnetx_002", num_classes=10), torch.randn(2, 3, 32, 32)
-    om, _ = _three_steps(model, x, config=memopt.Config())
+    fresh = copy.deepcopy(model)
+    om, _ = _three_steps(model, x)
     assert om.plan.capture == "symbolic_trace"
     tracked = [b for n, b in model.named_buffers() if n.endswith("num_batches_tracked")]
     assert tracked and all(int(b) == 3 for b in tracked)
+    # the default plan stashes the fused BatchNorms (memopt/canonical.py): forward and buffers stay stock's
+    reference = copy.deepcopy(fresh)
+    om = memopt.optimize(fresh, example_inputs=x)
+    assert any(u["chosen"]["technique"] == "stash" for u in om.plan.units)
+    for step in range(3):
+        torch.manual_seed(step)
+        out = om(x)
+        torch.manual_seed(step)
+        assert torch.equal(out, reference(x))
+        out.sum().backward()
+    for (name, b), c in zip(fresh.named_buffers(), reference.buffers()):
+        assert torch.equal(b, c), name
 
 
 def test_user_checkpointing_is_never_undone():
