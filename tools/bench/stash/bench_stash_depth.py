@@ -57,7 +57,7 @@ def main() -> None:
         for bits in (2, 4, 8):
             model.load_state_dict(state)  # BN running stats back to where they were
             om = memopt.optimize(model, example_inputs=x, config=memopt.Config(
-                stash=memopt.StashConfig(bits=bits), fewbit=None))
+                stash=memopt.StashConfig(bits=bits), fewbit=None, fidelity=None))
             stash_rel, stash_cos = errors(conv_grads(om, x, probe), exact)
             model.load_state_dict(state)
             naive_rel, naive_cos = errors(conv_grads(naive_copy(model, bits), x, probe), exact)

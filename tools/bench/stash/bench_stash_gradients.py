@@ -65,7 +65,7 @@ def gradients(name, bits, size, batch, seed, identity=True, means=True):
     reference = copy.deepcopy(model)
     om = memopt.optimize(model, example_inputs=x, config=memopt.Config(
         stash=memopt.StashConfig(bits=bits, scale_identity=identity, identity_extra_bit=identity, bin_means=means),
-        fewbit=None))
+        fewbit=None, fidelity=None))
     torch.manual_seed(seed + 1000)
     out = om(x)
     torch.manual_seed(seed + 1000)

@@ -63,7 +63,7 @@ def whole_model_cosines(model, x, grad, exact, bits: int):
     import memopt
 
     m = copy.deepcopy(model)
-    om = memopt.optimize(m, example_inputs=x, config=memopt.Config(stash=memopt.StashConfig(bits=bits), fewbit=None,
+    om = memopt.optimize(m, example_inputs=x, config=memopt.Config(stash=memopt.StashConfig(bits=bits), fewbit=None, fidelity=None,
                                                                    reversible=None))
     torch.manual_seed(1)
     om(x).backward(grad)
@@ -104,7 +104,7 @@ def stage_rows(bits: int, size: int, batch: int):
     x = torch.randn(batch, 3, size, size)
     plain = memopt.StashConfig(bits=bits, scale_identity=False)  # the rebuilt-x̂ sum whose error this traces
     every = memopt.optimize(copy.deepcopy(model), example_inputs=x,
-                            config=memopt.Config(stash=plain, fewbit=None, reversible=None))
+                            config=memopt.Config(stash=plain, fewbit=None, reversible=None, fidelity=None))
     chains = [n.name[:-len("_stash")] for n in every.plan.nodes if n.op == "bn_act_stash"]
     stages = {}
     for name in chains:
@@ -119,7 +119,7 @@ def stage_rows(bits: int, size: int, batch: int):
     for stage, names in stages.items():
         m = copy.deepcopy(model)
         om = memopt.optimize(m, example_inputs=x, config=memopt.Config(
-            stash=memopt.StashConfig(bits=bits, allow=tuple(names), scale_identity=False), fewbit=None,
+            stash=memopt.StashConfig(bits=bits, allow=tuple(names), scale_identity=False), fewbit=None, fidelity=None,
             reversible=None))
         torch.manual_seed(1)
         om(x).backward(g)

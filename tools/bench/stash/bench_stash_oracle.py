@@ -142,7 +142,7 @@ def oracle_grads(xhat: torch.Tensor, g: torch.Tensor, bits: int) -> Dict[str, to
 def memopt_grads(model, x, y, bits: int) -> Dict[str, torch.Tensor]:
     ours = copy.deepcopy(model)
     om = memopt.optimize(ours, example_inputs=x,
-                         config=memopt.Config(stash=memopt.StashConfig(bits=bits), fewbit=None))
+                         config=memopt.Config(stash=memopt.StashConfig(bits=bits), fewbit=None, fidelity=None))
     torch.manual_seed(5)
     F.cross_entropy(om(x), y).backward()
     return {n: p.grad.detach().double() for n, p in ours.named_parameters()}

@@ -7,7 +7,8 @@ hold once a model has trained? For each model: K stock SGD steps (lr 0.05, momen
 scikit-learn's digits (8x8, upsampled to SIZE x SIZE, 3 channels, labels 0-9, standardised), then on a fresh
 batch the cross-entropy gradient of each parameter with the stash (few-bit off) against exact autograd on
 a copy of the same trained model. Parameters whose exact gradient norm is below 1e-3 x the median are left
-out (as in bench_stash_gradients.py). ``--window-scale`` multiplies every grid's half-width (stash_grid.WINDOWS,
+out (as in bench_stash_gradients.py), and so are those a training-mode BatchNorm cancels (a conv bias or a
+per-channel scale right before it: memopt.fidelity.invariant_parameters, as the fidelity gate does). ``--window-scale`` multiplies every grid's half-width (stash_grid.WINDOWS,
 ±4σ at 8 bits) to show what clipping at the window costs once activations have heavy tails (at 8 bits the
 outer ends also follow the data out to stash_grid.REACH times the window, which scales with it). ``--means``
 runs each case with the bins rebuilt at their means (1, StashConfig.bin_means, the default) and at their
@@ -28,6 +29,8 @@ from tabulate import tabulate
 
 import memopt
 import memopt.stash.grid as stash_grid
+from memopt.capture import capture
+from memopt.fidelity import invariant_parameters
 from tools.bench.common import write_results_file
 from tools.bench.stash.common import trained_case, upsampled_digits
 
@@ -36,7 +39,7 @@ def cosines(model, x, y, bits: int, means: bool = True):
     """{parameter: (cosine, exact norm)} of the stash's gradient against exact autograd at ``model``'s state."""
     reference, ours = copy.deepcopy(model), copy.deepcopy(model)
     om = memopt.optimize(ours, example_inputs=x,
-                         config=memopt.Config(stash=memopt.StashConfig(bits=bits, bin_means=means), fewbit=None))
+                         config=memopt.Config(stash=memopt.StashConfig(bits=bits, bin_means=means), fewbit=None, fidelity=None))
     torch.manual_seed(5)
     F.cross_entropy(om(x), y).backward()
     torch.manual_seed(5)
@@ -63,6 +66,11 @@ def main() -> None:
     for name in args.models.split(","):
         for steps in args.steps:
             model, loss, x, y = trained_case(name, steps, data_x, data_y, args.batch)
+            if not all(bool(torch.isfinite(p).all()) for p in model.parameters()):
+                rows.append([name, steps, f"{loss:.3f}", "", "", "", "", "", "", "", "",
+                             "stock SGD diverged (non-finite weights): nothing to compare"])
+                print(rows[-1], flush=True)
+                continue
             runs = [(b, s, m) for b in args.bits for s in args.window_scale for m in args.means
                     if b <= stash_grid.MEAN_BITS or m == args.means[0]]
             for bits, scale, means in runs:
@@ -74,14 +82,22 @@ def main() -> None:
                     stash_grid.WINDOWS.update(original)
                 means_col = ("on" if means else "off") if bits <= stash_grid.MEAN_BITS else "-"
                 median = statistics.median(v[1] for v in cos.values())
-                kept = {n: c for n, (c, norm) in cos.items() if norm >= 1e-3 * median}
+                cancelled = invariant_parameters(capture(model, (x,), {}).graph_module)
+                kept = {n: c for n, (c, norm) in cos.items() if norm >= 1e-3 * median and n not in cancelled}
+                if not kept or median == 0:
+                    rows.append([name, steps, f"{loss:.3f}" if steps else "", bits, f"{scale:g}", "", "", "", "", "",
+                                 "", "every exact gradient is zero (the trained network's ReLUs are dead): "
+                                     "nothing to compare"])
+                    print(rows[-1], flush=True)
+                    continue
                 ranked = sorted(kept.items(), key=lambda t: t[1])
                 bn = sorted(c for n, c in kept.items() if n.endswith(".weight") and _is_bn(model, n))
                 rows.append([name, steps, f"{loss:.3f}" if steps else "", bits, f"{scale:g}", means_col,
                              f"{ranked[0][1]:.4f}",
                              f"{sum(c >= 0.99 for c in kept.values())}/{len(kept)}",
                              f"{statistics.median(kept.values()):.4f}",
-                             f"{bn[len(bn) // 2]:.4f}" if bn else "", len(cos) - len(kept),
+                             f"{bn[len(bn) // 2]:.4f}" if bn else "",
+                             f"{len(cos) - len(kept)} ({len(set(cancelled) & set(cos))} cancelled by a BN)",
                              criterion(bits, list(kept.values()))])
                 worst_rows += [[name, steps, bits, f"{scale:g}", means_col, n, f"{c:.4f}", f"{cos[n][1] / median:.1e}"]
                                for n, c in ranked[:3]]

@@ -69,7 +69,7 @@ def train(model_cls, method, seed, data, epochs):
     if method.startswith("stash"):
         bits = int(method.split()[1].rstrip("-bit"))
         net = memopt.optimize(model, example_inputs=x[:64],
-                              config=memopt.Config(stash=memopt.StashConfig(bits=bits), fewbit=None))
+                              config=memopt.Config(stash=memopt.StashConfig(bits=bits), fewbit=None, fidelity=None))
         assert any(n.technique == "stash" for n in net.plan.nodes)
     elif method.startswith("naive"):
         net = naive_copy(model, int(method.split()[1].rstrip("-bit")))
