@@ -121,6 +121,13 @@ def _get_attr(root: nn.Module, target: str) -> Optional[torch.Tensor]:
     return value if isinstance(value, torch.Tensor) else None
 
 
+def _reads_metadata(node: fx.Node) -> bool:
+    """A node that reads only a tensor's metadata (timm's ``_assert(x.ndim == 4)``), not its values."""
+    if node.op == "call_function" and node.target is getattr:
+        return node.args[1] in ("ndim", "shape", "dtype", "device", "is_cuda")
+    return node.op == "call_method" and node.target in ("dim", "size")
+
+
 def invariant_parameters(gm: fx.GraphModule) -> Dict[str, str]:
     """{parameter: why} for the parameters whose exact gradient is zero by construction, up to BatchNorm's eps and
     rounding: the bias of a conv / linear whose only reader is a training-mode BatchNorm (the batch mean takes it
@@ -134,7 +141,7 @@ def invariant_parameters(gm: fx.GraphModule) -> Dict[str, str]:
         if not _training_batch_norm(node, modules) or not node.args or not isinstance(node.args[0], fx.Node):
             continue
         producer = node.args[0]
-        if len(producer.users) != 1:
+        if len([u for u in producer.users if not _reads_metadata(u)]) != 1:
             continue
         weight, bias = _weight_and_bias(producer, modules)
         if bias is not None:
