@@ -18,6 +18,7 @@ from torch import fx, nn
 
 _PLAIN = {1: nn.BatchNorm1d, 2: nn.BatchNorm2d, 3: nn.BatchNorm3d}
 PROXY_PREFIX = "memopt_bn_"
+OWNER_ATTRIBUTE = "memopt_owner"  # on a twin: the path of the model's module whose tensors it holds
 
 
 def proxy_name(owner: str) -> str:
@@ -69,13 +70,14 @@ def _hooked(module: nn.Module) -> bool:
     return bool(module._forward_hooks or module._forward_pre_hooks)
 
 
-def _plain_twin(module: nn.modules.batchnorm._BatchNorm, dims: int) -> nn.Module:
+def _plain_twin(module: nn.modules.batchnorm._BatchNorm, dims: int, owner: str) -> nn.Module:
     """A stock BatchNorm holding ``module``'s very parameters and buffers (no copies)."""
     twin = _PLAIN[dims](module.num_features, eps=module.eps, momentum=module.momentum, device="meta")
     twin.weight, twin.bias = module.weight, module.bias
     for name in ("running_mean", "running_var", "num_batches_tracked"):
         twin._buffers[name] = module._buffers[name]
     twin.train(module.training)
+    setattr(twin, OWNER_ATTRIBUTE, owner)
     return twin
 
 
@@ -103,7 +105,7 @@ def canonical_batch_norms(gm: fx.GraphModule, root: nn.Module) -> int:
         if dims is None or (modules[owner].training and counter is None):
             continue
         target = proxy_name(owner)
-        gm.add_submodule(target, _plain_twin(modules[owner], dims))
+        gm.add_submodule(target, _plain_twin(modules[owner], dims, owner))
         with gm.graph.inserting_before(node):
             call = gm.graph.call_module(target, (value,))
         call.meta.update(node.meta)

@@ -13,6 +13,7 @@ or ``max_rounds`` is spent. The report records every change and the final per-pa
 from __future__ import annotations
 
 import logging
+import operator
 import time
 from collections import deque
 from typing import Any, Dict, List, Optional, Set, Tuple
@@ -20,7 +21,7 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 import torch
 from torch import fx, nn
 
-from memopt.canonical import proxy_name
+from memopt.canonical import OWNER_ATTRIBUTE, proxy_name
 from memopt.capture import capture, flat_inputs
 from memopt.config import Config
 from memopt.core.meta import HISTOGRAM_KEY, META_KEY
@@ -98,9 +99,10 @@ def _weight_and_bias(node: fx.Node, modules: Dict[str, nn.Module]) -> Tuple[Opti
     """((name, tensor) of the weight, of the bias) of a conv / linear node, either missing as None."""
     if node.op == "call_module":
         module = modules.get(node.target)
-        if not isinstance(module, (nn.Linear, nn.modules.conv._ConvNd)):
+        if not isinstance(module, (nn.Linear, nn.modules.conv._ConvNd, nn.modules.batchnorm._BatchNorm)):
             return None, None
-        return tuple((f"{node.target}.{a}", getattr(module, a)) if getattr(module, a, None) is not None else None
+        path = getattr(module, OWNER_ATTRIBUTE, node.target)  # a fused module's twin: the model's own names
+        return tuple((f"{path}.{a}", getattr(module, a)) if getattr(module, a, None) is not None else None
                      for a in ("weight", "bias"))
     name = getattr(node.target, "__name__", str(node.target))
     if node.op != "call_function" or not any(k in name for k in ("conv", "linear")):
@@ -130,27 +132,51 @@ def _reads_metadata(node: fx.Node) -> bool:
 
 def invariant_parameters(gm: fx.GraphModule) -> Dict[str, str]:
     """{parameter: why} for the parameters whose exact gradient is zero by construction, up to BatchNorm's eps and
-    rounding: the bias of a conv / linear whose only reader is a training-mode BatchNorm (the batch mean takes it
-    out), and a weight with one element per output channel there (a depthwise 1x1 conv: the normalisation takes
-    its scale out). Any approximation of the backward leaves a gradient of the approximation's error's size where
-    the exact one is rounding; a cosine between the two is noise (timm RepViT's RepVggDw 1x1 branch: -0.94 with
-    an 8-bit stash), so the gate lists these apart with the reason instead of chasing them."""
+    rounding: the bias of a conv / linear / BatchNorm whose only reader is a training-mode BatchNorm, directly or
+    through a sum of branches (the batch mean takes any per-channel shift out), and a weight with one element per
+    output channel read directly by one (a depthwise 1x1 conv, a BatchNorm weight: the normalisation takes its
+    scale out). Any approximation of the backward leaves a gradient of the approximation's error's size where the
+    exact one is rounding; a cosine between the two is noise (timm RepViT's RepVggDw 1x1 branch: -0.94 with an
+    8-bit stash), so the gate lists these apart with the reason instead of chasing them."""
     modules = dict(gm.named_modules())
     out: Dict[str, str] = {}
     for node in gm.graph.nodes:
         if not _training_batch_norm(node, modules) or not node.args or not isinstance(node.args[0], fx.Node):
             continue
-        producer = node.args[0]
-        if len([u for u in producer.users if not _reads_metadata(u)]) != 1:
-            continue
-        weight, bias = _weight_and_bias(producer, modules)
-        if bias is not None:
-            out[bias[0]] = (f"{producer.name}'s bias before the training-mode BatchNorm {node.name}: the batch mean "
-                            f"cancels it")
-        if weight is not None and weight[1].dim() >= 1 and weight[1][0].numel() == 1:
-            out[weight[0]] = (f"{producer.name}'s per-channel scale before the training-mode BatchNorm {node.name}: "
-                              f"the normalisation cancels it (its exact gradient is BatchNorm's eps term)")
+        for producer, direct in _shift_sources(node.args[0]):
+            weight, bias = _weight_and_bias(producer, modules)
+            if bias is not None:
+                out[bias[0]] = (f"{producer.name}'s bias before the training-mode BatchNorm {node.name}"
+                                f"{'' if direct else ' (through a sum)'}: the batch mean cancels it")
+            if direct and weight is not None and weight[1].dim() >= 1 and weight[1][0].numel() == 1:
+                out[weight[0]] = (f"{producer.name}'s per-channel scale before the training-mode BatchNorm "
+                                  f"{node.name}: the normalisation cancels it (its exact gradient is BatchNorm's "
+                                  f"eps term)")
     return out
+
+
+def _only_reader(node: fx.Node) -> Optional[fx.Node]:
+    readers = [u for u in node.users if not _reads_metadata(u)]
+    return readers[0] if len(readers) == 1 else None
+
+
+def _is_add(node: fx.Node) -> bool:
+    return (node.op == "call_function" and node.target in (operator.add, operator.iadd, torch.add)
+            and not node.kwargs) or (node.op == "call_method" and node.target in ("add", "add_") and not node.kwargs)
+
+
+def _shift_sources(value: fx.Node, depth: int = 0) -> List[Tuple[fx.Node, bool]]:
+    """(node, direct) for each node whose output reaches ``value`` (a BatchNorm's input) only by itself or through
+    a chain of additions of same-shaped branches, each read by nothing else."""
+    if depth == 0 and _only_reader(value) is None:
+        return []
+    if not _is_add(value) or depth > 3:
+        return [(value, depth == 0)]
+    found = []
+    for operand in value.args[:2]:
+        if isinstance(operand, fx.Node) and _only_reader(operand) is value:
+            found += [(n, False) for n, _ in _shift_sources(operand, depth + 1)]
+    return found
 
 
 def _consumers(graph: fx.Graph, parameter: str) -> List[fx.Node]:

@@ -129,3 +129,24 @@ def test_the_gate_reports_invariant_parameters_and_does_not_chase_them():
     figures = parameter_fidelity(["a", "b"], [torch.ones(3), torch.ones(3)], [torch.ones(3), -torch.ones(3)], 1e-3,
                                  invariant={"b": "cancelled"})
     assert not figures["a"]["excluded"] and figures["b"]["excluded"] and not figures["b"]["tiny"]
+
+
+class BranchesSum(nn.Module):
+    """timm FastViT / MobileOne style: BatchNormed branches summed, then another training-mode BatchNorm."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.bn_a = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.b = nn.Conv2d(3, 8, 1)
+        self.bn = nn.BatchNorm2d(8)
+        self.head = nn.Conv2d(8, 4, 1)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.bn(self.bn_a(self.a(x)) + self.b(x))))
+
+
+def test_shifts_that_reach_a_batch_norm_through_a_sum_are_cancelled_too_but_scales_are_not():
+    invariant = invariant_parameters(capture(BranchesSum().train(), (torch.randn(2, 3, 8, 8),), {}).graph_module)
+    assert set(invariant) == {"a.bias", "bn_a.bias", "b.bias"}
+    assert "(through a sum)" in invariant["bn_a.bias"] and "(through a sum)" in invariant["b.bias"]
+    assert "(through a sum)" not in invariant["a.bias"]  # a feeds bn_a directly
