@@ -57,11 +57,13 @@ def _owner(node: fx.Node, gm: fx.GraphModule, root: nn.Module) -> Optional[str]:
 
 
 def _counter_update(node: fx.Node, owner: str) -> Optional[fx.Node]:
-    """The ``num_batches_tracked.add_(1)`` of ``owner`` just before ``node`` (training mode), or None."""
-    for previous in reversed(list(node.graph.nodes)[:list(node.graph.nodes).index(node)]):
+    """The ``num_batches_tracked.add_(1)`` of ``owner`` before ``node`` (training mode), or None."""
+    previous = node.prev
+    while previous.op != "root":
         if previous.op == "call_method" and previous.target == "add_" and previous.args[1:] == (1,) and \
                 _attr(previous.args[0], None) == f"{owner}.num_batches_tracked" and not previous.users:
             return previous
+        previous = previous.prev
     return None
 
 
