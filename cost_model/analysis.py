@@ -13,7 +13,7 @@ Results go to ``node.meta["memopt_cost"]`` (a ``NodeCost``) and into the returne
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Set
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 import torch
 from torch import fx
@@ -56,6 +56,10 @@ class NodeCost:
     out_bytes: int
     flops: int
     saved: List[SavedRef] = field(default_factory=list)
+    # per output tensor: (storage key, the node whose output that storage is: a view's base's producer), so a
+    # pass can tell which storage an argument lives in; and whether the output requires grad
+    storages: List[Tuple[int, str]] = field(default_factory=list)
+    requires_grad: List[bool] = field(default_factory=list)
 
     @property
     def saved_bytes(self) -> int:
@@ -144,6 +148,8 @@ class _Annotator(fx.Interpreter):
             shapes=[tuple(t.shape) for t in outs], dtypes=[str(t.dtype).replace("torch.", "") for t in outs],
             out_bytes=sum(t.numel() * t.element_size() for t in outs),
             flops=int(self.flop_counter.get_total_flops() - flops_before), saved=saved,
+            storages=[(storage_key(t), self.producer.get(storage_key(t), n.name)) for t in outs],
+            requires_grad=[bool(t.requires_grad) for t in outs],
         )
         return out
 

@@ -280,7 +280,7 @@ def stash_pass(gm: fx.GraphModule, cfg: StashConfig, ctx: PassContext) -> PassRe
     if cfg.scale_identity:
         for first, conv, following in _identity_links(gm, modules):
             _link(gm, modules, first, conv, following)
-    if cfg.generic:  # after the chains: what they cover is no longer a plain conv / linear input
+    if cfg.generic or cfg.coded_ops:  # after the chains: what they cover is no longer a plain conv / linear input
         modified |= generic_stash(gm, cfg, ctx)
     if cfg.compact_extras:
         modified |= compact_extras(gm, cfg)

@@ -29,6 +29,7 @@ from memopt.stash.generic import (conv_from_codes, dropout_1bit, generic_encode,
 from memopt.core.meta import DECISION_KEY
 from memopt.stash.config import StashConfig
 from memopt.passes.base import PassContext
+from memopt.passes.stash_coded import Call, call_unit, find_call, live, members, rewrite_call, savers_by_storage, settle
 
 aten = torch.ops.aten
 _FLOATS = ("float32", "bfloat16", "float16")
@@ -113,10 +114,75 @@ def _decide(node: fx.Node, reason: str) -> None:
 
 
 def generic_stash(gm: fx.GraphModule, cfg: StashConfig, ctx: PassContext) -> bool:
-    """Rewrite every eligible weight-op input (see the module docstring); True when anything changed."""
+    """Rewrite every eligible weight-op input and coded op (see the module docstring); True when anything
+    changed."""
     modules = dict(gm.named_modules())
-    units: Dict[int, Tuple[str, List[str], List[fx.Node]]] = {}  # storage key -> (unit, savers, consumers)
-    blocked: Dict[int, str] = {}
+    units = _weight_units(gm, cfg, modules) if cfg.generic else {}
+    calls: Dict[str, Call] = {}
+    for node in list(gm.graph.nodes):
+        call = find_call(node, modules, cfg.coded_ops) if cfg.coded_ops else None
+        if call is None:
+            continue
+        reason = _excluded(ctx, cfg, call_unit(node))
+        if reason:
+            _decide(node, f"coded {call.kind}: {reason}")
+        else:
+            calls[node.name] = call
+    rewritten = set().union(set(), *(members(c) for c in calls.values()))
+    blocked: Dict[object, str] = {}
+    for key, (unit, _, consumers, reason) in units.items():
+        reason = reason or _excluded(ctx, cfg, unit)
+        if reason:
+            blocked[key] = reason
+        else:
+            rewritten.update(c.name for c in consumers)
+    savers = savers_by_storage(gm)
+    while True:  # a weight unit or a call dropped can leave another's storage kept: settle both
+        coded = settle(calls, rewritten, savers, lambda n: stash_nbytes(n, 8, cfg.group_size))
+        changed = False
+        for key, (unit, unit_savers, consumers, _) in units.items():
+            if key not in blocked and not set(unit_savers) <= rewritten:
+                others = sorted(set(unit_savers) - rewritten)
+                blocked[key] = f"the tensor it keeps is also kept by {', '.join(others[:3])}, which stay exact"
+                rewritten.difference_update(c.name for c in consumers)
+                changed = True
+        if not changed:
+            break
+    replaced: Dict[fx.Node, fx.Node] = {}
+    encode = _Encoder(gm, cfg, replaced)
+    taken = set()
+    for key, (unit, _, consumers, _) in units.items():
+        reason = blocked.get(key) or (f"another storage of {unit} is already a unit" if unit in taken else None)
+        if reason is not None:
+            for c in consumers:
+                _decide(c, f"generic stash: {reason}")
+            continue
+        taken.add(unit)
+        _rewrite_unit(gm, modules, unit, consumers, ctx.bits("stash", unit, cfg.generic_bits_for(unit)), encode,
+                      replaced)
+    for name, call in calls.items():
+        if name not in rewritten:
+            _decide(call.node, f"coded {call.kind}: it would free no more than its codes cost (what it keeps is "
+                               f"kept by nodes that stay exact too)")
+            continue
+        unit = call_unit(call.node)
+        rewrite_call(gm, call, coded[name], ctx.bits("stash", unit, cfg.generic_bits_for(unit)), cfg.group_size,
+                     lambda data, bits, unit=unit: encode(data, bits, unit), replaced)
+    return bool(taken) or any(name in rewritten for name in calls)
+
+
+def _excluded(ctx: PassContext, cfg: StashConfig, unit: str) -> str:
+    chosen = ctx.chosen("stash", unit)
+    if chosen is False:
+        return f"the unit {unit} was not chosen by the budget planner"
+    if (chosen is None and cfg.allow is not None and unit not in cfg.allow) or unit in cfg.deny:
+        return f"the unit {unit} is excluded by StashConfig allow/deny"
+    return ""
+
+
+def _weight_units(gm: fx.GraphModule, cfg: StashConfig, modules) -> Dict[object, Tuple[str, List[str], List[fx.Node], str]]:
+    """storage key -> (unit, savers, weight-op consumers keeping it, why not ("" when it can be rewritten))."""
+    units: Dict[object, Tuple[str, List[str], List[fx.Node], str]] = {}
     for node in list(gm.graph.nodes):
         found = _consumer(gm, node, modules, cfg.consumers)
         if found is None:
@@ -134,57 +200,48 @@ def generic_stash(gm: fx.GraphModule, cfg: StashConfig, ctx: PassContext) -> boo
             why = ("its input is a model input, which stays alive outside the step: coding it would add bytes, "
                    "not free them")
         for ref in kept:
-            entry = units.setdefault(ref.key, (ref.source, list(ref.savers), []))
-            entry[2].append(node)
-            if why:
-                blocked.setdefault(ref.key, f"{node.name} ({kind}): {why}")
-    modified = False
-    taken = set()
-    for key, (unit, savers, consumers) in units.items():
-        names = {c.name for c in consumers}
-        reason = blocked.get(key)
-        if reason is None and not set(savers) <= names:
-            others = sorted(set(savers) - names)
-            reason = f"the tensor it keeps is also kept by {', '.join(others[:3])}, which have no generic stash form"
-        chosen = ctx.chosen("stash", unit)
-        if reason is None and chosen is False:
-            reason = f"the unit {unit} was not chosen by the budget planner"
-        if reason is None and ((chosen is None and cfg.allow is not None and unit not in cfg.allow) or unit in cfg.deny):
-            reason = f"the unit {unit} is excluded by StashConfig allow/deny"
-        if reason is None and unit in taken:
-            reason = f"another storage of {unit} is already a unit"
-        if reason is not None:
-            for c in consumers:
-                _decide(c, f"generic stash: {reason}")
-            continue
-        taken.add(unit)
-        _rewrite_unit(gm, modules, unit, consumers, cfg, ctx.bits("stash", unit, cfg.bits_for(unit)))
-        modified = True
-    return modified
+            # a copy the op made of its input (F.linear of a transposed 3-D input) is its own: every consumer
+            # of that input joins one unit named after it, as they would share its storage
+            key = ref.key if ref.category != "extra" else ("copy of", data.name if isinstance(data, fx.Node) else "")
+            unit, savers, consumers, reason = units.get(key, (ref.source or key[1], [], [], ""))
+            units[key] = (unit, savers + [s for s in ref.savers if s not in savers], consumers + [node],
+                          reason or (f"{node.name} ({kind}): {why}" if why else ""))
+    return units
 
 
-def _rewrite_unit(gm: fx.GraphModule, modules, unit: str, consumers: List[fx.Node], cfg: StashConfig,
-                  bits: int) -> None:
-    graph = gm.graph
-    group = cfg.group_size
-    rounding = "stochastic" if cfg.stochastic else "nearest"
-    encoded: Dict[fx.Node, Tuple[fx.Node, fx.Node]] = {}
-    for node in consumers:
-        c = _describe(node, op_kind(node, modules), gm, modules)
-        if c.data not in encoded:
-            with graph.inserting_after(c.data):
-                enc = graph.create_node("call_function", generic_encode, (c.data, bits, group, cfg.stochastic),
-                                        name=f"{c.data.name}_codes")
+class _Encoder:
+    """One generic_encode per (tensor, bits), shared by every consumer and coded op reading it."""
+
+    def __init__(self, gm: fx.GraphModule, cfg: StashConfig, replaced: Dict[fx.Node, fx.Node]) -> None:
+        self.graph, self.cfg, self.done, self.replaced = gm.graph, cfg, {}, replaced
+
+    def __call__(self, data: fx.Node, bits: int, unit: str) -> Tuple[fx.Node, fx.Node]:
+        data = live(self.replaced, data)
+        key = (data, bits)
+        if key not in self.done:
+            graph, group = self.graph, self.cfg.group_size
+            with graph.inserting_after(data):
+                enc = graph.create_node("call_function", generic_encode, (data, bits, group, self.cfg.stochastic),
+                                        name=f"{data.name}_codes")
             with graph.inserting_after(enc):
                 packed = graph.call_function(operator.getitem, (enc, 0))
             with graph.inserting_after(packed):
-                params = graph.call_function(operator.getitem, (packed.args[0], 1))
-            encoded[c.data] = (packed, params)
+                params = graph.call_function(operator.getitem, (enc, 1))
             enc.meta[DECISION_KEY] = {
                 "technique": "stash", "bits": bits, "replaces": [], "unit": unit,
-                "reason": f"generic stash of {c.data.name}: {bits}-bit codes in groups of {group} "
-                          f"(min and step per group, float32), {rounding} rounding"}
-        packed, params = encoded[c.data]
+                "reason": f"generic stash of {data.name}: {bits}-bit codes in groups of {group} (min and step per "
+                          f"group, float32), {'stochastic' if self.cfg.stochastic else 'nearest'} rounding"}
+            self.done[key] = (packed, params)
+        return self.done[key]
+
+
+def _rewrite_unit(gm: fx.GraphModule, modules, unit: str, consumers: List[fx.Node], bits: int,
+                  encode: _Encoder, replaced: Dict[fx.Node, fx.Node]) -> None:
+    graph = gm.graph
+    group = encode.cfg.group_size
+    for node in consumers:
+        c = _describe(node, op_kind(node, modules), gm, modules)
+        packed, params = encode(c.data, bits, unit)
         label = node.format_node()
         with graph.inserting_before(node):
             if c.kind == "linear":
@@ -204,6 +261,7 @@ def _rewrite_unit(gm: fx.GraphModule, modules, unit: str, consumers: List[fx.Nod
                                             f"gradient; the input gradient stays exact"}
         node.replace_all_uses_with(new)
         graph.erase_node(node)
+        replaced[node] = new
 
 
 def stash_nbytes(numel: int, bits: int, group: int) -> int:

@@ -21,3 +21,12 @@ def memory_order(x: torch.Tensor) -> Tuple[torch.Tensor, Tuple[int, ...]]:
     if view.is_contiguous():
         return view, perm
     return x.contiguous(), tuple(range(x.dim()))  # overlapping or gapped strides: one copy
+
+
+def rebuilt_stride(x: torch.Tensor) -> Tuple[int, ...]:
+    """The strides of a tensor rebuilt from codes packed in ``memory_order(x)``: ``x``'s own when it is dense in
+    some order; contiguous when ``memory_order`` had to copy it (a slice of a fused q/k/v projection): codes of a
+    copy are in logical order, and ``empty_like`` would give such a tensor a permuted dense layout instead."""
+    if x.is_contiguous() or x.permute(memory_order_perm(x)).is_contiguous():
+        return tuple(x.stride())
+    return tuple(torch.empty(x.shape, device="meta").stride())

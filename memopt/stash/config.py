@@ -8,6 +8,8 @@ from typing import Mapping, Optional, Tuple, Union
 from memopt.core.validation import check_bits, check_bits_choices, normalise_node_bits, normalise_node_names
 
 CONSUMERS = ("conv", "linear", "matmul")
+# ops without a weight that keep activations and can run again from codes (memopt/stash/coded.py)
+CODED_OPS = ("layer_norm", "group_norm", "rms_norm", "sdpa", "softmax", "matmul", "mul", "div", "pow", "gated")
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,8 @@ class StashConfig:
     node_bits: Union[Tuple[Tuple[str, int], ...], Mapping[str, int]] = ()
     plan_bits: Tuple[int, ...] = (2, 3, 4, 8)
     generic: bool = False
+    generic_bits: int = 8
+    coded_ops: Tuple[str, ...] = ()
     group_size: int = 256
     stochastic: bool = False
     consumers: Tuple[str, ...] = CONSUMERS
@@ -90,6 +94,10 @@ class StashConfig:
 
     def __post_init__(self) -> None:
         check_bits(self.bits, "StashConfig.bits")
+        check_bits(self.generic_bits, "StashConfig.generic_bits")
+        if not isinstance(self.coded_ops, (tuple, list)) or not set(self.coded_ops) <= set(CODED_OPS):
+            raise ValueError(f"StashConfig.coded_ops must be a tuple drawn from {CODED_OPS}, got {self.coded_ops!r}")
+        object.__setattr__(self, "coded_ops", tuple(self.coded_ops))
         for name in ("generic", "stochastic", "compact_extras", "scale_identity", "identity_extra_bit",
                      "bin_means"):
             if not isinstance(getattr(self, name), bool):
@@ -104,6 +112,10 @@ class StashConfig:
         normalise_node_names(self, "allow", "deny")
         normalise_node_bits(self, "node_bits")
         object.__setattr__(self, "plan_bits", check_bits_choices(self.plan_bits, "StashConfig.plan_bits"))
+
+    def generic_bits_for(self, unit: str) -> int:
+        """Bits of a generic-stash unit (the node whose output is coded) or a coded op (its node)."""
+        return dict(self.node_bits).get(unit, self.generic_bits)
 
     def bits_for(self, unit: str) -> int:
         """Bits of a unit: a chain's BatchNorm node, or the node whose output the generic stash codes."""

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from memopt.core.errors import MemoptError
 from memopt.core.leaf import graph_leaf
 from memopt.runtime.bitpack import pack_bits, unpack_bits
-from memopt.runtime.layout import memory_order
+from memopt.runtime.layout import memory_order, rebuilt_stride
 from memopt.stash.ops import conv_grads, linear_grads
 
 _GENERATORS: Dict[str, torch.Generator] = {}
@@ -103,8 +103,7 @@ def _rebuild(ctx, packed, params) -> torch.Tensor:
 
 
 def _keep(ctx, x: torch.Tensor, bits: int, group: int, node: str) -> None:
-    # the strides empty_like(x) gets: x's own when dense (codes follow its memory order), else contiguous
-    stride = torch.empty_like(x, device="meta").stride()
+    stride = rebuilt_stride(x)  # codes follow x's memory order when dense, else its logical order
     ctx.shape, ctx.stride, ctx.dtype, ctx.bits, ctx.group, ctx.node = x.shape, stride, x.dtype, bits, group, node
 
 

@@ -16,7 +16,7 @@ from memopt.testing.zoo import TinyViT
 from memopt.passes.candidates import candidates
 from memopt.passes.stash_generic import stash_nbytes
 
-GENERIC = memopt.Config(stash=memopt.StashConfig(generic=True), fewbit=None)
+GENERIC = memopt.Config(stash=memopt.StashConfig(generic=True, generic_bits=4), fewbit=None)
 
 
 @pytest.fixture(autouse=True)
