@@ -143,11 +143,17 @@ def quantize(m: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torch.Tens
 
 
 _BYTE_TABLES: dict[tuple[str, int, torch.device], torch.Tensor] = {}
+# The integer type as wide as one row of ``_byte_table`` (8 // bits fp32 values). Why: ``index_select``
+# copies scalars several times faster than short rows on CPU, so the table is gathered as integers and
+# the result read back as fp32: bit-identical values, the same transient bytes. Rows of 2 and 1 bits
+# (16 and 32 bytes) have no integer type that wide and take the row gather.
+_TABLE_ROW_AS_INT = {8: torch.int32, 4: torch.int64}
 
 
 def _byte_table(quant_map: str, bits: int, device: torch.device, real: bool = False) -> torch.Tensor:
     """(256, 8 // bits): the code-book values of the codes packed in each possible byte, in
-    ``memopt.runtime.bitpack``'s order (code j of a byte in bits [j*bits, (j+1)*bits)).
+    ``memopt.runtime.bitpack``'s order (code j of a byte in bits [j*bits, (j+1)*bits)); for 4 and 8
+    bits each row's bytes read as one integer (``_TABLE_ROW_AS_INT``), shape (256,).
 
     Cached per device for real tensors (building it cost 0.2 ms of a 2 ms MLP step); never under
     a fake-tensor mode, where a cached real tensor would mix with fake ones. ``real``: the caller's
@@ -164,6 +170,8 @@ def _byte_table(quant_map: str, bits: int, device: torch.device, real: bool = Fa
     mask = (1 << bits) - 1
     book = F.pad(book, (0, mask + 1 - book.numel()))  # codes a book of fewer entries never emits
     table = torch.stack([book[(byte >> (bits * j)) & mask] for j in range(8 // bits)], 1)
+    if bits in _TABLE_ROW_AS_INT:  # cached as integers, so a step runs no view op on the cached storage
+        table = table.view(_TABLE_ROW_AS_INT[bits]).view(256)
     if type(table) is torch.Tensor:  # a real tensor, not a fake one
         _BYTE_TABLES[key] = table
     return table
@@ -192,6 +200,8 @@ def dequantize(packed: torch.Tensor, scales: torch.Tensor, shape: tuple[int, int
         # one gather per byte through a 256-entry table; the roots take this path at every step
         table = _byte_table(spec.quant_map, spec.bits, packed.device, real=type(packed) is torch.Tensor)
         values = table.index_select(0, packed.int())
+        if spec.bits in _TABLE_ROW_AS_INT:  # integers holding a table row each: read back as fp32
+            values = values.view(torch.float32)
         values = values.view(-1)[:rows * cols]
     else:
         book = codebook(spec.quant_map, spec.bits, packed.device)

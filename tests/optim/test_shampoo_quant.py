@@ -147,6 +147,26 @@ def test_round_trip_at_other_bit_widths(bits):
     assert torch.equal(back, book[codes] * scales.repeat_interleave(64, 1)[:, :99])
 
 
+@pytest.mark.parametrize("quant_map,bits", [("linear2", 1), ("linear2", 2), ("linear2", 4), ("linear2", 8),
+                                           ("dynamic", 2), ("dynamic", 4), ("dynamic", 8)])
+def test_byte_table_gather_equals_the_code_book_lookup(quant_map, bits):
+    # 4 and 8 bits gather the byte table's rows as int64 / int32 scalars, 1 and 2 bits as rows; an odd
+    # size leaves the last byte part padding. Every path must give the code book's values exactly,
+    # and run on fake tensors (the cost model) with the real result's shape and dtype.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    spec = QuantSpec(bits, 16, quant_map)
+    m = torch.randn(5, 37, generator=torch.Generator().manual_seed(bits))
+    packed, scales = quantize(m, spec)
+    back = dequantize(packed, scales, (5, 37), spec)
+    scale = scales.repeat_interleave(16, 1)[:, :37]
+    book = codebook(quant_map, bits)
+    assert torch.equal(back, book[nearest_code(m / scale, book)] * scale)
+    with FakeTensorMode() as mode:
+        fake = dequantize(mode.from_tensor(packed), mode.from_tensor(scales), (5, 37), spec)
+    assert fake.shape == back.shape and fake.dtype == back.dtype
+
+
 def test_order_1200_costs_4_5_bits_per_element():
     assert QuantSpec().nbytes(1200, 1200) == 1200 * 1200 // 2 + 1200 * 19 * 4
     assert 4 * 1200 * 1200 / QuantSpec().nbytes(1200, 1200) == pytest.approx(7.1, abs=0.01)

@@ -21,9 +21,7 @@ all steps (wall clock, preconditioner updates included) and the median (a step w
 from __future__ import annotations
 
 import argparse
-import copy
 import statistics
-import time
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +30,7 @@ from torch import nn
 
 from memopt.optim import Shampoo
 from tools.bench.common import RESULTS, GeluMLP, digits, mnist1d, write_results
+from tools.bench.shampoo.lockstep import train_lockstep
 
 STAT_EVERY, ROOT_EVERY = 5, 20
 SENSITIVITY = ((10, 50), (20, 100))  # --sensitivity: MNIST-1D, 32-bit vs 4-bit at these (stat_every, root_every)
@@ -64,43 +63,13 @@ class DigitsCNN(nn.Module):
 def run_seed(model_cls, data, seed: int, epochs: int, batch: int, optimizers=None):
     """Train every method in lockstep; return {method: (accuracy, epoch losses, mean step s, mean
     optimizer-step s, median step s, median optimizer-step s)}."""
-    x, y, xt, yt = data
     torch.manual_seed(seed)
-    base = model_cls().train()
-    runs = {}
-    for name, make in (optimizers or methods()).items():
-        model = copy.deepcopy(base)
-        runs[name] = {"model": model, "opt": make(model.parameters()), "losses": [], "step": [], "opt_step": []}
-    gen = torch.Generator().manual_seed(seed)
-    names = list(runs)
-    step = 0
-    for _ in range(epochs):
-        order = torch.randperm(len(x), generator=gen)
-        epoch_loss = {name: 0.0 for name in names}
-        batches = range(0, len(x) - batch + 1, batch)
-        for i in batches:
-            idx = order[i:i + batch]
-            step += 1
-            for name in names[step % len(names):] + names[:step % len(names)]:  # rotate who goes first
-                run = runs[name]
-                start = time.perf_counter()
-                loss = F.cross_entropy(run["model"](x[idx]), y[idx])
-                run["opt"].zero_grad()
-                loss.backward()
-                mid = time.perf_counter()
-                run["opt"].step()
-                end = time.perf_counter()
-                run["step"].append(end - start)
-                run["opt_step"].append(end - mid)
-                epoch_loss[name] += loss.item() / len(batches)
-        for name in names:
-            runs[name]["losses"].append(epoch_loss[name])
+    runs = train_lockstep(model_cls().train(), data, seed, epochs, batch, optimizers or methods())
     out = {}
     for name, run in runs.items():
-        run["model"].eval()
-        with torch.no_grad():
-            acc = (run["model"](xt).argmax(1) == yt).float().mean().item() * 100
-        out[name] = (acc, run["losses"], statistics.mean(run["step"]), statistics.mean(run["opt_step"]),
+        if run["error"] is not None:
+            raise RuntimeError(f"{name} failed on seed {seed}: {run['error']}")
+        out[name] = (run["accuracy"], run["losses"], statistics.mean(run["step"]), statistics.mean(run["opt_step"]),
                      statistics.median(run["step"]), statistics.median(run["opt_step"]))
     return out
 
