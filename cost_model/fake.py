@@ -23,12 +23,15 @@ def _fake_like(t: torch.Tensor, mode: FakeTensorMode, device: torch.device) -> t
 
 def fake_copy(gm: fx.GraphModule, args: tuple, kwargs: dict, mode: FakeTensorMode,
               device: torch.device) -> Tuple[fx.GraphModule, tuple, dict]:
-    """Deep copy of ``gm`` with every parameter and buffer fake on ``device``, and fake inputs."""
+    """Deep copy of ``gm`` with every parameter and buffer fake on ``device`` (0-dim integer buffers: real
+    copies), and fake inputs."""
     memo: Dict[int, Any] = {}
     for p in gm.parameters():
         memo[id(p)] = nn.Parameter(_fake_like(p, mode, device), requires_grad=p.requires_grad)
     for b in gm.buffers():
-        memo[id(b)] = _fake_like(b, mode, device)
+        # a 0-dim integer buffer stays real (a copy): BatchNorm(momentum=None) reads its batch counter as a Python
+        # float, which a fake tensor cannot give
+        memo[id(b)] = b.detach().clone() if b.dim() == 0 and not b.is_floating_point() else _fake_like(b, mode, device)
     for name, value in gm.__dict__.items():  # plain tensor attributes (export's lifted constants)
         if isinstance(value, torch.Tensor) and id(value) not in memo:
             memo[id(value)] = _fake_like(value, mode, device)

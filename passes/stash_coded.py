@@ -1,7 +1,9 @@
 """The stash pass, third part: which ops without a weight become coded ops (``memopt/stash/coded.py``).
 
 A *call* is a node whose backward reads activations and that ``coded_call`` can run again from codes:
-LayerNorm / GroupNorm / RMSNorm, scaled-dot-product attention, a product or quotient of tensors, a
+a training BatchNorm module that no stash chain took (followed by SiLU, hard-swish or
+nothing a chain matches, BatchNorm3d; backward differentiates batch statistics without a second running-statistics
+update), LayerNorm / GroupNorm / RMSNorm, scaled-dot-product attention, a product or quotient of tensors, a
 matmul of two activations, ``pow``, a softmax (which codes its output instead), and an activation whose
 only user is a product (``silu(g) * u``: one gated call that keeps g and u). Its unit is named after the node
 that replaces it, ``<node>_coded`` (``call_unit``): the node's own name is already the name of the generic-stash
@@ -16,6 +18,7 @@ Only activations that require grad are coded: a mask, a position table or a mode
 """
 from __future__ import annotations
 
+import math
 import operator
 from typing import Dict, List, NamedTuple, Optional, Set, Tuple
 
@@ -80,6 +83,9 @@ def _module_call(node: fx.Node, kind: str, module: nn.Module) -> Optional[Tuple[
         return "F.rms_norm", (x, tuple(module.normalized_shape), param("weight"), module.eps), {}
     if kind == "softmax" and type(module) is nn.Softmax and module.dim is not None:
         return "F.softmax", (x, module.dim), {}
+    if kind == "batch_norm" and type(module) in (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d) and module.training \
+            and module.affine and module.weight.requires_grad:
+        return "memopt.batch_norm_module", (("get_attr", path), x, param("weight"), param("bias")), {}
     return None
 
 
@@ -111,11 +117,16 @@ def _gate(node: fx.Node, modules) -> Optional[Tuple[fx.Node, fx.Node, str, bool,
     return None
 
 
-def find_call(node: fx.Node, modules, kinds: Tuple[str, ...]) -> Optional[Call]:
-    """The call ``node`` can become, else None."""
+def find_call(node: fx.Node, modules, kinds: Tuple[str, ...], min_per_channel: int = 0) -> Optional[Call]:
+    """The call ``node`` can become, else None. A BatchNorm normalising fewer than ``min_per_channel`` elements
+    per channel is left alone, as the stash's chains leave it (``StashConfig.min_per_channel``)."""
     kind = op_kind(node, modules)
     if kind not in CODED_OPS or kind not in kinds or not kept(node) or not _float_tensor(node):
         return None
+    if kind == "batch_norm":
+        shape = _cost(node).shapes[0]
+        if node.op != "call_module" or len(shape) < 2 or math.prod(shape) // shape[1] < min_per_channel:
+            return None
     if kind == "mul" and "gated" in kinds:
         found = _gate(node, modules)
         if found is not None:
@@ -246,7 +257,8 @@ def rewrite_call(gm: fx.GraphModule, call: Call, coded: List[fx.Node], bits: int
         leaves, _ = tree_flatten((args, kwargs))
         indices = tuple(i for i, leaf in enumerate(leaves) if isinstance(leaf, fx.Node) and leaf in coded)
         codes = tuple(encode(leaves[i], bits) for i in indices)
-        spec = CodedSpec(call.target, indices, bits, group, call.random, label)
+        spec = CodedSpec(call.target, indices, bits, group, call.random, label,
+                         "memopt.batch_norm_grad" if call.kind == "batch_norm" else "")
         with graph.inserting_before(node):
             new = graph.create_node("call_function", coded_call, (spec, args, kwargs, codes),
                                     name=f"{node.name}_coded")

@@ -120,7 +120,7 @@ def generic_stash(gm: fx.GraphModule, cfg: StashConfig, ctx: PassContext) -> boo
     units = _weight_units(gm, cfg, modules) if cfg.generic else {}
     calls: Dict[str, Call] = {}
     for node in list(gm.graph.nodes):
-        call = find_call(node, modules, cfg.coded_ops) if cfg.coded_ops else None
+        call = find_call(node, modules, cfg.coded_ops, cfg.min_per_channel) if cfg.coded_ops else None
         if call is None:
             continue
         reason = _excluded(ctx, cfg, call_unit(node))

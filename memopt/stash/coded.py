@@ -44,6 +44,17 @@ def gated(g: torch.Tensor, u: torch.Tensor, act: str, act_first: bool, approxima
     return a * u if act_first else u * a
 
 
+def batch_norm_module(module: torch.nn.Module, x: torch.Tensor, weight, bias) -> torch.Tensor:
+    """A training BatchNorm module's own forward (its running statistics and batch counter updated as the graph
+    did); ``weight`` and ``bias`` are the module's, passed so that backward can return their gradients."""
+    return module(x)
+
+
+def batch_norm_grad(module: torch.nn.Module, x: torch.Tensor, weight, bias) -> torch.Tensor:
+    """The function ``batch_norm_module`` computes, as backward differentiates it: batch statistics, no update."""
+    return F.batch_norm(x, None, None, weight, bias, True, 0.0, module.eps)
+
+
 # python callables a CodedSpec may name (aten overloads are named "aten.<packet>.<overload>", tensor
 # methods "Tensor.<name>")
 CALLABLES: Dict[str, Callable] = {
@@ -53,6 +64,7 @@ CALLABLES: Dict[str, Callable] = {
     "torch.mul": torch.mul, "operator.mul": operator.mul, "torch.pow": torch.pow, "operator.pow": operator.pow,
     "torch.div": torch.div, "operator.truediv": operator.truediv,
     "F.softmax": F.softmax, "torch.softmax": torch.softmax, "memopt.gated": gated,
+    "memopt.batch_norm_module": batch_norm_module, "memopt.batch_norm_grad": batch_norm_grad,
 }
 
 
@@ -82,7 +94,9 @@ def resolve(name: str) -> Callable:
 class CodedSpec(NamedTuple):
     """A coded op's constants. ``coded``: the indices, among the flattened (args, kwargs) leaves, of the
     tensors kept as codes; ``random``: the op draws random numbers (attention dropout), replayed in backward;
-    ``node``: the original node's text, for messages."""
+    ``node``: the original node's text, for messages; ``recompute``: the function backward differentiates
+    when it is not ``target`` itself (a training BatchNorm: the same function without the running-statistics
+    update, which the forward already made)."""
 
     target: str
     coded: Tuple[int, ...]
@@ -90,6 +104,7 @@ class CodedSpec(NamedTuple):
     group: int
     random: bool = False
     node: str = ""
+    recompute: str = ""
 
 
 def _like(meta: Tuple[torch.Size, Tuple[int, ...], torch.dtype], device: torch.device) -> torch.Tensor:
@@ -147,7 +162,7 @@ class _CodedCall(torch.autograd.Function):
         args, kwargs = tree_unflatten(full, ctx.treedef)
         with replayed_rng(rng if spec.random else None, exact), torch.enable_grad(), \
                 replayed_autocast(ctx.autocast):
-            out = resolve(spec.target)(*args, **kwargs)
+            out = resolve(spec.recompute or spec.target)(*args, **kwargs)
         grads = iter(torch.autograd.grad(out, wanted, grad, allow_unused=True) if wanted else ())
         del out
         tensor_grads = [next(grads) if need else None for need in needs]

@@ -9,7 +9,8 @@ from memopt.core.validation import check_bits, check_bits_choices, normalise_nod
 
 CONSUMERS = ("conv", "linear", "matmul")
 # ops without a weight that keep activations and can run again from codes (memopt/stash/coded.py)
-CODED_OPS = ("layer_norm", "group_norm", "rms_norm", "sdpa", "softmax", "matmul", "mul", "div", "pow", "gated")
+CODED_OPS = ("batch_norm", "layer_norm", "group_norm", "rms_norm", "sdpa", "softmax", "matmul", "mul", "div", "pow",
+             "gated")
 
 
 @dataclass(frozen=True)
@@ -33,13 +34,22 @@ class StashConfig:
             block) got sign-flipped upstream gradients from them.
         generic: also stash the inputs of conv / linear / matmul-with-a-parameter nodes that no chain
             covers (transformer projections, LayerNorm and GELU outputs): per group of ``group_size``
-            elements a float32 minimum and step, K-bit codes. Forward outputs and input gradients
-            stay exact; the weight gradients of those layers become approximate. Off by default
-            (opt-in): unlike a BN chain, whose x̂ has unit variance by construction, these inputs
-            have no known scale, so the error depends on the data (outlier features in a group
-            widen its step), and every conv / linear of a model would change its weight gradient
-            without the user asking. With ``generic=True`` the budget planner also offers these units
-            (unit = the node whose output is coded; ``allow``, ``deny`` and ``node_bits`` take that name).
+            elements a float32 minimum and step, ``generic_bits``-bit codes. Forward outputs and input
+            gradients stay exact; the weight gradients of those layers become approximate. On by default
+            (issue 23: transformers keep most of their bytes there), at 8 bits and under the fidelity
+            gate: unlike a BN chain's x̂, these inputs have no known scale, so the error depends on the data
+            (outlier features in a group widen its step); the gate checks every plan against exact
+            gradients and raises what misses. The budget planner also offers these units (unit = the
+            node whose output is coded; ``allow``, ``deny`` and ``node_bits`` take that name).
+        generic_bits: bits of the generic stash and of coded ops, 1..8 (default 8; the budget planner
+            may choose fewer from ``plan_bits``).
+        coded_ops: op kinds without a weight that keep their activations as generic-stash codes and run
+            again on them in backward (``memopt/stash/coded.py``), drawn from ``CODED_OPS`` (default all):
+            training BatchNorms no chain took (BN -> SiLU / hard-swish, BatchNorm3d; as small ones as
+            ``min_per_channel`` allows), LayerNorm / GroupNorm / RMSNorm, scaled-dot-product attention (its dropout replayed), products,
+            quotients and matmuls of activations, ``pow``, softmax (which codes its output) and gated units
+            ``act(g) * u`` (SiLU / GELU; g and u kept, act(g) rebuilt). Forward outputs are unchanged;
+            their input gradients become approximate too. A coded op's unit is ``<node>_coded``.
         group_size: elements per group of the generic stash (default 256, as ActNN): 8 bytes of
             metadata per group, 6% on top of 4-bit codes.
         stochastic: stochastic rounding for the generic stash (unbiased in expectation, but about twice
@@ -81,9 +91,9 @@ class StashConfig:
     min_per_channel: int = 32
     node_bits: Union[Tuple[Tuple[str, int], ...], Mapping[str, int]] = ()
     plan_bits: Tuple[int, ...] = (2, 3, 4, 8)
-    generic: bool = False
+    generic: bool = True
     generic_bits: int = 8
-    coded_ops: Tuple[str, ...] = ()
+    coded_ops: Tuple[str, ...] = CODED_OPS
     group_size: int = 256
     stochastic: bool = False
     consumers: Tuple[str, ...] = CONSUMERS

@@ -206,3 +206,39 @@ def test_a_slice_of_a_fused_projection_is_rebuilt_in_its_logical_order():
     (gw,) = torch.autograd.grad(linear_from_codes(q, w, None, packed, params, 8, 256).sum(), w)
     (rw,) = torch.autograd.grad(F.linear(q, w).sum(), w)
     assert F.cosine_similarity(gw.flatten(), rw.flatten(), 0) > 0.9999
+
+
+class NormActNet(nn.Module):
+    """BatchNorms no stash chain takes: BN -> SiLU, BN -> hard-swish, and a 3-D BN -> ReLU."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1, self.b1 = nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16)
+        self.c2, self.b2 = nn.Conv2d(16, 16, 3, padding=1), nn.BatchNorm2d(16)
+        self.c3, self.b3 = nn.Conv3d(1, 4, 3, padding=1), nn.BatchNorm3d(4, momentum=None)
+        self.head = nn.Linear(16 + 4, 3)
+
+    def forward(self, x):
+        h = F.hardswish(self.b2(self.c2(F.silu(self.b1(self.c1(x))))))
+        v = torch.relu(self.b3(self.c3(x[:, :1].unsqueeze(1))))
+        return self.head(torch.cat([h.mean((2, 3)), v.mean((2, 3, 4))], 1))
+
+
+def test_batch_norms_no_chain_takes_are_coded_and_update_their_statistics_once():
+    torch.manual_seed(0)
+    model, x = NormActNet(), torch.randn(4, 3, 12, 12)
+    reference = copy.deepcopy(model)
+    om = memopt.optimize(model, example_inputs=x, config=memopt.Config(fidelity=None, fewbit=None))
+    coded = [n.meta[DECISION_KEY]["replaces"][0] for n in om.graph_module.graph.nodes
+             if (d := n.meta.get(DECISION_KEY)) and d.get("reason", "").startswith("coded batch_norm")]
+    assert sorted(coded) == ["b1", "b2", "b3"]
+    for _ in range(2):
+        out, ref = _step(om, x), _step(reference, x)
+        assert torch.equal(out, ref)
+    for (name, b), c in zip(model.named_buffers(), reference.buffers()):
+        assert torch.equal(b, c), name  # running statistics and batch counters: once per step, as stock
+    names = [n for n, _ in model.named_parameters()]
+    figures = parameter_fidelity(names, [q.grad for q in reference.parameters()], [p.grad for p in model.parameters()],
+                                 1e-3)
+    assert min(f["cosine"] for f in figures.values() if not f["excluded"]) > 0.999
+    assert memopt.measure(om, x).saved_bytes == om.plan.estimated_saved_bytes
