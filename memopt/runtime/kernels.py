@@ -2,19 +2,24 @@
 
 ``MEMOPT_KERNELS`` is read once, when memopt is imported:
 - unset (the default): the fused C kernels (``memopt.runtime.native``) on contiguous CPU tensors, plain PyTorch
-  otherwise. The Triton kernels (``memopt.runtime.triton_fewbit``) are opt-in on CUDA for now: they have been
-  checked bit for bit only under Triton's CPU interpreter, never compiled on a GPU, and a default must not be
-  the first run of a kernel;
-- ``triton``: the Triton kernels for every few-bit op they take (float32/bfloat16/float16, real tensors); CPU
-  tensors only under ``TRITON_INTERPRET=1`` (the interpreter: what the tests use); the C kernels still run the
-  stash's codecs, which have no Triton version yet;
+  otherwise. The Triton kernels (``memopt.runtime.triton_fewbit``, ``triton_stash``, ``triton_stash_extras``) are
+  opt-in on CUDA for now: they have been checked bit for bit only under Triton's CPU interpreter, never compiled
+  on a GPU, and a default must not be the first run of a kernel;
+- ``triton``: the Triton kernels for every op they take (float32/bfloat16/float16 values, their codes and masks;
+  real or fake tensors); CPU tensors only under ``TRITON_INTERPRET=1`` (the interpreter: what the tests use).
+  Few-bit backward (``fewbit_triton``) and the stash's codecs (``stash_triton``): the BN chain's x̂ code with its
+  bin sums and the plain path's rebuild of x̂ / z codes (``memopt.stash.grid``), max-pool window offsets
+  (``memopt.stash.pool``), dropout / ``where`` 1-bit masks and the generic stash's groups (``memopt.stash.generic``).
+  These take precedence over the C kernels; the rest of the stash (a residual chain's z code in
+  ``memopt.stash.ops``, the BN backward, the consumers' rebuild with its activation, the chain's 1-bit activation
+  mask) still runs the C kernels on CPU and plain PyTorch on CUDA;
 - ``native``: no Triton; the C kernels where they apply (as before Triton existed);
 - ``torch``: plain PyTorch everywhere, the C kernels too left out (the reference path; ``MEMOPT_NATIVE=0`` still
   skips only the C kernels).
-Every path writes the same codes and gradients (tests/runtime/test_triton_fewbit.py, tests/runtime/test_native.py);
-the switch trades speed and build requirements, never results. ``forced`` overrides it inside a block (tests).
-Under the cost model's fake tensors the path real tensors would take allocates its outputs and runs nothing (the
-estimated peak is the measured one); other tensor subclasses take the plain path.
+Every path writes the same codes and gradients (tests/runtime/test_triton_fewbit.py, test_triton_stash.py,
+test_native.py); the switch trades speed and build requirements, never results. ``forced`` overrides it inside a
+block (tests). Under the cost model's fake tensors the path real tensors would take allocates its outputs and runs
+nothing (the estimated peak is the measured one); other tensor subclasses take the plain path.
 """
 from __future__ import annotations
 
@@ -26,7 +31,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 from memopt.core.errors import MemoptError
-from memopt.runtime import triton_fewbit
+from memopt.runtime import triton_fewbit, triton_stash
 
 CHOICES = ("triton", "native", "torch")
 
@@ -85,4 +90,26 @@ def fewbit_triton(x: torch.Tensor, node: str) -> bool:
         raise MemoptError(f"MEMOPT_KERNELS=triton but few-bit node {node} has a CPU input, which Triton runs only "
                           f"in its interpreter; set TRITON_INTERPRET=1 (tests), or MEMOPT_KERNELS=native for the "
                           f"C kernels on CPU (or unset it)")
+    return True
+
+
+def stash_triton(x: torch.Tensor, what: str) -> bool:
+    """Whether the stash codec ``what`` (a phrase for errors: "the x̂ code", "max-pool offsets") runs its Triton
+    kernels (``memopt.runtime.triton_stash``, ``triton_stash_extras``) on ``x``, the tensor it reads. The rules of
+    ``fewbit_triton``: with ``MEMOPT_KERNELS=triton`` a tensor they cannot take on this machine is an error naming
+    the fix; a dtype or tensor type they do not take (float64, subclasses) takes the plain path (the same
+    results); fake tensors take the path real ones would (same allocations, no launch); opt-in by default."""
+    if _choice in ("native", "torch"):
+        return False
+    if type(x) not in (torch.Tensor, torch.nn.Parameter, FakeTensor) or x.dtype not in triton_stash.DTYPES:
+        return False
+    if _choice is None:
+        return False  # opt-in until the kernels have run on a GPU (module docstring)
+    if not triton_stash.AVAILABLE:
+        raise MemoptError(f"MEMOPT_KERNELS=triton but `import triton` failed ({triton_fewbit.IMPORT_ERROR}) for "
+                          f"the stash's {what}; install triton, or set MEMOPT_KERNELS=native (or unset it)")
+    if x.device.type == "cpu" and not triton_fewbit.interpreting():
+        raise MemoptError(f"MEMOPT_KERNELS=triton but the stash's {what} has a CPU input, which Triton runs only in "
+                          f"its interpreter; set TRITON_INTERPRET=1 (tests), or MEMOPT_KERNELS=native for the C "
+                          f"kernels on CPU (or unset it)")
     return True

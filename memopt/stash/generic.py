@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from memopt.core.errors import MemoptError
 from memopt.core.leaf import graph_leaf
+from memopt.runtime import kernels, triton_stash_extras
 from memopt.runtime.bitpack import pack_bits, unpack_bits
 from memopt.runtime.layout import memory_order, rebuilt_stride
 from memopt.stash.ops import conv_grads, linear_grads
@@ -42,15 +43,33 @@ def _generator(device: torch.device) -> Optional[torch.Generator]:
     return _GENERATORS[key]
 
 
+def _noise(shape, device) -> torch.Tensor:
+    """Stochastic rounding's uniform draws, from the private generator (the global one where none exists)."""
+    gen = _generator(device)
+    return torch.rand(shape, generator=gen, device=device) if gen is not None else torch.rand(shape, device=device)
+
+
+def _pack_mask(mask: torch.Tensor) -> torch.Tensor:
+    """``pack_bits(mask, 1)``: one Triton launch where ``memopt.runtime.kernels`` says so, the same bytes."""
+    if kernels.stash_triton(mask, "1-bit mask"):
+        return triton_stash_extras.pack_mask(mask)
+    return pack_bits(mask, 1)
+
+
+def _unpack_mask(packed: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """The 0/1 bytes of ``_pack_mask``'s mask, viewed as ``shape``."""
+    if kernels.stash_triton(packed, "1-bit mask"):
+        return triton_stash_extras.unpack_mask(packed, shape.numel()).view(shape)
+    return unpack_bits(packed, 1, shape.numel()).view(shape)
+
+
 def _code_groups(v: torch.Tensor, bits: int, stochastic: bool) -> Tuple[torch.Tensor, torch.Tensor]:
     """Codes (uint8, flat) and [min; step] per group of the rows of ``v`` (groups x G, float32)."""
     lo, hi = torch.aminmax(v, dim=1)
     step = (hi - lo) / ((1 << bits) - 1)
     t = (v - lo[:, None]).div_(step.clamp_min(torch.finfo(torch.float32).tiny)[:, None])
     if stochastic:
-        gen = _generator(v.device)
-        noise = torch.rand(t.shape, generator=gen, device=t.device) if gen is not None else torch.rand_like(t)
-        t.add_(noise).floor_()
+        t.add_(_noise(t.shape, t.device)).floor_()
     else:
         t.round_()
     return t.clamp_(0, (1 << bits) - 1).to(torch.uint8).view(-1), torch.stack([lo, step])
@@ -58,6 +77,9 @@ def _code_groups(v: torch.Tensor, bits: int, stochastic: bool) -> Tuple[torch.Te
 
 def group_quantize(x: torch.Tensor, bits: int, group: int, stochastic: bool) -> Tuple[torch.Tensor, torch.Tensor]:
     """(packed codes, float32 [2, groups] of min and step) of ``x`` in its memory order."""
+    if kernels.stash_triton(x, "generic stash code"):  # two launches, the same codes, steps and noise draws
+        return triton_stash_extras.group_encode(x, bits, group, (lambda shape: _noise(shape, x.device))
+                                                if stochastic else None)
     flat = memory_order(x.detach())[0].reshape(-1)
     flat = flat if flat.dtype == torch.float32 else flat.float()
     n = flat.numel()
@@ -74,6 +96,8 @@ def group_dequantize(packed: torch.Tensor, params: torch.Tensor, bits: int, grou
                      ) -> torch.Tensor:
     """The tensor ``group_quantize`` coded, rebuilt at its levels with the shape, dtype and layout of ``like``
     (a tensor or an empty tensor of the original's strides)."""
+    if kernels.stash_triton(like, "generic stash rebuild"):  # one launch, the same values
+        return triton_stash_extras.group_decode(packed, params, bits, group, like)
     out = torch.empty_like(like)
     dense, _ = memory_order(out)
     n = out.numel()
@@ -173,14 +197,14 @@ class Dropout1Bit(torch.autograd.Function):
             mask = noise != 0
             del noise
             scale = torch.ones((), dtype=x.dtype, device=x.device).div_(1 - p)
-        ctx.save_for_backward(pack_bits(mask, 1), scale)
+        ctx.save_for_backward(_pack_mask(mask), scale)
         ctx.shape, ctx.stride, ctx.cuda, ctx.p = mask.shape, mask.stride(), x.is_cuda, p
         return out
 
     @staticmethod
     def backward(ctx, grad):
         packed, scale = ctx.saved_tensors
-        mask = unpack_bits(packed, 1, ctx.shape.numel()).view(ctx.shape)
+        mask = _unpack_mask(packed, ctx.shape)
         if ctx.cuda:
             return torch.ops.aten.native_dropout_backward(grad, mask.bool(), 1.0 / (1.0 - ctx.p)), None
         # the noise rebuilt bit for bit, in its own layout (the product's layout, and later sums, follow it)
@@ -193,14 +217,14 @@ class Where1Bit(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, cond, a, b):
-        ctx.save_for_backward(pack_bits(cond, 1))
+        ctx.save_for_backward(_pack_mask(cond))
         ctx.shape = cond.shape
         return torch.where(cond, a, b)
 
     @staticmethod
     def backward(ctx, grad):
         (packed,) = ctx.saved_tensors
-        cond = unpack_bits(packed, 1, ctx.shape.numel()).view(ctx.shape).view(torch.bool)  # 0/1 bytes: a view, no copy
+        cond = _unpack_mask(packed, ctx.shape).view(torch.bool)  # 0/1 bytes: a view, no copy
         # as ATen's where backward; the engine sums a broadcast gradient back to its operand's shape
         grad_a = torch.where(cond, grad, 0) if ctx.needs_input_grad[1] else None
         grad_b = torch.where(cond, 0, grad) if ctx.needs_input_grad[2] else None

@@ -9,7 +9,7 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from memopt.runtime import native
+from memopt.runtime import kernels, native, triton_stash
 from memopt.runtime.bitpack import pack_bits, unpack_bits
 
 # Half-width of the grid in standard deviations, per K. The paper uses 3 for K = 4 and 8; these are the
@@ -316,6 +316,8 @@ def _from_codes(codes: torch.Tensor, mask: Optional[torch.Tensor], grid: torch.T
     and with two sides its side's by ``mask``), or bin midpoints lo + (k + ½)·width per channel (rows of
     ``grid`` as in ``_grid``); with four rows each element takes its side's grid by ``mask``. A slice of the
     batch at a time (so the per-element indices and grids never cost a full-size temporary)."""
+    if kernels.stash_triton(codes, "rebuild of an x̂ or z code"):  # one launch, the same values
+        return triton_stash.from_codes(codes, mask, grid)
     nd = codes.dim()
     if grid.dim() == 3:
         channels, sides, bins = grid.shape
@@ -408,7 +410,8 @@ def x_code(x, weight, bias, mean, invstd, eps: float, mask, bits: int, act: str,
     sides = 2 if split else 1
     per_channel = x.numel() // max(1, x.shape[1])
     sums = new_bin_sums(x.shape[1], sides, bits, x.device) if wants_means(means, bits, sides, per_channel) else None
-    if native.applies(x, float_dtype=True) and (mask is None or mask.is_contiguous()):
+    triton = kernels.stash_triton(x, "x̂ code")  # the codes and bin sums in one launch (the grid as below)
+    if not triton and native.applies(x, float_dtype=True) and (mask is None or mask.is_contiguous()):
         raw = native.channel_extremes(x, mask if residual else None) if data else None
         scale, grid, enc, rows = native.chain_grid(invstd, xstd, weight, bias, mean, raw, residual, bits,
                                                    x_grid_half(bits, split), x_grid_reach(bits, split),
@@ -424,7 +427,9 @@ def x_code(x, weight, bias, mean, invstd, eps: float, mask, bits: int, act: str,
             gs, b = _z_affine(weight, bias, xstd)
             rows = torch.stack([b + gs * grid[0], gs * grid[1]] + ([b + gs * grid[2], gs * grid[3]]
                                                                    if len(grid) == 4 else []))
-        codes = pack_bits(_x_codes(x, mean, invstd, xstd, grid, mask, 1 << bits, sums), bits)
+        codes = triton_stash.encode(x, grid, bits, mean=mean, invstd=invstd, xstd=xstd, mask=mask, sums=sums,
+                                    sum_stride=MEAN_STRIDE) if triton else \
+            pack_bits(_x_codes(x, mean, invstd, xstd, grid, mask, 1 << bits, sums), bits)
     book = None if sums is None else code_book(grid, bits, sums)
     if affine and book is not None:
         gs, b = _z_affine(weight, bias, xstd)

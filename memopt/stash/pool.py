@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from memopt.core.errors import MemoptError
+from memopt.runtime import kernels, triton_stash_extras
 from memopt.runtime.bitpack import pack_bits, unpack_bits
 from memopt.core.leaf import graph_leaf
 from memopt.stash.bn import bn_backward as _bn_backward
@@ -81,18 +82,23 @@ def pool_offsets(x_shape, out, indices, kernel_size, stride, padding, dilation):
     needs to rebuild ATen's flat indices from it."""
     (kh, kw), (sh, sw), (ph, pw), (dh, dw) = (_pair(v) for v in (kernel_size, stride or kernel_size, padding,
                                                                 dilation))
+    bits = max(1, math.ceil(math.log2(kh * kw)))
+    meta = (x_shape, out.shape, bits, kw, sh, sw, ph, pw, dh, dw)
+    if kernels.stash_triton(indices, "max-pool offsets"):  # one launch, the same bytes
+        return triton_stash_extras.pool_offsets(indices, meta), meta
     n, c, oh, ow = out.shape
     width = x_shape[-1]
     rows = torch.arange(oh, device=out.device).view(1, 1, oh, 1) * sh - ph
     cols = torch.arange(ow, device=out.device).view(1, 1, 1, ow) * sw - pw
     offset = (torch.div(indices, width, rounding_mode="floor") - rows).div_(dh, rounding_mode="floor") * kw
     offset += (indices % width - cols).div_(dw, rounding_mode="floor")
-    bits = max(1, math.ceil(math.log2(kh * kw)))
-    return pack_bits(offset, bits), (x_shape, out.shape, bits, kw, sh, sw, ph, pw, dh, dw)
+    return pack_bits(offset, bits), meta
 
 
 def pool_indices(packed, meta, device) -> torch.Tensor:
     """ATen's flat max-pool indices (n, c, oh*ow) from ``pool_offsets``."""
+    if kernels.stash_triton(packed, "max-pool offsets"):  # one launch, the same indices
+        return triton_stash_extras.pool_indices(packed, meta)
     shape, out_shape, bits, kw, sh, sw, ph, pw, dh, dw = meta
     n, c, oh, ow = out_shape
     offset = unpack_bits(packed, bits, math.prod(out_shape)).view(out_shape).long()
