@@ -43,7 +43,6 @@ The grids and codecs live in ``memopt/stash/grid.py``.
 """
 from __future__ import annotations
 
-import math
 from typing import NamedTuple, Optional, Tuple
 
 import torch
@@ -51,7 +50,7 @@ import torch.nn.functional as F
 
 from memopt.core.errors import MemoptError
 from memopt.core.leaf import graph_leaf
-from memopt.runtime import native
+from memopt.runtime import kernels, native, triton_stash
 from memopt.runtime.bitpack import pack_bits, unpack_bits
 from memopt.stash.bn import bn_backward as _bn_backward, gamma_invstd as _gamma_invstd
 from memopt.stash.pool import BNReLUMaxPoolStash
@@ -197,7 +196,10 @@ class BNActStash(torch.autograd.Function):
             relu_like = act in ("relu", "relu6")
             zsums = new_bin_sums(z.shape[1], 1, bits, z.device) \
                 if wants_means(means, bits, 1, z.numel() // max(1, z.shape[1])) else None
-            if native.applies(z, float_dtype=True):  # one fused pass, the same codes
+            if kernels.stash_triton(z, "z code"):  # one launch, the same codes
+                y_codes = triton_stash.encode(z, torch.stack([origin, zwidth]), bits, zero_code=zero_code,
+                                              positive_not_le=relu_like, sums=zsums, sum_stride=MEAN_STRIDE)
+            elif native.applies(z, float_dtype=True):  # one fused pass, the same codes
                 y_codes = native.encode(z, torch.stack([origin, zwidth]), bits, zero_code=zero_code,
                                         positive_not_le=relu_like, sums=zsums, sum_stride=MEAN_STRIDE)
             else:
