@@ -125,7 +125,14 @@ def find_call(node: fx.Node, modules, kinds: Tuple[str, ...], min_per_channel: i
         return None
     if kind == "batch_norm":
         shape = _cost(node).shapes[0]
-        if node.op != "call_module" or len(shape) < 2 or math.prod(shape) // shape[1] < min_per_channel:
+        if len(shape) < 2 or math.prod(shape) // shape[1] < min_per_channel:
+            return None
+        if node.op == "call_function":  # an export graph's aten.batch_norm, training, all arguments positional
+            if node.target is not torch.ops.aten.batch_norm.default or len(node.args) != 9 or node.kwargs or \
+                    node.args[5] is not True or not isinstance(node.args[1], fx.Node):
+                return None
+            return Call(node, kind, "aten.batch_norm.default", tuple(node.args), {}, (), False)
+        if node.op != "call_module":
             return None
     if kind == "mul" and "gated" in kinds:
         found = _gate(node, modules)
@@ -257,8 +264,12 @@ def rewrite_call(gm: fx.GraphModule, call: Call, coded: List[fx.Node], bits: int
         leaves, _ = tree_flatten((args, kwargs))
         indices = tuple(i for i, leaf in enumerate(leaves) if isinstance(leaf, fx.Node) and leaf in coded)
         codes = tuple(encode(leaves[i], bits) for i in indices)
-        spec = CodedSpec(call.target, indices, bits, group, call.random, label,
-                         "memopt.batch_norm_grad" if call.kind == "batch_norm" else "")
+        recompute, unsaved = "", ()
+        if call.kind == "batch_norm":
+            aten = call.target.startswith("aten.")
+            recompute = "memopt.aten_batch_norm_grad" if aten else "memopt.batch_norm_grad"
+            unsaved = (3, 4) if aten else ()  # the running statistics: updated in forward, unused by backward
+        spec = CodedSpec(call.target, indices, bits, group, call.random, label, recompute, unsaved)
         with graph.inserting_before(node):
             new = graph.create_node("call_function", coded_call, (spec, args, kwargs, codes),
                                     name=f"{node.name}_coded")

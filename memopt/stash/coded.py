@@ -55,6 +55,11 @@ def batch_norm_grad(module: torch.nn.Module, x: torch.Tensor, weight, bias) -> t
     return F.batch_norm(x, None, None, weight, bias, True, 0.0, module.eps)
 
 
+def aten_batch_norm_grad(x, weight, bias, running_mean, running_var, training, momentum, eps, cudnn_enabled):
+    """``aten.batch_norm`` in training (an export graph's BatchNorm) as backward differentiates it."""
+    return F.batch_norm(x, None, None, weight, bias, True, 0.0, eps)
+
+
 # python callables a CodedSpec may name (aten overloads are named "aten.<packet>.<overload>", tensor
 # methods "Tensor.<name>")
 CALLABLES: Dict[str, Callable] = {
@@ -65,6 +70,7 @@ CALLABLES: Dict[str, Callable] = {
     "torch.div": torch.div, "operator.truediv": operator.truediv,
     "F.softmax": F.softmax, "torch.softmax": torch.softmax, "memopt.gated": gated,
     "memopt.batch_norm_module": batch_norm_module, "memopt.batch_norm_grad": batch_norm_grad,
+    "memopt.aten_batch_norm_grad": aten_batch_norm_grad,
 }
 
 
@@ -96,7 +102,8 @@ class CodedSpec(NamedTuple):
     tensors kept as codes; ``random``: the op draws random numbers (attention dropout), replayed in backward;
     ``node``: the original node's text, for messages; ``recompute``: the function backward differentiates
     when it is not ``target`` itself (a training BatchNorm: the same function without the running-statistics
-    update, which the forward already made)."""
+    update, which the forward already made); ``unsaved``: leaf indices of tensors backward does not need (a
+    BatchNorm's running statistics), not kept and passed to ``recompute`` as None."""
 
     target: str
     coded: Tuple[int, ...]
@@ -105,6 +112,7 @@ class CodedSpec(NamedTuple):
     random: bool = False
     node: str = ""
     recompute: str = ""
+    unsaved: Tuple[int, ...] = ()
 
 
 def _like(meta: Tuple[torch.Size, Tuple[int, ...], torch.dtype], device: torch.device) -> torch.Tensor:
@@ -132,8 +140,8 @@ class _CodedCall(torch.autograd.Function):
         args, kwargs = tree_unflatten(full, treedef)
         rng = rng_state(tensors) if spec.random else []
         out = resolve(spec.target)(*args, **kwargs)
-        coded = set(spec.coded)
-        exact = [t for i, t in zip(slots, tensors) if i not in coded]
+        coded, unsaved = set(spec.coded), set(spec.unsaved)
+        exact = [t for i, t in zip(slots, tensors) if i not in coded and i not in unsaved]
         ctx.spec, ctx.treedef, ctx.leaves, ctx.slots = spec, treedef, leaves, slots
         ctx.layouts = [_layout(t) for i, t in zip(slots, tensors) if i in coded]
         ctx.counts = (len(exact), len(codes), len(rng))
@@ -154,6 +162,8 @@ class _CodedCall(torch.autograd.Function):
         full, wanted = list(ctx.leaves), []
         needs = ctx.needs_input_grad[4:4 + len(ctx.slots)]
         for i, need in zip(ctx.slots, needs):
+            if i in spec.unsaved:  # not kept: backward's function does not read it
+                continue
             t = next(rebuilt) if i in spec.coded else next(exact_it)
             t = t.detach().requires_grad_(need)
             full[i] = t
@@ -165,7 +175,7 @@ class _CodedCall(torch.autograd.Function):
             out = resolve(spec.recompute or spec.target)(*args, **kwargs)
         grads = iter(torch.autograd.grad(out, wanted, grad, allow_unused=True) if wanted else ())
         del out
-        tensor_grads = [next(grads) if need else None for need in needs]
+        tensor_grads = [next(grads) if need and i not in spec.unsaved else None for i, need in zip(ctx.slots, needs)]
         return (None, None, None, None, *tensor_grads, *([None] * n_codes))
 
 
