@@ -8,7 +8,9 @@ Training forwards (train mode, grad enabled, no ``torch.func`` transform) run th
 every other forward runs the original model untouched. A graph is keyed by the input signature
 and the model's structure (which module and parameter objects sit where, which require grad):
 replacing a submodule or a parameter, adding one, freezing one or registering a hook re-captures
-and re-plans at the next training forward, so a stale graph never trains the old objects. Modules
+and re-plans at the next training forward, so a stale graph never trains the old objects. Inputs that
+differ from a planned signature only in their sizes reuse its captured graph and plan where that is what a
+new plan would run (``memopt/shapes.py``; ``shape_stats`` counts reuses and re-plans). Modules
 with hooks are captured as one call and never rewritten, so their hooks fire as in stock PyTorch.
 A model that cannot be captured whole is captured per submodule (``memopt/partial.py``): its own
 forward runs, with the captured submodules' forwards routed through their graphs for that call only.
@@ -27,7 +29,7 @@ from typing import Any, Optional, Tuple, Union
 import torch
 from torch import nn
 
-from memopt.capture import has_hooks
+from memopt.capture import capture, has_hooks
 from memopt.core.inputs import normalize_inputs
 from memopt.config import Config
 from memopt.core.errors import MemoptError, TraceError
@@ -36,7 +38,9 @@ from memopt.plan import Plan
 from memopt.core.state import share_module_state
 from memopt.partial import build_partial
 from memopt.report import render
-from memopt.soundness import attribute_fingerprint, changed_attributes
+from memopt.shapes import (MAX_REFERENCES, DynamicExport, Recaptured, Reference, ShapeStats, changed_dims, describe,
+                           distance, input_shapes, replan_key, reuse, shape_free_signature, timed)
+from memopt.soundness import Soundness, attribute_fingerprint, changed_attributes
 from memopt.export import export_directory, export_partial
 
 log = logging.getLogger("memopt")
@@ -63,6 +67,18 @@ class OptimizedModule(nn.Module):
         object.__setattr__(self, "_memopt_guards", {})
         object.__setattr__(self, "_memopt_last", None)
         object.__setattr__(self, "_memopt_layout_warned", False)
+        self._init_shapes()
+
+    def _init_shapes(self) -> None:
+        # shape-free signature + structure -> [Reference] (memopt/shapes.py), most recently used first
+        object.__setattr__(self, "_memopt_families", OrderedDict())
+        object.__setattr__(self, "_memopt_shape_stats", ShapeStats())
+        object.__setattr__(self, "_memopt_logged", set())
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        if "_memopt_families" not in self.__dict__:  # pickled before shapes were reused
+            self._init_shapes()
 
     # ---------------------------------------------------------------- capture and planning
     def _build_for(self, args: tuple, kwargs: dict) -> Built:
@@ -70,16 +86,21 @@ class OptimizedModule(nn.Module):
         key = (signature, structure)
         built, guards_failed = self._cached(key)
         if built is None:
-            if guards_failed:
-                pass  # _cached said what changed
-            elif any(k[0] == signature for k in self._memopt_built):
-                log.warning("memopt: %s changed since it was captured (a module or parameter was added, replaced "
-                            "or frozen, or a hook registered); capturing and planning again",
-                            type(self._memopt_model).__name__)
-            elif self._memopt_built:
-                log.warning("memopt: new input signature %s for %s; capturing and planning again",
-                            list(signature), type(self._memopt_model).__name__)
-            built = self._build_new(signature, args, kwargs)
+            family = (shape_free_signature(args, kwargs), structure)
+            built, cause, served = self._reuse(family, signature, args, kwargs)
+            if built is None:
+                if guards_failed:
+                    pass  # _cached said what changed
+                elif any(k[0] == signature for k in self._memopt_built):
+                    log.warning("memopt: %s changed since it was captured (a module or parameter was added, replaced "
+                                "or frozen, or a hook registered); capturing and planning again",
+                                type(self._memopt_model).__name__)
+                elif self._memopt_built or cause is not None:
+                    self._log_replan(signature, cause or (
+                        "captured per submodule (memopt/partial.py), whose plans are made for one signature each"
+                        if not isinstance(self._memopt_last, Built) else
+                        "no plan yet for these ranks, dtypes, devices, non-tensor inputs and modules"))
+                built = self._plan_new(family, signature, args, kwargs, cause, served)
             self._memopt_built[key] = built
             self._memopt_guards[key] = attribute_fingerprint(self._memopt_model, _guarded_paths(built))
             while len(self._memopt_built) > MAX_SIGNATURES:
@@ -106,7 +127,7 @@ class OptimizedModule(nn.Module):
         del self._memopt_guards[key]
         return None, True
 
-    def _build_new(self, signature: tuple, args: tuple, kwargs: dict):
+    def _build_new(self, signature: tuple, args: tuple, kwargs: dict, capture_fn=capture, checked=None):
         plan = self._memopt_plan
         if plan is not None and list(signature) != plan.input_signature:
             log.warning("memopt: the given plan is for inputs %s, not %s; planning these inputs anew",
@@ -114,12 +135,107 @@ class OptimizedModule(nn.Module):
             plan = None
         try:
             return build(self._memopt_model, args, kwargs, self._memopt_config, self._memopt_budget,
-                         self._memopt_optimizer, plan)
+                         self._memopt_optimizer, plan, capture_fn=capture_fn, checked=checked)
         except TraceError as whole:  # optimize the submodules that can be captured (memopt/partial.py)
             log.warning("memopt: %s cannot be captured whole; capturing its submodules instead (%s)",
                         type(self._memopt_model).__name__, whole.summary)
             return build_partial(self._memopt_model, args, kwargs, self._memopt_config, self._memopt_budget,
                                  self._memopt_optimizer, plan, whole)
+
+    def _reuse(self, family: tuple, signature: tuple, args: tuple, kwargs: dict) -> tuple:
+        """(a reference plan of ``family`` applied at these sizes, None, None) when one serves them
+        (memopt/shapes.py); else (None, why not: the re-plan's cause or None when the family has no plan yet, a
+        reference whose captured graph serves these sizes, whose decisions differ, or None)."""
+        references = self._memopt_families.get(family)
+        served = None
+        if not references:
+            return None, None, None
+        self._memopt_families.move_to_end(family)
+        shapes, fingerprint, causes = input_shapes(args, kwargs), attribute_fingerprint(self._memopt_model), []
+        # one seen at these very inputs first, then the nearest sizes (a size rule flips between references)
+        for reference in sorted(references, key=lambda r: (signature not in r.checked, distance(r.shapes, shapes))):
+            if reference.fingerprint != fingerprint:
+                references.remove(reference)
+                causes.append(f"{type(self._memopt_model).__name__} changed since it was captured (" +
+                              ", ".join(changed_attributes(reference.fingerprint, fingerprint)[:4]) + ")")
+                continue
+            why = "the plan given to optimize(plan=...) is for its own inputs only" if reference.given_plan else \
+                reference.serves(args, kwargs, shapes)
+            if why is None:
+                result, seconds = timed(reuse, reference, self._memopt_model, args, kwargs, list(signature),
+                                        self._memopt_config, self._memopt_budget, self._memopt_optimizer)
+                self._memopt_shape_stats.reuse_seconds += seconds
+                if isinstance(result, Built):
+                    references.remove(reference)
+                    references.insert(0, reference)
+                    self._memopt_shape_stats.reused += 1
+                    self._memopt_shape_stats.remembered += getattr(result, "remembered", True)  # True: the reference
+                    self._log_reuse(signature, reference)
+                    return result, None, None
+                if served is None:  # its graph serves these sizes: its decisions are the cause that matters
+                    served, causes = reference, [result] + causes
+                    continue
+                why = result
+            causes.append(why)
+        return None, causes[0] if causes else None, served
+
+    def _plan_new(self, family: tuple, signature: tuple, args: tuple, kwargs: dict, cause: Optional[str],
+                  served=None):
+        """A full build (capture, check, plan, gate), kept as a reference for the family's later sizes. A graph
+        torch.export specialised to other sizes is exported again with the dimensions that changed dynamic; a
+        captured graph that serves these sizes (``served``: only its decisions differ) is planned again as it is."""
+        references = self._memopt_families.get(family, [])
+        shapes, capture_fn, checked = input_shapes(args, kwargs), capture, None
+        exported = next((r for r in references if r.built.method == "export"), None)
+        if served is not None:
+            capture_fn, checked = Recaptured(served), Soundness(**served.built.plan.soundness)
+        elif cause is not None and exported is not None:
+            dims = exported.dynamic | changed_dims(exported.shapes, shapes)
+            if dims:
+                capture_fn = DynamicExport(dims)
+                log.info("memopt: exporting %s again with %s dynamic", type(self._memopt_model).__name__,
+                         describe(dims))
+        plan = self._memopt_plan
+        given = plan is not None and list(signature) == plan.input_signature
+        built, seconds = timed(self._build_new, signature, args, kwargs, capture_fn, checked)
+        stats = self._memopt_shape_stats
+        stats.planned, stats.plan_seconds = stats.planned + 1, stats.plan_seconds + seconds
+        if cause is not None:
+            stats.replans[replan_key(cause)] = stats.replans.get(replan_key(cause), 0) + 1
+        if isinstance(built, Built) and built.captured is not None:
+            guards = capture_fn.guards if isinstance(capture_fn, (DynamicExport, Recaptured)) and \
+                built.method == "export" else None
+            references.insert(0, Reference(built, shapes, list(signature), capture_fn.dims if guards else frozenset(),
+                                           guards, attribute_fingerprint(self._memopt_model), given))
+            del references[MAX_REFERENCES:]
+            self._memopt_families[family] = references
+            self._memopt_families.move_to_end(family)
+            while len(self._memopt_families) > MAX_SIGNATURES:
+                self._memopt_families.popitem(last=False)
+        return built
+
+    def _log_replan(self, signature: tuple, cause: str) -> None:
+        """Each re-plan is logged with its cause: the first of each kind of cause as a warning, repeats at INFO."""
+        kind = replan_key(cause)
+        level = logging.INFO if kind in self._memopt_logged else logging.WARNING
+        self._memopt_logged.add(kind)
+        log.log(level, "memopt: new input signature %s for %s; capturing and planning again: %s", list(signature),
+                type(self._memopt_model).__name__, cause)
+
+    def _log_reuse(self, signature: tuple, reference) -> None:
+        """The first reuse is a warning (the sizes change: the user may want to know what it costs), later ones INFO."""
+        first = "reuse" not in self._memopt_logged
+        self._memopt_logged.add("reuse")
+        log.log(logging.WARNING if first else logging.INFO, "memopt: new input signature %s for %s; reusing the plan "
+                "made for %s: its captured graph serves these sizes and the rewrite decisions are the same%s",
+                list(signature), type(self._memopt_model).__name__, reference.signature,
+                " (later reuses are logged at INFO; om.shape_stats counts them)" if first else "")
+
+    @property
+    def shape_stats(self) -> dict:
+        """How many input signatures were planned (full build) and how many reused a plan, and the seconds each
+        took; ``replans``: each re-plan's cause (numbers blanked) and how often."""
+        return self._memopt_shape_stats.to_dict()
 
     def prepare(self, example_inputs: Any) -> "OptimizedModule":
         """Capture and plan for ``example_inputs`` now (``optimize`` calls this when given inputs)."""
@@ -220,6 +336,9 @@ class OptimizedModule(nn.Module):
         """The per-node memory table and totals; ``print=True`` also prints it."""
 
         text = render(self.plan, top=top, group=group)
+        stats = self._memopt_shape_stats
+        if stats.planned + stats.reused > 1:
+            text += "\n" + stats.line()
         if print:
             builtins.print(text)
         return text

@@ -6,7 +6,7 @@ import difflib
 import logging
 import math
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, FrozenSet, List, Optional, Tuple
 
 import torch
 from torch import fx, nn
@@ -18,7 +18,7 @@ from memopt.config import Config
 from memopt.core.errors import BudgetError, MemoptError
 from memopt.plan import NodePlan, Plan, node_plans
 from memopt.fidelity import fidelity_gate, has_lossy_units
-from memopt.soundness import check_capture
+from memopt.soundness import Soundness, check_capture
 from memopt.passes.candidates import copy_graph_module
 from memopt.core.meta import DECISION_KEY
 from memopt.core.units import fmt_bytes
@@ -42,6 +42,11 @@ class Built:
     baseline: Estimate
     estimate: Estimate
     planned: Optional[BudgetPlan] = None  # the budget planner's choice (None without a budget)
+    # what another input shape needs to reuse this plan (memopt/shapes.py): the captured graph before any
+    # rewrite (histograms kept), how it was captured, and the decisions before the fidelity gate
+    captured: Optional[fx.GraphModule] = None
+    method: str = ""
+    initial: FrozenSet[Tuple[str, str, Optional[int]]] = frozenset()
 
 
 def input_signature(args: tuple, kwargs: dict) -> List[str]:
@@ -77,34 +82,51 @@ def validate_budget(budget_mb: Any) -> Optional[int]:
 
 
 def build(model: nn.Module, args: tuple, kwargs: dict, config: Config, budget_bytes: Optional[int],
-          optimizer: Any = None, plan: Optional[Plan] = None, whole: bool = True) -> Built:
+          optimizer: Any = None, plan: Optional[Plan] = None, whole: bool = True,
+          capture_fn: Callable[[nn.Module, tuple, dict], Any] = capture, checked: Optional[Soundness] = None) -> Built:
     """Capture, annotate, choose the rewrites, apply them and re-annotate, for one input signature.
 
     ``plan`` (a saved ``Plan`` for these inputs) replaces planning: its chosen units are applied
     as they are. Otherwise no budget applies every enabled technique at its defaults, a budget the
-    baseline meets changes nothing, and any other budget goes to the planner.
+    baseline meets changes nothing, and any other budget goes to the planner. ``capture_fn`` captures
+    (``memopt/shapes.py`` passes a torch.export with some dimensions dynamic, or a graph captured and
+    checked before that serves these sizes: ``checked`` is then its soundness check, not run again).
     """
     check_inputs(model, args, kwargs)
-    captured = capture(model, args, kwargs)
+    captured = capture_fn(model, args, kwargs)
     gm = captured.graph_module
     if whole:  # a submodule's graph (per-submodule capture) holds only some of the names
         warn_unknown_names(config, {n.name for n in gm.graph.nodes}, type(model).__name__)
     baseline = annotate(gm, args, kwargs, device=config.device, optimizer=optimizer)
-    soundness = check_capture(model, gm, captured.method, args, kwargs,
-                              recapture=lambda a, k: capture(model, a, k).graph_module)
+    soundness = checked or check_capture(model, gm, captured.method, args, kwargs,
+                                         recapture=lambda a, k: capture_fn(model, a, k).graph_module)
     if config.fewbit is not None and config.fewbit.weight == "data" and not _has_meta(args, kwargs):
         record_input_histograms(gm, flat_inputs(gm, args, kwargs), TABLE_ACTIVATIONS, config.fewbit.domain)
     ctx = PassContext(args, kwargs, config.device,
                       None if _has_meta(args, kwargs) else real_examples(flat_inputs(gm, args, kwargs)),
                       foreign_inputs=not whole)
     gated = config.fidelity is not None and plan is None and soundness.checked
-    pristine = copy_graph_module(gm) if gated else None  # the no-budget rewrite works on gm itself
+    pristine = copy_graph_module(gm)  # the no-budget rewrite works on gm itself
     built = _rewrite(model, captured, args, kwargs, config, budget_bytes, optimizer, plan, baseline, ctx)
+    initial = decision_set(built.graph_module)
     if gated and has_lossy_units(built.plan.units):
         built = _gate(model, captured.method, args, kwargs, config, budget_bytes, optimizer, baseline, pristine, ctx,
                       built)
     built.plan.soundness = soundness.to_dict()
+    built.captured, built.method, built.initial = pristine, captured.method, initial
     return built
+
+
+def decision_set(gm: fx.GraphModule) -> FrozenSet[Tuple[str, str, Optional[int]]]:
+    """{(technique, unit, bits)} of every rewrite in ``gm``: what two plans must share to be the same plan."""
+    out = set()
+    for node in gm.graph.nodes:
+        decision = node.meta.get(DECISION_KEY)
+        if decision and decision.get("technique") not in (None, "exact"):
+            replaces = decision.get("replaces", node.name)
+            unit = decision.get("unit", replaces if isinstance(replaces, str) else ",".join(replaces))
+            out.add((decision["technique"], str(unit), decision.get("bits")))
+    return frozenset(out)
 
 
 def warn_unknown_names(config: Config, names: set, model: str) -> None:
@@ -138,7 +160,7 @@ def _gate(model: nn.Module, method: str, args: tuple, kwargs: dict, config: Conf
         if built.planned is None:
             gm, records = apply_decision(pristine, config, decision, ctx)
             estimate = annotate(gm, args, kwargs, device=config.device, optimizer=optimizer)
-            plan = _make_plan(model, method, args, kwargs, config, None, baseline, estimate, records, gm, None)
+            plan = make_plan(model, method, args, kwargs, config, None, baseline, estimate, records, gm, None)
             built = Built(gm, plan, baseline, estimate)
         else:
             built = _refit(model, method, args, kwargs, config, budget_bytes, optimizer, baseline, pristine, ctx,
@@ -170,8 +192,8 @@ def _refit(model: nn.Module, method: str, args: tuple, kwargs: dict, config: Con
             f"FidelityConfig.min_cosine, or accept the approximate gradients with Config(fidelity=None).",
             budget_bytes, least)
     added = sorted(set(found.decision.get("recompute", {})) - set(built.planned.decision.get("recompute", {})))
-    plan = _make_plan(model, method, args, kwargs, config, budget_bytes, baseline, found.estimate, found.records,
-                      found.graph_module, found)
+    plan = make_plan(model, method, args, kwargs, config, budget_bytes, baseline, found.estimate, found.records,
+                     found.graph_module, found)
     if added:
         report["changes"].append(f"recompute {', '.join(added)}: exact recomputation frees the bytes the raised "
                                  f"bits gave back, within the budget")
@@ -199,24 +221,24 @@ def _rewrite(model: nn.Module, captured: Any, args: tuple, kwargs: dict, config:
     else:
         planned, best = plan_for_budget(gm, args, kwargs, config, baseline, target, optimizer, ctx)
         if planned is None:
-            least = _make_plan(model, captured.method, args, kwargs, config, budget_bytes, baseline, best.estimate,
-                               best.records, best.graph_module, best)
+            least = make_plan(model, captured.method, args, kwargs, config, budget_bytes, baseline, best.estimate,
+                              best.records, best.graph_module, best)
             raise BudgetError(_budget_message(least, config), budget_bytes,
                               min(least.estimated_peak_bytes, least.baseline_peak_bytes))
         gm, records = planned.graph_module, planned.records
     modified = any(r.modified for r in records)
     estimate = planned.estimate if planned is not None else (
         annotate(gm, args, kwargs, device=config.device, optimizer=optimizer) if modified else baseline)
-    result = _make_plan(model, captured.method, args, kwargs, config, budget_bytes, baseline, estimate, records, gm,
-                        planned)
+    result = make_plan(model, captured.method, args, kwargs, config, budget_bytes, baseline, estimate, records, gm,
+                       planned)
     if budget_bytes is not None and plan is None and result.estimated_peak_bytes > target:
         raise BudgetError(_budget_message(result, config), budget_bytes, result.estimated_peak_bytes)
     return Built(gm, result, baseline, estimate, planned)
 
 
-def _make_plan(model: nn.Module, method: str, args: tuple, kwargs: dict, config: Config, budget_bytes: Optional[int],
-               baseline: Estimate, estimate: Estimate, records: list, gm: fx.GraphModule,
-               planned: Optional[BudgetPlan]) -> Plan:
+def make_plan(model: nn.Module, method: str, args: tuple, kwargs: dict, config: Config, budget_bytes: Optional[int],
+              baseline: Estimate, estimate: Estimate, records: list, gm: fx.GraphModule,
+              planned: Optional[BudgetPlan]) -> Plan:
     decisions = {n.name: n.meta[DECISION_KEY] for n in gm.graph.nodes if DECISION_KEY in n.meta}
     units = plan_units(gm, baseline, estimate, planned)
     if planned is not None:

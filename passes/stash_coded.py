@@ -273,7 +273,7 @@ def rewrite_call(gm: fx.GraphModule, call: Call, coded: List[fx.Node], bits: int
         with graph.inserting_before(node):
             new = graph.create_node("call_function", coded_call, (spec, args, kwargs, codes),
                                     name=f"{node.name}_coded")
-    what = {"softmax": "its output", "gated": "g and u"}.get(call.kind, ", ".join(r.name for r in coded))
+    what = "its output" if call.kind == "softmax" else ", ".join(r.name for r in coded)
     keeps = (f"keeps {what} as {bits}-bit codes in groups of {group}" if what else
              "keeps its inputs as they are (nodes that stay exact keep them too), frees what it kept besides")
     again = "rebuilds its gradient from them" if call.kind == "softmax" else "runs again in backward"

@@ -16,7 +16,8 @@ from memopt.testing.zoo import TinyViT
 from memopt.passes.candidates import candidates
 from memopt.passes.stash_generic import stash_nbytes
 
-GENERIC = memopt.Config(stash=memopt.StashConfig(generic=True, generic_bits=4), fewbit=None)
+# the generic stash alone (coded ops, which make input gradients approximate too, are tests/stash/test_stash_coded.py)
+GENERIC = memopt.Config(stash=memopt.StashConfig(generic=True, generic_bits=4, coded_ops=()), fewbit=None)
 
 
 @pytest.fixture(autouse=True)
@@ -104,7 +105,7 @@ def test_vit_forward_identical_bytes_equal_measure_and_report():
     reference = copy.deepcopy(model)
     om = memopt.optimize(model, example_inputs=x, config=GENERIC)
     exact = memopt.optimize(copy.deepcopy(model), example_inputs=x,
-                            config=memopt.Config(stash=memopt.StashConfig(), fewbit=None))
+                            config=memopt.Config(stash=memopt.StashConfig(generic=False, coded_ops=()), fewbit=None))
     torch.manual_seed(1)
     out = om(x)
     torch.manual_seed(1)
@@ -210,7 +211,9 @@ def test_models_with_dropout_get_one_bit_masks_and_stay_exact():
     torch.manual_seed(0)
     model, x = TinyViT().train(), torch.randn(4, 3, 16, 16)
     reference = copy.deepcopy(model)
-    om = memopt.optimize(model, example_inputs=x, config=memopt.Config(fewbit=None))
+    # the exact extras alone (the default also codes what the dropouts feed)
+    om = memopt.optimize(model, example_inputs=x, config=memopt.Config(
+        fewbit=None, stash=memopt.StashConfig(generic=False, coded_ops=())))
     on = [n for n in om.plan.nodes if n.name.endswith("_1bit")]
     assert len(on) == 4 and all(n.technique == "stash" and n.bits == 1 for n in on)
     torch.manual_seed(1)

@@ -1,0 +1,364 @@
+"""Input shapes that change between training forwards: one captured graph and one plan for many shapes.
+
+A build (capture, soundness check, plan, fidelity gate) is made for one concrete input signature. Inputs
+that differ only in their sizes (the same ranks, dtypes, devices, ``requires_grad`` and non-tensor values:
+``shape_free_signature``) reuse it when that is provably what a fresh build would run:
+
+- The captured graph must serve the new sizes. A ``torch.fx.symbolic_trace`` graph does: a traced forward
+  cannot branch on a size (sizes are traced values), so the graph repeats eager PyTorch's ops at any size.
+  A ``torch.export`` graph is specialised to the sizes it was exported at: the first new size of a
+  dimension exports again with the dimensions that changed dynamic (``Dim.AUTO``, as torch.compile's
+  automatic dynamic shapes), and that graph serves later sizes only where export's own shape guards hold.
+- The rewrite decisions must be the same. The passes decide on sizes (the stash's ``min_per_channel``,
+  few-bit's rule that a tensor too small to matter stays exact, ...), so the new sizes are annotated on
+  fake tensors and the passes run again on the captured graph; every (technique, unit, bits) must equal
+  the reference build's, before its fidelity gate. The gate's own repairs are then applied as they are.
+- Under a budget, the rewrites must still be needed (the baseline does not fit) and the estimated peak of
+  the rewritten graph at the new sizes must fit.
+
+A reused plan skips capture, the soundness check, the planner and the fidelity gate (which ran once, at
+the reference sizes); the graph that runs is the one the passes produced for the new sizes, so a size the
+passes wrote into the graph as a constant is the new one. Anything else plans anew, with the reason logged.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, FrozenSet, List, Optional, Tuple, Union
+
+import torch
+from torch import fx, nn
+from torch.export import Dim, ShapesCollection
+from torch.utils._pytree import keystr, tree_flatten_with_path
+
+from memopt.capture import (Captured, _attribute_snapshot, _drop_export_guards, _patched_apply, _quiet,
+                            _rebuild_on_model, _recorder, _restore_attributes, capture, flat_inputs)
+from memopt.config import Config
+from memopt.core.errors import TraceError
+from memopt.core.meta import DECISION_KEY
+from memopt.cost_model.analysis import annotate
+from memopt.passes.base import PassContext
+from memopt.passes.candidates import copy_graph_module
+from memopt.passes.manager import passes_for, run_passes
+from memopt.passes.planner import apply_decision
+from memopt.pipeline import Built, autocast_state, decision_set, make_plan
+from memopt.reversible.check import real_examples
+
+log = logging.getLogger("memopt")
+
+MAX_REFERENCES = 4  # plans kept per shape-free signature (a size that changes a decision adds one)
+MAX_CHECKED = 1024  # input signatures remembered per plan as served by its very graph (no check when seen again)
+
+Dims = FrozenSet[Tuple[str, int]]  # (input path, dimension)
+
+
+def shape_free_signature(args: tuple, kwargs: dict) -> Tuple[str, ...]:
+    """``pipeline.input_signature`` with each tensor's sizes replaced by its rank: inputs with equal ones may
+    share a captured graph and a plan."""
+    out = []
+    for path, leaf in tree_flatten_with_path((args, kwargs))[0]:
+        if isinstance(leaf, torch.Tensor):
+            out.append(f"{keystr(path)}: {str(leaf.dtype).replace('torch.', '')}[rank {leaf.dim()}] {leaf.device}"
+                       f"{' requires_grad' if leaf.requires_grad else ''}")
+        else:
+            out.append(f"{keystr(path)}: {type(leaf).__name__} {leaf!r:.40}")
+    return tuple(out + autocast_state())
+
+
+def input_shapes(args: tuple, kwargs: dict) -> Dict[str, Tuple[int, ...]]:
+    """{input path: shape} of every tensor input."""
+    return {keystr(path): tuple(leaf.shape) for path, leaf in tree_flatten_with_path((args, kwargs))[0]
+            if isinstance(leaf, torch.Tensor)}
+
+
+def changed_dims(before: Dict[str, Tuple[int, ...]], after: Dict[str, Tuple[int, ...]]) -> Dims:
+    return frozenset((path, i) for path, shape in after.items() for i, (a, b) in enumerate(zip(before[path], shape))
+                     if a != b)
+
+
+def distance(before: Dict[str, Tuple[int, ...]], after: Dict[str, Tuple[int, ...]]) -> int:
+    """How far apart two inputs' sizes are (the sum of the differences of every dimension)."""
+    return sum(abs(a - b) for path, shape in after.items() for a, b in zip(before.get(path, ()), shape))
+
+
+def describe(dims: Dims) -> str:
+    return ", ".join(f"{path} dim {i}" for path, i in sorted(dims))
+
+
+class DynamicExport:
+    """A capture function for ``pipeline.build``: ``torch.export`` (non-strict, as ``capture``) with ``dims``
+    dynamic. ``guards`` is the exported program's shape check of the first (full-size) capture: it raises
+    ``AssertionError`` naming the guard that fails for inputs the graph does not serve. Should the dynamic
+    export fail, the ordinary capture runs (whose graph serves its own sizes only: ``guards`` stays None)."""
+
+    def __init__(self, dims: Dims) -> None:
+        self.dims = dims
+        self.guards = None
+        self.calls = 0
+
+    def __call__(self, model: nn.Module, args: tuple, kwargs: dict) -> Captured:
+        first, self.calls = self.calls == 0, self.calls + 1
+        try:
+            gm, guards = self._export(model, args, kwargs)
+        except Exception as e:  # noqa: BLE001 - the ordinary capture reports its own failures
+            log.info("memopt: torch.export of %s with %s dynamic failed (%s: %s); capturing these sizes only",
+                     type(model).__name__, describe(self.dims), type(e).__name__, str(e)[:200])
+            return capture(model, args, kwargs)
+        if first:
+            self.guards = guards
+        return Captured(gm, "export")
+
+    def _export(self, model: nn.Module, args: tuple, kwargs: dict):
+        shapes = ShapesCollection()
+        for path, leaf in tree_flatten_with_path((args, kwargs))[0]:
+            dims = {i: Dim.AUTO for p, i in self.dims if p == keystr(path)}
+            if isinstance(leaf, torch.Tensor) and dims:
+                shapes[leaf] = dims
+        applied: Dict[type, str] = {}
+        snapshot, was_training = _attribute_snapshot(model), model.training
+        try:
+            with _quiet("torch.fx.experimental.symbolic_shapes"), _patched_apply(_recorder(applied)):
+                exported = torch.export.export(model, args, kwargs=kwargs, strict=False,
+                                               dynamic_shapes=shapes.dynamic_shapes(model, args, kwargs))
+        finally:
+            _restore_attributes(*snapshot)
+            model.train(was_training)
+        if applied:
+            names = sorted(c.__qualname__ for c in applied)
+            raise TraceError(f"torch.export inlines the custom autograd Functions {names}", "custom autograd Function")
+        ep_module = exported.module()
+        guards = getattr(ep_module, "_guards_fn", None)
+        if guards is None:
+            raise TraceError("torch.export made no shape guards for its graph, so no other size can be checked",
+                             "no shape guards")
+        _drop_export_guards(ep_module.graph)
+        ep_module.graph.lint()
+        return _rebuild_on_model(model, ep_module.graph, ep_module), guards
+
+
+class Recaptured:
+    """A capture function for ``pipeline.build`` that returns a reference's captured graph again (a copy): it
+    serves the new sizes, only the rewrite decisions differ there, so neither capture nor its check is redone."""
+
+    def __init__(self, reference: "Reference") -> None:
+        self.dims, self.guards, self.reference = reference.dynamic, reference.guards, reference
+
+    def __call__(self, model: nn.Module, args: tuple, kwargs: dict) -> Captured:
+        return Captured(copy_graph_module(self.reference.built.captured), self.reference.built.method)
+
+
+@dataclass
+class Reference:
+    """A full build and what deciding on reuse needs of it."""
+
+    built: Built
+    shapes: Dict[str, Tuple[int, ...]]
+    signature: List[str]
+    dynamic: Dims = frozenset()  # dimensions its export graph was captured dynamic in
+    guards: Any = None  # export's shape check (None: the graph serves its own sizes only, or fx)
+    fingerprint: tuple = ()  # soundness.attribute_fingerprint of the model at capture
+    given_plan: bool = False  # built from the Plan passed to optimize(plan=...)
+    # input signatures checked to run this very graph (no budget): {signature: pass records}
+    checked: Dict[tuple, list] = field(default_factory=dict)
+
+    def __getstate__(self) -> dict:
+        return dict(self.__dict__, guards=None)  # generated code: not picklable; a loaded one plans anew
+
+    def serves(self, args: tuple, kwargs: dict, shapes: Dict[str, Tuple[int, ...]]) -> Optional[str]:
+        """None when its captured graph computes what eager PyTorch does at ``shapes``; else why not."""
+        if self.built.method == "symbolic_trace":
+            return None
+        if self.guards is None:
+            changed = changed_dims(self.shapes, shapes)
+            return (f"torch.export specialised the graph to the sizes of {describe(changed)}"
+                    if changed else None)
+        try:
+            self.guards(*flat_inputs(self.built.captured, args, kwargs))
+        except AssertionError as e:
+            return f"torch.export's shape guard fails ({str(e)[:160]})"
+        return None
+
+
+@dataclass
+class ShapeStats:
+    """How the input signatures a module met were served: planned (a full build) or reused (a cheap check)."""
+
+    planned: int = 0
+    reused: int = 0
+    plan_seconds: float = 0.0
+    reuse_seconds: float = 0.0  # the checks, those that failed included
+    remembered: int = 0  # of the reused: seen before (then dropped from the cache), served with no check
+    replans: Dict[str, int] = field(default_factory=dict)  # cause -> count
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {"planned": self.planned, "reused": self.reused, "remembered": self.remembered,
+                "plan_seconds": round(self.plan_seconds, 4),
+                "reuse_seconds": round(self.reuse_seconds, 4), "replans": dict(self.replans)}
+
+    def line(self) -> str:
+        return (f"input signatures: {self.planned} planned ({self.plan_seconds:.2f} s), {self.reused} reused a plan "
+                f"({self.reuse_seconds:.2f} s of checks)")
+
+
+class Reused(Built):
+    """A reference's plan applied at new sizes. Its ``plan``, ``baseline`` and ``estimate`` (a full training-step
+    estimate at these sizes, for reports) are computed on first use, on meta copies of the inputs."""
+
+    def __init__(self, graph_module: fx.GraphModule, reference: Built, records: list, signature: List[str],
+                 model: nn.Module, args: tuple, kwargs: dict, config: Config, budget_bytes: Optional[int],
+                 optimizer: Any, estimates: Optional[tuple] = None) -> None:
+        self.graph_module, self.planned, self.reference = graph_module, None, reference
+        self.captured, self.method, self.initial = reference.captured, reference.method, reference.initial
+        self._inputs = torch.utils._pytree.tree_map(_meta, (args, kwargs))
+        self._context = (records, signature, model, config, budget_bytes, optimizer)
+        self._estimates = estimates
+        self._plan = None
+        self.remembered = False
+
+    def _complete(self) -> None:
+        records, signature, model, config, budget_bytes, optimizer = self._context
+        args, kwargs = self._inputs
+        if self._estimates is None:
+            baseline = annotate(copy_graph_module(self.captured), args, kwargs, device=config.device,
+                                optimizer=optimizer)
+            modified = any(r.modified for r in records)
+            estimate = annotate(self.graph_module, args, kwargs, device=config.device, optimizer=optimizer) \
+                if modified else baseline
+            self._estimates = (baseline, estimate)
+        plan = make_plan(model, self.method, args, kwargs, config, budget_bytes, *self._estimates, records,
+                         self.graph_module, None)
+        plan.input_signature = list(signature)
+        plan.soundness, plan.fidelity = self.reference.plan.soundness, self.reference.plan.fidelity
+        self._plan = plan
+
+    @property
+    def plan(self):
+        if self._plan is None:
+            self._complete()
+        return self._plan
+
+    @property
+    def baseline(self):
+        if self._estimates is None:
+            self._complete()
+        return self._estimates[0]
+
+    @property
+    def estimate(self):
+        if self._estimates is None:
+            self._complete()
+        return self._estimates[1]
+
+
+def _meta(value: Any) -> Any:
+    if not isinstance(value, torch.Tensor):
+        return value
+    return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype,
+                               device="meta").requires_grad_(value.requires_grad)
+
+
+def reuse(reference: Reference, model: nn.Module, args: tuple, kwargs: dict, signature: List[str], config: Config,
+          budget_bytes: Optional[int], optimizer: Any) -> Union[Built, str]:
+    """``reference``'s plan at the sizes of ``args`` / ``kwargs`` when every rewrite decision is the same there
+    (and, with a budget, the rewrites are needed and fit); else why not (a re-plan's cause)."""
+    built = reference.built
+    budget = budget_bytes is not None
+    if list(signature) == reference.signature:  # its own inputs, seen again after the cache dropped them
+        return built
+    if not budget and not passes_for(config):  # nothing to decide: the captured graph runs as it is
+        return Reused(built.graph_module, built, [], signature, model, args, kwargs, config, budget_bytes, optimizer)
+    if tuple(signature) in reference.checked:  # checked before, and it ran this graph
+        result = Reused(built.graph_module, built, reference.checked[tuple(signature)], signature, model, args,
+                        kwargs, config, budget_bytes, optimizer)
+        result.remembered = True
+        return result
+    base = copy_graph_module(built.captured)
+    baseline = annotate(base, args, kwargs, device=config.device, optimizer=optimizer, simulate=budget)
+    meta = any(isinstance(t, torch.Tensor) and t.is_meta for t in torch.utils._pytree.tree_leaves((args, kwargs)))
+    ctx = PassContext(args, kwargs, config.device, None if meta else real_examples(flat_inputs(base, args, kwargs)))
+    final = decision_set(built.graph_module)
+    target = None if not budget else budget_bytes - config.workspace_bytes(baseline.device)
+    if budget and (baseline.peak_bytes <= target) != (not final):
+        return ("the baseline fits the budget at these sizes: the plan's rewrites are not needed" if final else
+                "the baseline no longer fits the budget at these sizes")
+    if budget:
+        gm, records = apply_decision(base, config, built.plan.chosen_units(), ctx) if final else (base, [])
+        found, expected = decision_set(gm), final
+    else:  # what a fresh plan's passes decide, before its fidelity gate (copies: ``base`` keeps the baseline)
+        gm, records = run_passes(copy_graph_module(base), passes_for(config), ctx)
+        found, expected = decision_set(gm), built.initial
+    if found != expected:
+        return _difference(expected, found, gm)
+    if not budget and final != built.initial:  # the gate repaired some units: apply its choice
+        gm, records = apply_decision(base, config, built.plan.chosen_units(), ctx)
+        if decision_set(gm) != final:
+            return _difference(final, decision_set(gm), gm)
+    estimates = None
+    if budget:
+        modified = any(r.modified for r in records)
+        estimate = annotate(gm, args, kwargs, device=config.device, optimizer=optimizer) if modified else baseline
+        if estimate.peak_bytes > target:
+            return (f"the plan's estimated peak at these sizes, {estimate.peak_bytes / 2**20:.1f} MiB, exceeds the "
+                    f"budget less the workspace reserve, {target / 2**20:.1f} MiB")
+        estimates = (baseline, estimate)
+    if same_program(gm, built.graph_module):  # one graph for every size it was checked at
+        gm = built.graph_module
+        if not budget:
+            reference.checked[tuple(signature)] = records
+            while len(reference.checked) > MAX_CHECKED:
+                reference.checked.pop(next(iter(reference.checked)))
+    return Reused(gm, built, records, signature, model, args, kwargs, config, budget_bytes, optimizer, estimates)
+
+
+def same_program(a: fx.GraphModule, b: fx.GraphModule) -> bool:
+    """Whether running ``a`` is running ``b``: the same generated code, and every attribute it reads the same
+    object, an equal tensor, or (a pass's sub-graph) the same program again. Sizes a pass wrote into the graph
+    as constants are in the code, so a graph that depends on them is never shared across sizes."""
+    if a is b:
+        return True
+    if a.code != b.code:
+        return False
+    for node in a.graph.nodes:
+        if node.op not in ("get_attr", "call_module"):
+            continue
+        x, y = _attribute(a, node.target), _attribute(b, node.target)
+        if x is y:
+            continue
+        if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
+            if x.dtype != y.dtype or x.shape != y.shape or x.device != y.device or not torch.equal(x, y):
+                return False
+        elif not (isinstance(x, fx.GraphModule) and isinstance(y, fx.GraphModule) and same_program(x, y)):
+            return False
+    return True
+
+
+def _attribute(gm: fx.GraphModule, target: str) -> Any:
+    obj = gm
+    for part in target.split("."):
+        obj = getattr(obj, part, None)
+    return obj
+
+
+def _difference(expected: frozenset, found: frozenset, gm: fx.GraphModule) -> str:
+    """The first few units whose decision differs, with the pass's reason where it left one exact."""
+    reasons = {n.name: n.meta[DECISION_KEY].get("reason", "") for n in gm.graph.nodes
+               if n.meta.get(DECISION_KEY, {}).get("technique") == "exact"}
+    parts = []
+    for technique, unit, bits in sorted(expected - found, key=str)[:3]:
+        why = reasons.get(unit)
+        parts.append(f"{technique} {unit} ({bits} bits) is not rewritten at these sizes" + (f": {why}" if why else ""))
+    for technique, unit, bits in sorted(found - expected, key=str)[:3]:
+        parts.append(f"{technique} {unit} ({bits} bits) is rewritten at these sizes but not at the planned ones")
+    return "the rewrite decisions differ: " + "; ".join(parts)
+
+
+def replan_key(cause: str) -> str:
+    """A re-plan cause without its numbers: log lines are written once per kind of cause."""
+    return "".join("#" if c.isdigit() else c for c in cause)
+
+
+def timed(fn, *args, **kwargs):
+    start = time.perf_counter()
+    result = fn(*args, **kwargs)
+    return result, time.perf_counter() - start

@@ -1,0 +1,174 @@
+"""Inputs whose sizes change every batch reuse one captured graph and plan where the rewrite decisions are the
+same (memopt/shapes.py), train bit for bit as eager PyTorch does, and plan again, saying why, where a size
+changes a decision."""
+import copy
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import memopt
+import memopt.pipeline
+from memopt.optimized import MAX_SIGNATURES
+
+
+def cnn():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                         nn.Conv2d(8, 8, 3, stride=2, padding=1), nn.BatchNorm2d(8), nn.GELU(),
+                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4)).train()
+
+
+# batch and image size change; every BatchNorm still normalises >= StashConfig.min_per_channel (32) elements
+SIZES = [(4, 3, 16, 16), (2, 3, 16, 16), (4, 3, 24, 24), (3, 3, 12, 12), (6, 3, 20, 20)]
+
+
+def _step(net, x, seed=0):
+    torch.manual_seed(seed)
+    out = net(x) if isinstance(x, torch.Tensor) else net(**x)
+    out = out if isinstance(out, torch.Tensor) else out.last_hidden_state
+    out.pow(2).mean().backward()
+    return out.detach()
+
+
+def _grads(model):
+    grads = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+def _same(a, b):
+    return (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
+
+
+@pytest.fixture
+def gates(monkeypatch):
+    """How often the fidelity gate ran."""
+    calls = []
+    real = memopt.pipeline.fidelity_gate
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(memopt.pipeline, "fidelity_gate", counted)
+    return calls
+
+
+def test_exact_config_one_plan_for_every_size_bit_identical(one_thread, caplog):
+    model = cnn()
+    reference = copy.deepcopy(model)
+    om = memopt.optimize(model, example_inputs=torch.randn(SIZES[0]), config=memopt.Config.exact())
+    with caplog.at_level("INFO", logger="memopt"):
+        for shape in SIZES:
+            x = torch.randn(shape)
+            assert torch.equal(_step(om, x), _step(reference, x))
+            assert all(map(_same, _grads(model), _grads(reference)))
+            assert om.plan.input_signature[0].endswith(f"float32[{','.join(map(str, shape))}] cpu")
+    assert om.shape_stats["planned"] == 1 and om.shape_stats["reused"] == len(SIZES) - 1
+    assert "reusing the plan made for ['[0][0]: float32[4,3,16,16] cpu']" in caplog.text
+    assert f"input signatures: 1 planned" in om.report()
+
+
+def test_default_config_reuses_the_plan_without_the_gate(one_thread, gates, caplog):
+    model = cnn()
+    reference = copy.deepcopy(model)
+    om = memopt.optimize(model, example_inputs=torch.randn(SIZES[0]))
+    chosen = om.plan.chosen_units()
+    assert chosen["stash"]["_1"] == 4 and chosen["fewbit"] == {"_5": 3} and len(gates) == 1
+    with caplog.at_level("WARNING", logger="memopt"):
+        for shape in SIZES:
+            x = torch.randn(shape)
+            assert torch.equal(_step(om, x), _step(reference, x))  # the forward is exact; gradients are not
+            _grads(model), _grads(reference)
+    assert om.shape_stats["planned"] == 1 and len(gates) == 1  # the gate ran once, for the first plan
+    assert "capturing and planning again" not in caplog.text
+    assert "new input signature ['[0][0]: float32[2,3,16,16] cpu'] for Sequential; reusing the plan" in caplog.text
+    assert om.plan.chosen_units() == chosen
+    assert om.plan.baseline_saved_bytes != 0 and om.plan.estimated_saved_bytes < om.plan.baseline_saved_bytes
+    assert memopt.measure(om, torch.randn(SIZES[-1])).saved_bytes == om.plan.estimated_saved_bytes
+
+
+def test_a_size_that_changes_a_decision_plans_again_and_says_why(one_thread, gates, caplog):
+    model = cnn()
+    reference = copy.deepcopy(model)
+    om = memopt.optimize(model, example_inputs=torch.randn(SIZES[0]))
+    chosen = om.plan.chosen_units()
+    tiny = torch.randn(1, 3, 4, 4)  # the first BatchNorm sees 1 x 4 x 4 = 16 < 32 elements per channel
+    with caplog.at_level("WARNING", logger="memopt"):
+        assert torch.equal(_step(om, tiny), _step(reference, tiny))
+    assert ("new input signature ['[0][0]: float32[1,3,4,4] cpu'] for Sequential; capturing and planning again: the "
+            "rewrite decisions differ: stash _1 (4 bits) is not rewritten at these sizes: stash: it normalises 16 "
+            "elements per channel, fewer than StashConfig.min_per_channel=32") in caplog.text
+    assert "_1" not in om.plan.chosen_units().get("stash", {}) and om.shape_stats["planned"] == 2 and len(gates) == 2
+    assert sum(om.shape_stats["replans"].values()) == 1
+    _grads(model), _grads(reference)
+    for shape in SIZES[1:]:  # back to sizes the first plan serves: reused, never planned again
+        x = torch.randn(shape)
+        assert torch.equal(_step(om, x), _step(reference, x))
+        assert om.plan.chosen_units() == chosen
+    assert om.shape_stats["planned"] == 2 and len(gates) == 2
+
+
+def test_the_cache_bound_holds_and_evicted_sizes_are_remembered(one_thread):
+    model = cnn()
+    om = memopt.optimize(model, example_inputs=torch.randn(2, 3, 8, 8))
+    sizes = [(2, 3, 8 + 2 * i, 8 + 2 * i) for i in range(MAX_SIGNATURES + 4)]
+    for shape in sizes + sizes[:2]:
+        _step(om, torch.randn(shape))
+        assert len(om._memopt_built) <= MAX_SIGNATURES
+    stats = om.shape_stats
+    assert stats["planned"] == 1 and stats["reused"] == len(sizes) + 1 and stats["remembered"] == 2
+    assert len({id(built.graph_module) for built in om._memopt_built.values()}) == 1  # one graph for all sizes
+
+
+def _hf():
+    path = Path(__file__).resolve().parent.parent / "models" / "test_hf_models.py"
+    spec = importlib.util.spec_from_file_location("memopt_test_hf_models", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("config", ["exact", "default"])
+def test_bert_sequence_lengths_share_one_dynamic_export(one_thread, gates, caplog, config):
+    pytest.importorskip("transformers")
+    model, _, _ = _hf()._build("bert")
+    reference = copy.deepcopy(model)
+    tokens = lambda n: {"input_ids": torch.randint(0, 1000, (2, n))}  # noqa: E731
+    om = memopt.optimize(model, example_inputs=tokens(16),
+                         config=memopt.Config.exact() if config == "exact" else memopt.Config())
+    with caplog.at_level("INFO", logger="memopt"):
+        for n in (16, 24, 40, 17, 64):
+            x = tokens(n)
+            assert torch.equal(_step(om, x), _step(reference, x))
+            mine, theirs = _grads(model), _grads(reference)
+            if config == "exact":
+                assert all(map(_same, mine, theirs))
+    # torch.export specialises the first graph to 16 tokens; the second length exports it again with the
+    # sequence dimension dynamic, and every later length reuses that graph and its plan
+    assert "capturing and planning again: torch.export specialised the graph to the sizes of [1]['input_ids'] " \
+           "dim 1" in caplog.text
+    assert "exporting BertModel again with [1]['input_ids'] dim 1 dynamic" in caplog.text
+    assert om.shape_stats["planned"] == 2 and om.shape_stats["reused"] == 3
+    assert om.plan.capture == "export" and "int64[2,64]" in om.plan.input_signature[0]
+    assert len(gates) == (0 if config == "exact" else om.shape_stats["planned"])
+
+
+def test_a_budget_plan_is_reused_only_where_it_is_needed_and_fits(one_thread, caplog):
+    model = cnn()
+    x = torch.randn(16, 3, 32, 32)
+    budget = 0.8 * memopt.estimate(model, x).peak_bytes / 2 ** 20
+    om = memopt.optimize(model, budget, example_inputs=x)
+    chosen = om.plan.chosen_units()
+    assert chosen
+    with caplog.at_level("WARNING", logger="memopt"):
+        _step(om, torch.randn(14, 3, 32, 32))  # a little smaller: the same rewrites, within the budget
+        assert om.shape_stats["planned"] == 1 and om.plan.chosen_units() == chosen
+        assert om.plan.estimated_peak_bytes <= budget * 2 ** 20
+        _step(om, torch.randn(2, 3, 16, 16))  # the baseline fits: a fresh plan rewrites nothing
+    assert ("capturing and planning again: the baseline fits the budget at these sizes: the plan's rewrites are not "
+            "needed") in caplog.text
+    assert om.shape_stats["planned"] == 2 and om.plan.chosen_units() == {}
