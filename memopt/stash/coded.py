@@ -35,7 +35,7 @@ from memopt.core.leaf import graph_leaf
 from memopt.runtime.autocast import autocast_state, replayed_autocast
 from memopt.runtime.layout import rebuilt_stride
 from memopt.runtime.rng import replayed_rng, rng_state
-from memopt.stash.generic import group_dequantize, group_quantize
+from memopt.stash.generic import group_dequantize, group_quantize, own_output
 
 
 def gated(g: torch.Tensor, u: torch.Tensor, act: str, act_first: bool, approximate: str = "none") -> torch.Tensor:
@@ -147,7 +147,7 @@ class _CodedCall(torch.autograd.Function):
         ctx.counts = (len(exact), len(codes), len(rng))
         ctx.autocast = autocast_state()
         ctx.save_for_backward(*exact, *codes, *rng)
-        return out
+        return own_output(out) if isinstance(out, torch.Tensor) else out
 
     @staticmethod
     def backward(ctx, grad):

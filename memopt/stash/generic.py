@@ -115,6 +115,16 @@ def group_dequantize(packed: torch.Tensor, params: torch.Tensor, bits: int, grou
     return out
 
 
+def own_output(out: torch.Tensor) -> torch.Tensor:
+    """``out`` as a tensor of its own when the op returned a view (``F.linear`` of some 3-D inputs): autograd
+    refuses in-place updates of a view made inside a custom Function, which the graph may do next (Hugging
+    Face Wav2Vec2 does); the copy has the same values and strides."""
+    if not out._is_view():
+        return out
+    copy = torch.empty_strided(out.shape, out.stride(), dtype=out.dtype, device=out.device)
+    return copy.copy_(out)
+
+
 def _check_backward(node: str) -> None:
     if torch.is_grad_enabled():
         raise MemoptError(f"double backward (create_graph=True) through the stash node {node} is not supported; "
@@ -137,7 +147,7 @@ class LinearFromCodes(torch.autograd.Function):
         ctx.save_for_backward(packed, params, weight)
         _keep(ctx, x, bits, group, node)
         ctx.has_bias = bias is not None
-        return F.linear(x, weight, bias)
+        return own_output(F.linear(x, weight, bias))
 
     @staticmethod
     def backward(ctx, grad):
@@ -154,7 +164,7 @@ class ConvFromCodes(torch.autograd.Function):
         ctx.save_for_backward(packed, params, weight)
         _keep(ctx, x, bits, group, node)
         ctx.conv = (stride, padding, dilation, groups, bias is not None)
-        return conv(x, weight, bias, stride, padding, dilation, groups)
+        return own_output(conv(x, weight, bias, stride, padding, dilation, groups))
 
     @staticmethod
     def backward(ctx, grad):
@@ -171,7 +181,7 @@ class MatmulFromCodes(torch.autograd.Function):
     def forward(ctx, x, weight, packed, params, bits, group, node):
         ctx.save_for_backward(packed, params, weight)
         _keep(ctx, x, bits, group, node)
-        return torch.matmul(x, weight)
+        return own_output(torch.matmul(x, weight))
 
     @staticmethod
     def backward(ctx, grad):
