@@ -123,7 +123,8 @@ def generic_stash(gm: fx.GraphModule, cfg: StashConfig, ctx: PassContext) -> boo
         call = find_call(node, modules, cfg.coded_ops, cfg.min_per_channel) if cfg.coded_ops else None
         if call is None:
             continue
-        reason = _excluded(ctx, cfg, call_unit(node))
+        reason = _excluded(ctx, cfg, call_unit(node)) or (f"the node {node.name} is excluded by StashConfig deny"
+                                                          if node.name in cfg.deny else "")
         if reason:
             _decide(node, f"coded {call.kind}: {reason}")
         else:

@@ -30,6 +30,7 @@ class Net(nn.Module):
 
 
 ONE_BIT = memopt.FewBitConfig(plan_bits=(1,))  # the planner can only crush; the gate can only make exact
+NO_STASH = None  # few-bit is the only lossy technique here (the generic stash would offer its own units)
 
 
 @pytest.fixture(scope="module")
@@ -39,17 +40,17 @@ def case():
     baseline = memopt.estimate(model, x, optimizer="sgd").peak_bytes
     with pytest.raises(memopt.BudgetError) as least:
         memopt.optimize(copy.deepcopy(model), 0.1, example_inputs=x, optimizer="sgd",
-                        config=memopt.Config(fewbit=ONE_BIT, recompute=None, fidelity=None))
+                        config=memopt.Config(stash=NO_STASH, fewbit=ONE_BIT, recompute=None, fidelity=None))
     return model, x, (baseline + least.value.minimum_bytes) / 2 / 2 ** 20
 
 
 def test_a_budget_plan_that_misses_the_gate_is_repaired_by_recomputation_within_the_budget(case):
     model, x, budget = case
     ungated = memopt.optimize(copy.deepcopy(model), budget, example_inputs=x, optimizer="sgd",
-                              config=memopt.Config(fewbit=ONE_BIT, fidelity=None))
+                              config=memopt.Config(stash=NO_STASH, fewbit=ONE_BIT, fidelity=None))
     assert {u["chosen"]["technique"] for u in ungated.plan.units} >= {"fewbit"}
     om = memopt.optimize(copy.deepcopy(model), budget, example_inputs=x, optimizer="sgd",
-                         config=memopt.Config(fewbit=ONE_BIT))
+                         config=memopt.Config(stash=NO_STASH, fewbit=ONE_BIT))
     report = om.plan.fidelity
     assert report["passed"] and report["worst"]["cosine"] >= 0.99
     assert report["before"]["cosine"] < 0.99  # the planner's plan missed
@@ -71,5 +72,5 @@ def test_a_budget_the_gate_cannot_meet_raises_with_the_least_peak_that_can(case)
                                                  r"lower FidelityConfig.min_cosine, or accept the approximate "
                                                  r"gradients with Config\(fidelity=None\)") as error:
         memopt.optimize(copy.deepcopy(model), budget, example_inputs=x, optimizer="sgd",
-                        config=memopt.Config(fewbit=ONE_BIT, recompute=None))
+                        config=memopt.Config(stash=NO_STASH, fewbit=ONE_BIT, recompute=None))
     assert error.value.minimum_bytes > budget * 2 ** 20

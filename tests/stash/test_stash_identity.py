@@ -64,7 +64,9 @@ def _grads(model, x, config, seed=1):
 
 
 def _config(**kw):
-    # the stash by itself: the fidelity gate (tests/fidelity) would raise the bits these tests measure
+    # the chains by themselves: the fidelity gate (tests/fidelity) would raise the bits these tests measure, and the
+    # generic stash / coded ops would code the convs' inputs and the BatchNorms left exact
+    kw = {"generic": False, "coded_ops": (), **kw}
     return memopt.Config(stash=memopt.StashConfig(bits=4, min_per_channel=1, **kw), fewbit=None, fidelity=None)
 
 
