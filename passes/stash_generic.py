@@ -195,18 +195,22 @@ def _weight_units(gm: fx.GraphModule, cfg: StashConfig, modules) -> Dict[object,
         data = _arg(node, 0, "input")
         if not why and _dtype(data) not in _FLOATS:
             why = f"its input's dtype {_dtype(data)} is not one of {list(_FLOATS)}"
-        if not why and len(kept) != 1:
+        # what it keeps besides copies it made itself (autocast's low-precision copies of its input and weight,
+        # a transposed input made contiguous): those the rewrite drops, keeping the codes and the weight instead
+        own = [r for r in kept if r.category != "extra"]
+        if not why and len(own) > 1:
             why = "it keeps more than its input"
-        if not why and kept[0].category == "input":
+        if not why and own and own[0].category == "input":
             why = ("its input is a model input, which stays alive outside the step: coding it would add bytes, "
                    "not free them")
-        for ref in kept:
-            # a copy the op made of its input (F.linear of a transposed 3-D input) is its own: every consumer
-            # of that input joins one unit named after it, as they would share its storage
-            key = ref.key if ref.category != "extra" else ("copy of", data.name if isinstance(data, fx.Node) else "")
-            unit, savers, consumers, reason = units.get(key, (ref.source or key[1], [], [], ""))
-            units[key] = (unit, savers + [s for s in ref.savers if s not in savers], consumers + [node],
-                          reason or (f"{node.name} ({kind}): {why}" if why else ""))
+        if own:
+            key, name, ref_savers = own[0].key, own[0].source, list(own[0].savers)
+        else:  # only copies of its own: every consumer of that input joins one unit named after it
+            key = ("copy of", data.name if isinstance(data, fx.Node) else "")
+            name, ref_savers = key[1], [node.name]
+        unit, savers, consumers, reason = units.get(key, (name, [], [], ""))
+        units[key] = (unit, savers + [s for s in ref_savers if s not in savers], consumers + [node],
+                      reason or (f"{node.name} ({kind}): {why}" if why else ""))
     return units
 
 

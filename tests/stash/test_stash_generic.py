@@ -240,3 +240,25 @@ def test_config_errors_quote_the_value_and_double_backward_names_the_node():
     om = memopt.optimize(model, example_inputs=x, config=GENERIC)
     with pytest.raises(memopt.MemoptError, match=r"double backward .* stash node %head : "):
         torch.autograd.grad(om(x).sum(), list(model.parameters()), create_graph=True)
+
+
+def test_under_autocast_linears_drop_their_low_precision_copies():
+    """Under bf16 autocast a linear keeps bf16 copies of its input and weight that it made itself; the generic stash
+    keeps the codes and the float32 weight instead (it skipped such linears as "keeping more than its input")."""
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 256)).train(), torch.randn(64, 256)
+    reference = copy.deepcopy(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        om = memopt.optimize(model, example_inputs=x, config=memopt.Config(fidelity=None, fewbit=None))
+        stock, real = memopt.measure(reference, x).saved_bytes, memopt.measure(om, x).saved_bytes
+        assert real == om.plan.estimated_saved_bytes and real < 0.5 * stock
+        assert sum(n.op == "linear_from_codes" for n in om.plan.nodes) == 2
+        torch.manual_seed(1)
+        out = om(x)
+        torch.manual_seed(1)
+        ref = reference(x)
+    assert torch.equal(out, ref) and out.dtype == torch.bfloat16
+    out.float().sum().backward()
+    ref.float().sum().backward()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert p.grad.dtype == torch.float32 and F.cosine_similarity(p.grad.flatten(), q.grad.flatten(), 0) > 0.999
