@@ -95,8 +95,8 @@ def test_only_non_leaf_members_of_containers_are_blocks():
 
 
 def test_planner_recomputes_when_nothing_else_fits():
-    model, x = build("vit")  # no BN chains; few-bit off: only recomputation can lower the peak
-    config = memopt.Config(fewbit=None)
+    model, x = build("vit")  # few-bit and the stash off: only recomputation can lower the peak
+    config = memopt.Config(fewbit=None, stash=None)
     baseline = memopt.estimate(model, x, optimizer="sgd").peak_bytes
     om = memopt.optimize(model, 0.97 * baseline / 2 ** 20, example_inputs=x, config=config, optimizer="sgd")
     assert "recompute" in {u["chosen"]["technique"] for u in om.plan.units}
@@ -104,7 +104,7 @@ def test_planner_recomputes_when_nothing_else_fits():
     assert memopt.measure(om, x, optimizer="sgd").peak_bytes == om.plan.estimated_peak_bytes
     with pytest.raises(memopt.BudgetError):
         memopt.optimize(model, 0.97 * baseline / 2 ** 20, example_inputs=x,
-                        config=memopt.Config(fewbit=None, recompute=None), optimizer="sgd")
+                        config=memopt.Config(fewbit=None, stash=None, recompute=None), optimizer="sgd")
 
 
 def test_planner_does_not_recompute_when_the_other_techniques_fit():
