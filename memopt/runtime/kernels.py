@@ -77,20 +77,7 @@ def fewbit_triton(x: torch.Tensor, node: str) -> bool:
     naming the fix, not a silent fallback; a dtype or tensor type they do not take (float64, subclasses)
     takes the plain path, which gives the same results. Fake tensors (the cost model) take the path the real ones
     would, which allocates the same outputs and launches nothing."""
-    if _choice in ("native", "torch"):
-        return False
-    if type(x) not in (torch.Tensor, torch.nn.Parameter, FakeTensor) or x.dtype not in triton_fewbit.DTYPES:
-        return False
-    if _choice is None:
-        return False  # opt-in until the kernels have run on a GPU (module docstring)
-    if not triton_fewbit.AVAILABLE:
-        raise MemoptError(f"MEMOPT_KERNELS=triton but `import triton` failed ({triton_fewbit.IMPORT_ERROR}) for "
-                          f"few-bit node {node}; install triton, or set MEMOPT_KERNELS=native (or unset it)")
-    if x.device.type == "cpu" and not triton_fewbit.interpreting():
-        raise MemoptError(f"MEMOPT_KERNELS=triton but few-bit node {node} has a CPU input, which Triton runs only "
-                          f"in its interpreter; set TRITON_INTERPRET=1 (tests), or MEMOPT_KERNELS=native for the "
-                          f"C kernels on CPU (or unset it)")
-    return True
+    return _triton_takes(x, triton_fewbit.DTYPES, triton_fewbit.AVAILABLE, f"few-bit node {node}")
 
 
 def stash_triton(x: torch.Tensor, what: str) -> bool:
@@ -99,17 +86,22 @@ def stash_triton(x: torch.Tensor, what: str) -> bool:
     ``fewbit_triton``: with ``MEMOPT_KERNELS=triton`` a tensor they cannot take on this machine is an error naming
     the fix; a dtype or tensor type they do not take (float64, subclasses) takes the plain path (the same
     results); fake tensors take the path real ones would (same allocations, no launch); opt-in by default."""
+    return _triton_takes(x, triton_stash.DTYPES, triton_stash.AVAILABLE, f"the stash's {what}")
+
+
+def _triton_takes(x: torch.Tensor, dtypes, available: bool, subject: str) -> bool:
+    """The rules both predicates share; ``subject`` names the node or codec in errors."""
     if _choice in ("native", "torch"):
         return False
-    if type(x) not in (torch.Tensor, torch.nn.Parameter, FakeTensor) or x.dtype not in triton_stash.DTYPES:
+    if type(x) not in (torch.Tensor, torch.nn.Parameter, FakeTensor) or x.dtype not in dtypes:
         return False
     if _choice is None:
         return False  # opt-in until the kernels have run on a GPU (module docstring)
-    if not triton_stash.AVAILABLE:
+    if not available:
         raise MemoptError(f"MEMOPT_KERNELS=triton but `import triton` failed ({triton_fewbit.IMPORT_ERROR}) for "
-                          f"the stash's {what}; install triton, or set MEMOPT_KERNELS=native (or unset it)")
+                          f"{subject}; install triton, or set MEMOPT_KERNELS=native (or unset it)")
     if x.device.type == "cpu" and not triton_fewbit.interpreting():
-        raise MemoptError(f"MEMOPT_KERNELS=triton but the stash's {what} has a CPU input, which Triton runs only in "
-                          f"its interpreter; set TRITON_INTERPRET=1 (tests), or MEMOPT_KERNELS=native for the C "
-                          f"kernels on CPU (or unset it)")
+        raise MemoptError(f"MEMOPT_KERNELS=triton but {subject} has a CPU input, which Triton runs only in its "
+                          f"interpreter; set TRITON_INTERPRET=1 (tests), or MEMOPT_KERNELS=native for the C kernels "
+                          f"on CPU (or unset it)")
     return True
