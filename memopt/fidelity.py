@@ -187,15 +187,17 @@ def _consumers(graph: fx.Graph, parameter: str) -> List[fx.Node]:
             (n.op == "get_attr" and n.target in (parameter, f"{modules[1]}.{attr}"))]
 
 
-def _distances(graph: fx.Graph, start: List[fx.Node], radius: int) -> Dict[str, int]:
-    """Graph distance (ignoring direction) of every node within ``radius`` of ``start``."""
+def _distances(start: List[fx.Node], radius: int) -> Dict[str, int]:
+    """Forward distance of every node within ``radius`` users of ``start``. A parameter's gradient is computed
+    from the backward of its consumers and of everything after them in the forward: a unit before them (an
+    input's producer) runs its backward later and cannot change that gradient, so only descendants count."""
     seen = {n.name: 0 for n in start}
     queue = deque(start)
     while queue:
         node = queue.popleft()
         if seen[node.name] >= radius:
             continue
-        for other in list(node.all_input_nodes) + list(node.users):
+        for other in node.users:
             if other.name not in seen:
                 seen[other.name] = seen[node.name] + 1
                 queue.append(other)
@@ -203,26 +205,33 @@ def _distances(graph: fx.Graph, start: List[fx.Node], radius: int) -> Dict[str, 
 
 
 def _responsible(graph: fx.Graph, parameter: str, lossy: Dict[Tuple[str, str], Set[str]],
-                 radius: int) -> List[Tuple[str, str]]:
-    """The lossy units nearest to ``parameter`` within ``radius`` (all those at the least distance)."""
-    distances = _distances(graph, _consumers(graph, parameter), radius)
-    scored = [(min(distances[n] for n in nodes if n in distances), key) for key, nodes in lossy.items()
-              if any(n in distances for n in nodes)]
-    if not scored:
-        return []
-    least = min(d for d, _ in scored)
-    return sorted(key for d, key in scored if d == least)
+                 weights: Dict[Tuple[str, str], float], radius: int) -> List[Tuple[str, str]]:
+    """The lossy unit to raise for ``parameter``: among those within ``radius`` users after its consumers (a
+    unit whose nodes all run before them cannot change its gradient), the one of the largest fidelity proxy
+    (``weights``: the planner's estimate of the squared error it adds, on one scale for every technique), the
+    nearest on a tie. Not the nearest alone: a 4-bit chain three nodes on can outweigh an 8-bit code next to
+    the parameter by orders of magnitude, and raising the code first only spends the gate's rounds."""
+    distances = _distances(_consumers(graph, parameter), radius)
+    scored = [(-weights.get(key, 0.0), min(distances[n] for n in nodes if n in distances), key)
+              for key, nodes in lossy.items() if any(n in distances for n in nodes)]
+    return [min(scored)[2]] if scored else []
 
 
-def _raise(decision: Decision, config: Config, technique: str, unit: str) -> str:
-    """Raise ``unit`` to its technique's next bit width, or drop it from the decision (exact); says which."""
+def _raise(decision: Decision, config: Config, technique: str, unit: str,
+           weights: Optional[Dict[Tuple[str, str], float]] = None) -> str:
+    """Raise ``unit`` to its technique's next bit width, or drop it from the decision (exact); says which.
+    ``weights`` (the fidelity proxies) follow: each extra bit quarters a code's squared error, exact is 0."""
     bits = decision[technique][unit]
     levels = sorted(b for b in _LEVELS[technique](config) if bits is not None and b > bits) \
         if technique in _LEVELS else []
     if levels:
         decision[technique][unit] = levels[0]
+        if weights is not None and (technique, unit) in weights:
+            weights[(technique, unit)] /= 4.0 ** (levels[0] - bits)
         return f"{technique} {unit}: {bits} -> {levels[0]} bits"
     del decision[technique][unit]
+    if weights is not None:
+        weights.pop((technique, unit), None)
     return f"{technique} {unit}: {'' if bits is None else f'{bits} bits '}-> exact"
 
 
@@ -249,6 +258,16 @@ def _raise_all(decision: Decision, config: Config, technique: str, lossy: Set[Tu
     return raised, ", ".join(f"{n} unit{'s' * (n > 1)} {move}" for move, n in sorted(moves.items()))
 
 
+def _follow(weights: Dict[Tuple[str, str], float], technique: str, before: Decision, after: Decision) -> None:
+    """Update the fidelity proxies of ``technique``'s units for a raise of all of them from ``before`` to ``after``."""
+    for key in [k for k in weights if k[0] == technique and k[1] in before.get(technique, {})]:
+        old, new = before[technique][key[1]], after.get(technique, {}).get(key[1])
+        if new is None:
+            weights.pop(key)
+        elif old is not None:
+            weights[key] /= 4.0 ** (new - old)
+
+
 def fidelity_gate(model: nn.Module, args: tuple, kwargs: dict, config: Config, decision: Decision,
                   units: List[Dict[str, Any]], planned: fx.GraphModule,
                   verify_only: bool = False) -> Tuple[Decision, Dict[str, Any]]:
@@ -271,6 +290,8 @@ def fidelity_gate(model: nn.Module, args: tuple, kwargs: dict, config: Config, d
     loss = RandomProjection()
     exact = training_step(model, model, sliced_args, sliced_kwargs, rng, loss).grads
     lossy_nodes = {(u["chosen"]["technique"], u["chosen"]["unit"]): set(u["nodes"]) for u in units if _lossy(u)}
+    weights = {(u["chosen"]["technique"], u["chosen"]["unit"]): float(u["chosen"]["fidelity"]) for u in units
+               if _lossy(u)}
     cache: Dict[tuple, Tuple[Dict[str, Dict[str, Any]], List[str]]] = {}
 
     def evaluate(trial: Decision) -> Tuple[Dict[str, Dict[str, Any]], List[str]]:
@@ -287,7 +308,7 @@ def fidelity_gate(model: nn.Module, args: tuple, kwargs: dict, config: Config, d
 
     decision = {t: dict(us) for t, us in decision.items()}
     changes: List[str] = []
-    radius = 2
+    radius = 4
     before = None
     for round_ in range(gate.max_rounds + 1):
         per_parameter, failing = evaluate(decision)
@@ -301,17 +322,18 @@ def fidelity_gate(model: nn.Module, args: tuple, kwargs: dict, config: Config, d
             trials = {t: _raise_all(decision, config, t, set(lossy_nodes)) for t in techniques}
             scored = sorted((len(evaluate(d)[1]), -per_min(evaluate(d)[0]), t) for t, (d, _) in trials.items())
             technique = scored[0][2]
-            decision, moves = trials[technique]
+            previous, (decision, moves) = decision, trials[technique]
+            _follow(weights, technique, previous, decision)
             changes.append(f"{technique}, every unit one level up: {moves} ({len(failing)} of {gated} parameters "
                            f"below {gate.min_cosine}, worst {failing[0]} {per_parameter[failing[0]]['cosine']:.4f})")
             continue
         lossy = {k: v for k, v in lossy_nodes.items() if k[1] in decision.get(k[0], {})}
         touched = set()
         for parameter in failing:
-            for key in _responsible(base.graph, parameter, lossy, radius):
+            for key in _responsible(base.graph, parameter, lossy, weights, radius):
                 if key not in touched:
                     touched.add(key)
-                    changes.append(f"{_raise(decision, config, *key)} (for {parameter}, cosine "
+                    changes.append(f"{_raise(decision, config, *key, weights)} (for {parameter}, cosine "
                                    f"{per_parameter[parameter]['cosine']:.4f})")
         if not touched:
             radius += 2  # every unit near the failing parameters is exact already: look further

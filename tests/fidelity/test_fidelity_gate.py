@@ -96,3 +96,29 @@ def test_bad_gate_settings_name_the_value_and_range(kwargs, message):
 def test_config_round_trips_with_the_gate():
     config = memopt.Config(fidelity=memopt.FidelityConfig(min_cosine=0.95))
     assert memopt.Config.from_dict(config.to_dict()) == config
+
+
+class _Chain(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv1, self.conv2, self.conv3 = nn.Conv2d(3, 4, 1), nn.Conv2d(4, 4, 1), nn.Conv2d(4, 4, 1)
+        self.bn1, self.bn2 = nn.BatchNorm2d(4), nn.BatchNorm2d(4)
+
+    def forward(self, x):
+        x = torch.relu(self.bn1(self.conv1(x)))
+        x = torch.relu(self.bn2(self.conv2(x)))
+        return self.conv3(x)
+
+
+def test_the_gate_blames_only_units_after_the_parameter_and_the_largest_error_first():
+    """A parameter's gradient comes from the backward of its consumers and what follows them: a unit before them
+    (here ``relu``, conv2's input) cannot change it however lossy; among the units after, the largest fidelity
+    proxy is raised first (rexnet_100: a 4-bit chain three nodes on, not the 8-bit code next to the BatchNorm)."""
+    from memopt.fidelity import _responsible
+    graph = torch.fx.symbolic_trace(_Chain()).graph
+    lossy = {("fewbit", "before"): {"relu"}, ("stash", "near"): {"bn2"}, ("fewbit", "far"): {"relu_1"}}
+    weights = {("fewbit", "before"): 1e6, ("stash", "near"): 1.0, ("fewbit", "far"): 100.0}
+    assert _responsible(graph, "conv2.weight", lossy, weights, radius=4) == [("fewbit", "far")]
+    assert _responsible(graph, "conv2.weight", lossy, weights, radius=1) == [("stash", "near")]
+    assert _responsible(graph, "conv3.weight", lossy, weights, radius=4) == []
+    assert _responsible(graph, "conv1.weight", lossy, weights, radius=4) == [("fewbit", "before")]
