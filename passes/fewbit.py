@@ -186,16 +186,22 @@ def fewbit_pass(gm: fx.GraphModule, cfg: FewBitConfig, ctx: PassContext) -> Pass
                                  scale=cfg.scale)
             borders, levels = tuple(b.tolist()), tuple(lv.tolist())
             note = f"{2 ** bits}-level table ({weight if isinstance(weight, str) else 'data'} weight)"
-        with gm.graph.inserting_before(node):
-            new = gm.graph.create_node(
-                "call_function", fewbit_activation, (_input(node), kind, params, bits, borders, levels,
-                                                     node.format_node()), name=f"{node.name}_fewbit")
-        new.meta[DECISION_KEY] = {"technique": "fewbit", "bits": bits, "replaces": node.name, "unit": node.name,
-                                  "reason": note}
-        node.replace_all_uses_with(new)
-        gm.graph.erase_node(node)
+        _replace(gm, node, kind, params, bits, borders, levels,
+                 {"technique": "fewbit", "bits": bits, "replaces": node.name, "unit": node.name, "reason": note})
         modified = True
     return PassResult(gm, modified)
+
+
+def _replace(gm: fx.GraphModule, node: fx.Node, kind: str, params: Params, bits: int, borders: tuple,
+             levels: tuple, decision: dict) -> fx.Node:
+    with gm.graph.inserting_before(node):
+        new = gm.graph.create_node(
+            "call_function", fewbit_activation, (_input(node), kind, params, bits, borders, levels,
+                                                 node.format_node()), name=f"{node.name}_fewbit")
+    new.meta[DECISION_KEY] = decision
+    node.replace_all_uses_with(new)
+    gm.graph.erase_node(node)
+    return new
 
 
 def _weight(node: fx.Node, cfg: FewBitConfig):
@@ -223,3 +229,39 @@ def data_weight(counts: torch.Tensor, edges: torch.Tensor, domain: Tuple[float, 
         return torch.where(inside, dens[idx.clamp(0, counts.numel() - 1)], torch.zeros_like(x)) + uniform
 
     return weight
+
+
+def exact_masks(gm: fx.GraphModule, modules) -> Dict[str, Tuple[fx.Node, str, Params]]:
+    """name -> (node, kind, hyper-parameters) of every activation whose exact gradient is a 1-bit mask and
+    that can be rewritten to keep only that mask (no hooks, a supported dtype, not an in-place op whose
+    rewrite would change what another reader or the caller sees). The generic stash takes these into its
+    units where the activation keeps the very tensor a weight op keeps (a ReLU keeps its output, the next
+    conv its input): neither rewrite frees that storage alone, both together do."""
+    found: Dict[str, Tuple[fx.Node, str, Params]] = {}
+    for node in gm.graph.nodes:
+        kind = op_kind(node, modules)
+        if kind not in ACTIVATIONS or not ACTIVATIONS[kind].exact:
+            continue
+        module = modules.get(node.target) if node.op == "call_module" else None
+        params = _hyper_parameters(node, kind, module)
+        cost, inp = node.meta.get(META_KEY), _input(node)
+        if isinstance(params, str) or (module is not None and has_hooks(module)) or cost is None or inp is None:
+            continue
+        if not cost.dtypes or cost.dtypes[0] not in _DTYPE_NAMES:
+            continue
+        if _is_inplace(node, kind, module) and (inp.op in ("placeholder", "get_attr") or len(inp.users) > 1):
+            continue
+        found[node.name] = (node, kind, params)
+    return found
+
+
+def replace_with_mask(gm: fx.GraphModule, node: fx.Node, kind: str, params: Params, unit: Optional[str],
+                      why: str) -> fx.Node:
+    """Rewrite ``node`` (one of ``exact_masks``) to keep its 1-bit mask, as part of the stash ``unit`` (None:
+    an always-on exact rewrite), ``why`` saying what that frees; the new node (forward bit-identical: it
+    computes the same activation)."""
+    levels = tuple(float(v) for v in ACTIVATIONS[kind].mask_levels(dict(params)))
+    decision = {"technique": "stash", "replaces": node.name, "reason": f"exact 1-bit mask: {why}"}
+    if unit is not None:
+        decision["unit"] = unit
+    return _replace(gm, node, kind, params, 1, (), levels, decision)

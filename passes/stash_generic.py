@@ -5,8 +5,11 @@ nodes that no BatchNorm chain covers (transformer projections, LayerNorm outputs
 coded once per tensor (``memopt.stash.generic``) and every consumer keeps the codes instead of the
 tensor. A unit is one saved storage, named by the node that produced it, and is rewritten only when
 every node that keeps that storage is such a consumer (the cost model's ``savers``): a LayerNorm
-output feeding q, k and v frees only if all three are rewritten, a ReLU output the ReLU keeps too
-stays exact, and the report says which node blocked it. Only weight gradients become approximate.
+output feeding q, k and v frees only if all three are rewritten, and the report says which node blocked
+it. An activation whose exact gradient is a 1-bit mask and that keeps the same tensor (a ReLU keeps its
+output, the next conv its input) joins the unit and keeps its mask instead (``passes.fewbit.exact_masks``):
+alone, neither the few-bit pass nor the stash would free that storage. Only weight gradients become
+approximate.
 
 Compact extras (``StashConfig(compact_extras=True)``, exact): training dropout keeps a 1-bit mask,
 ``torch.where`` a 1-bit condition, where the node alone keeps that tensor.
@@ -14,7 +17,7 @@ Compact extras (``StashConfig(compact_extras=True)``, exact): training dropout k
 from __future__ import annotations
 
 import operator
-from typing import Dict, List, NamedTuple, Optional, Tuple
+from typing import Dict, List, NamedTuple, Optional, Set, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -28,7 +31,9 @@ from memopt.stash.generic import (conv_from_codes, dropout_1bit, generic_encode,
                                       matmul_from_codes, where_1bit)
 from memopt.core.meta import DECISION_KEY
 from memopt.stash.config import StashConfig
+from memopt.stash.pool import max_pool2d_indices_only
 from memopt.passes.base import PassContext
+from memopt.passes.fewbit import exact_masks, replace_with_mask
 from memopt.passes.stash_coded import Call, call_unit, find_call, live, members, rewrite_call, savers_by_storage, settle
 
 aten = torch.ops.aten
@@ -138,6 +143,7 @@ def generic_stash(gm: fx.GraphModule, cfg: StashConfig, ctx: PassContext) -> boo
         else:
             rewritten.update(c.name for c in consumers)
     savers = savers_by_storage(gm)
+    absorbed = _absorb(units, blocked, exact_masks(gm, modules) if units else {}, rewritten)
     while True:  # a weight unit or a call dropped can leave another's storage kept: settle both
         coded = settle(calls, rewritten, savers, lambda n: stash_nbytes(n, 8, cfg.group_size))
         changed = False
@@ -146,6 +152,7 @@ def generic_stash(gm: fx.GraphModule, cfg: StashConfig, ctx: PassContext) -> boo
                 others = sorted(set(unit_savers) - rewritten)
                 blocked[key] = f"the tensor it keeps is also kept by {', '.join(others[:3])}, which stay exact"
                 rewritten.difference_update(c.name for c in consumers)
+                rewritten.difference_update(m[0].name for m in absorbed.pop(key, []))
                 changed = True
         if not changed:
             break
@@ -159,6 +166,9 @@ def generic_stash(gm: fx.GraphModule, cfg: StashConfig, ctx: PassContext) -> boo
                 _decide(c, f"generic stash: {reason}")
             continue
         taken.add(unit)
+        for node, kind, params in absorbed.get(key, []):
+            replaced[node] = replace_with_mask(gm, node, kind, params, unit,
+                                               f"with it the generic stash of {unit} frees this output")
         _rewrite_unit(gm, modules, unit, consumers, ctx.bits("stash", unit, cfg.generic_bits_for(unit)), encode,
                       replaced)
     for name, call in calls.items():
@@ -170,6 +180,21 @@ def generic_stash(gm: fx.GraphModule, cfg: StashConfig, ctx: PassContext) -> boo
         rewrite_call(gm, call, coded[name], ctx.bits("stash", unit, cfg.generic_bits_for(unit)), cfg.group_size,
                      lambda data, bits, unit=unit: encode(data, bits, unit), replaced)
     return bool(taken) or any(name in rewritten for name in calls)
+
+
+def _absorb(units, blocked, masks, rewritten: Set[str]) -> Dict[object, list]:
+    """storage key -> the exact-mask activations (``masks``) among that unit's savers that keep nothing but
+    its storage: they join the unit (added to ``rewritten``, in place) and keep their 1-bit masks."""
+    absorbed: Dict[object, list] = {}
+    for key, (_, unit_savers, _, _) in units.items():
+        if key in blocked:
+            continue
+        take = [masks[n] for n in unit_savers if n in masks and n not in rewritten and
+                all(s.key == key for s in _kept(masks[n][0]))]
+        if take:
+            absorbed[key] = take
+            rewritten.update(m[0].name for m in take)
+    return absorbed
 
 
 def _excluded(ctx: PassContext, cfg: StashConfig, unit: str) -> str:
@@ -288,21 +313,70 @@ def _dropout_args(node: fx.Node, modules) -> Optional[Tuple[float, bool, bool]]:
     return None
 
 
+def _max_pool_args(node: fx.Node, modules) -> Optional[Tuple]:
+    """(kernel_size, stride, padding, dilation, ceil_mode) of a 2-d max pool of a 4-d input that returns no
+    indices (a module, ``F.max_pool2d`` or ``aten.max_pool2d``), else None."""
+    inp = _arg(node, 0, "input")
+    cost = inp.meta.get(META_KEY) if isinstance(inp, fx.Node) else None
+    if cost is None or len(cost.shapes) != 1 or len(cost.shapes[0]) != 4:
+        return None
+    if node.op == "call_module":
+        m = modules[node.target]
+        if type(m) is not nn.MaxPool2d or m.return_indices or has_hooks(m):
+            return None
+        return m.kernel_size, m.stride, m.padding, m.dilation, m.ceil_mode
+    names = ("kernel_size", "stride", "padding", "dilation", "ceil_mode")
+    if node.target is F.max_pool2d:
+        if _arg(node, 6, "return_indices", False):
+            return None
+        values = [_arg(node, i + 1, n, d) for i, (n, d) in enumerate(zip(names, (None, None, 0, 1, False)))]
+    elif node.target is aten.max_pool2d.default:
+        values = [_arg(node, i + 1, n, d) for i, (n, d) in enumerate(zip(names, (None, [], 0, 1, False)))]
+    else:
+        return None
+    if any(isinstance(v, fx.Node) for v in values) or values[0] is None:
+        return None
+    values[1] = values[1] or values[0]  # no stride: the kernel size
+    return tuple(values)
+
+
 def _dtype(node) -> Optional[str]:
     cost = node.meta.get(META_KEY) if isinstance(node, fx.Node) else None
     return cost.dtypes[0] if cost is not None and cost.dtypes else None
 
 
 def compact_extras(gm: fx.GraphModule, cfg: StashConfig) -> bool:
-    """Dropout masks and ``torch.where`` conditions kept as 1 bit (exact); True when anything changed."""
+    """Dropout masks and ``torch.where`` conditions kept as 1 bit, max pools keeping window offsets (all
+    exact); True when anything changed."""
     modules = dict(gm.named_modules())
     graph = gm.graph
     modified = False
     for node in list(graph.nodes):
         kind = op_kind(node, modules)
         kept = _kept(node)
-        if not kept or node.name in cfg.deny or any(set(s.savers) != {node.name} for s in kept):
-            continue  # keeps nothing, or shares what it keeps: a compact copy would free nothing
+        if not kept or node.name in cfg.deny:
+            continue
+        pool = _max_pool_args(node, modules) if kind == "max_pool" else None
+        if pool is not None and any(set(s.savers) == {node.name} for s in kept):
+            # its int64 indices are its own: ceil(log2(kh*kw)) bits per output free them; a ReLU that keeps
+            # the same input (its output) keeps its 1-bit mask instead, and the input is freed too
+            masks = exact_masks(gm, modules)
+            for s in kept:
+                others = [masks.get(n) for n in s.savers if n != node.name]
+                if others and all(m is not None and all(r.key == s.key for r in _kept(m[0])) for m in others):
+                    for m in others:
+                        replace_with_mask(gm, *m, None, f"with it {node.name} frees this output (its input)")
+            with graph.inserting_before(node):
+                new = graph.create_node("call_function", max_pool2d_indices_only, (_arg(node, 0, "input"), *pool),
+                                        name=f"{node.name}_indices")
+            note = "keeps only where each maximum sat in its window (exact), not its input and int64 indices"
+            new.meta[DECISION_KEY] = {"technique": "stash", "bits": None, "replaces": [node.name], "reason": note}
+            node.replace_all_uses_with(new)
+            graph.erase_node(node)
+            modified = True
+            continue
+        if any(set(s.savers) != {node.name} for s in kept):
+            continue  # shares what it keeps: a compact copy would free nothing
         if kind == "dropout":
             found = _dropout_args(node, modules)
             if found is None or found[1] is not True or found[2] or not 0.0 < found[0] < 1.0:
