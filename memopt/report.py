@@ -82,8 +82,10 @@ def _fidelity_lines(gate: Dict[str, Any]) -> List[str]:
     """The fidelity gate's verdict, what it changed and why, and the parameters it listed apart."""
     worst = gate.get("worst") or {}
     verdict = "passed" if gate["passed"] else f"FAILED ({len(gate['below'])} parameters below)"
-    lines = [f"fidelity gate ({gate['slice']}, {gate.get('steps', '?')} training steps): {verdict}; every parameter's "
-             f"gradient cosine against exact autograd >= {gate['min_cosine']} is the bar; worst "
+    projections = gate.get("projections", 1)
+    lines = [f"fidelity gate ({gate['slice']}, {gate.get('steps', '?')} training steps, {projections} random "
+             f"projection{'s' * (projections > 1)}): {verdict}; every parameter's gradient cosine against exact "
+             f"autograd >= {gate['min_cosine']} under each is the bar; worst "
              f"{worst.get('parameter')} at {worst.get('cosine')}"]
     lines += [f"  changed: {change}" for change in gate["changes"]]
     lines += [f"  below the bar: {entry}" for entry in gate["below"][:10]]

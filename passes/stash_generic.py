@@ -145,7 +145,7 @@ def generic_stash(gm: fx.GraphModule, cfg: StashConfig, ctx: PassContext) -> boo
     savers = savers_by_storage(gm)
     absorbed = _absorb(units, blocked, exact_masks(gm, modules) if units else {}, rewritten)
     while True:  # a weight unit or a call dropped can leave another's storage kept: settle both
-        coded = settle(calls, rewritten, savers, lambda n: stash_nbytes(n, 8, cfg.group_size))
+        coded = settle(calls, rewritten, savers, lambda n: stash_nbytes(n, cfg.generic_bits, cfg.group_size))
         changed = False
         for key, (unit, unit_savers, consumers, _) in units.items():
             if key not in blocked and not set(unit_savers) <= rewritten:

@@ -23,6 +23,8 @@ re-traces with plain constants.
 """
 from __future__ import annotations
 
+import functools
+
 import operator
 from typing import Any, Callable, Dict, List, NamedTuple, Tuple
 
@@ -84,8 +86,9 @@ def name_of(target: Any) -> str:
     return next((name for name, fn in CALLABLES.items() if fn is target), "")
 
 
+@functools.lru_cache(maxsize=None)
 def resolve(name: str) -> Callable:
-    """The callable a spec names."""
+    """The callable a spec names (cached: every coded op resolves its name in forward and backward)."""
     if name.startswith("aten."):
         _, packet, overload = name.split(".")
         return getattr(getattr(torch.ops.aten, packet), overload)
