@@ -157,6 +157,9 @@ def _gate(model: nn.Module, method: str, args: tuple, kwargs: dict, config: Conf
     if report["changes"]:
         log.info("memopt: the fidelity gate changed %d units of %s: %s", len(report["changes"]),
                  type(model).__name__, "; ".join(report["changes"][:3]))
+        before = built.plan.chosen_units()
+        ctx = dataclasses.replace(ctx, gate_exact=frozenset(
+            (t, u) for t, us in before.items() for u in us if u not in decision.get(t, {})))
         if built.planned is None:
             gm, records = apply_decision(pristine, config, decision, ctx)
             estimate = annotate(gm, args, kwargs, device=config.device, optimizer=optimizer)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple, Type
+from typing import Any, Callable, Dict, FrozenSet, NamedTuple, Optional, Tuple, Type
 
 from torch import fx
 
@@ -42,6 +42,8 @@ class PassContext:
             allow / deny / node_bits / segments). The user's config objects are never edited to carry it.
         explore: the planner's candidate runs: every unit the config does not deny, at ``level`` bits (None:
             the technique has no bit width), so the planner sees every option.
+        gate_exact: the (technique, unit) pairs the fidelity gate took out of the decision, so that the report
+            says the gate, not the budget planner, left them exact.
         foreign_inputs: the graph is a submodule captured on its own (per-submodule capture): its inputs come
             from code around it, which may keep them anyway, so a rewrite that only frees an input frees nothing
             and its codes would be extra bytes.
@@ -52,9 +54,16 @@ class PassContext:
     device: Optional[str] = None
     examples: Optional[Examples] = None
     decision: Optional[Decision] = None
+    gate_exact: FrozenSet[Tuple[str, str]] = frozenset()  # (technique, unit) the fidelity gate turned exact
     explore: bool = False
     level: Optional[int] = None
     foreign_inputs: bool = False
+
+    def unchosen(self, technique: str, unit: str) -> str:
+        """Why a unit the decision leaves out stays exact: the fidelity gate's repair, or the budget planner."""
+        if (technique, unit) in self.gate_exact:
+            return "made exact by the fidelity gate (its gradients missed the bar; see the gate's changes)"
+        return "not chosen by the budget planner"
 
     def chosen(self, technique: str, unit: str) -> Optional[bool]:
         """Whether the planner's decision rewrites ``unit``; None when there is no decision (the config says)."""

@@ -99,7 +99,7 @@ def _why_not(node: fx.Node, kind: str, module: Optional[nn.Module], cfg: FewBitC
         return "its module has hooks, which a rewrite would skip"
     chosen = ctx.chosen("fewbit", node.name)
     if chosen is False:
-        return "not chosen by the budget planner"
+        return ctx.unchosen("fewbit", node.name)
     if chosen is None and cfg.allow is not None and node.name not in cfg.allow:
         return "not in FewBitConfig.allow"
     if node.name in cfg.deny:

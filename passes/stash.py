@@ -242,7 +242,7 @@ def stash_pass(gm: fx.GraphModule, cfg: StashConfig, ctx: PassContext) -> PassRe
             continue
         chosen = ctx.chosen("stash", bn.name)
         if chosen is False:
-            bn.meta[DECISION_KEY] = {"technique": "exact", "reason": "stash: not chosen by the budget planner"}
+            bn.meta[DECISION_KEY] = {"technique": "exact", "reason": f"stash: {ctx.unchosen('stash', bn.name)}"}
             continue
         if (chosen is None and cfg.allow is not None and bn.name not in cfg.allow) or bn.name in cfg.deny:
             bn.meta[DECISION_KEY] = {"technique": "exact", "reason": "stash: excluded by StashConfig allow/deny"}

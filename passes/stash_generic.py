@@ -8,11 +8,13 @@ every node that keeps that storage is such a consumer (the cost model's ``savers
 output feeding q, k and v frees only if all three are rewritten, and the report says which node blocked
 it. An activation whose exact gradient is a 1-bit mask and that keeps the same tensor (a ReLU keeps its
 output, the next conv its input) joins the unit and keeps its mask instead (``passes.fewbit.exact_masks``):
-alone, neither the few-bit pass nor the stash would free that storage. Only weight gradients become
-approximate.
+alone, neither the few-bit pass nor the stash would free that storage. Where every consumer reads the output
+of a coded norm that codes its own input (a pre-norm block's q / k / v), the consumers keep no codes: they rebuild
+their input as the norm of those codes (``memopt.stash.rebuild``). Only weight gradients become approximate.
 
 Compact extras (``StashConfig(compact_extras=True)``, exact): training dropout keeps a 1-bit mask,
-``torch.where`` a 1-bit condition, where the node alone keeps that tensor.
+``torch.where`` a 1-bit condition, where the node alone keeps that tensor; a 2-d max pool keeps its window
+offsets instead of its input and int64 indices.
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ from memopt.stash.generic import (conv_from_codes, dropout_1bit, generic_encode,
 from memopt.core.meta import DECISION_KEY
 from memopt.stash.config import StashConfig
 from memopt.stash.pool import max_pool2d_indices_only
+from memopt.stash.rebuild import RebuildSpec, weight_op_from_rebuild
 from memopt.passes.base import PassContext
 from memopt.passes.fewbit import exact_masks, replace_with_mask
 from memopt.passes.stash_coded import Call, call_unit, find_call, live, members, rewrite_call, savers_by_storage, settle
@@ -124,9 +127,12 @@ def generic_stash(gm: fx.GraphModule, cfg: StashConfig, ctx: PassContext) -> boo
     modules = dict(gm.named_modules())
     units = _weight_units(gm, cfg, modules) if cfg.generic else {}
     calls: Dict[str, Call] = {}
+    # x @ parameter is a weight op (its unit rewrites it); a matmul of two activations stays a coded call
+    weight_ops = {c for _, _, consumers, _ in units.values() for c in consumers
+                  if len(c.args) > 1 and _parameter(gm, c.args[1]) is not None}
     for node in list(gm.graph.nodes):
         call = find_call(node, modules, cfg.coded_ops, cfg.min_per_channel) if cfg.coded_ops else None
-        if call is None:
+        if call is None or node in weight_ops:
             continue
         reason = _excluded(ctx, cfg, call_unit(node)) or (f"the node {node.name} is excluded by StashConfig deny"
                                                           if node.name in cfg.deny else "")
@@ -169,6 +175,12 @@ def generic_stash(gm: fx.GraphModule, cfg: StashConfig, ctx: PassContext) -> boo
         for node, kind, params in absorbed.get(key, []):
             replaced[node] = replace_with_mask(gm, node, kind, params, unit,
                                                f"with it the generic stash of {unit} frees this output")
+        source = _norm_source(consumers, calls, coded, rewritten)
+        if source is not None:
+            norm_unit = call_unit(source[0].node)
+            _rewrite_rebuilt(gm, modules, unit, consumers, *source,
+                             ctx.bits("stash", norm_unit, cfg.generic_bits_for(norm_unit)), encode, replaced)
+            continue
         _rewrite_unit(gm, modules, unit, consumers, ctx.bits("stash", unit, cfg.generic_bits_for(unit)), encode,
                       replaced)
     for name, call in calls.items():
@@ -200,7 +212,7 @@ def _absorb(units, blocked, masks, rewritten: Set[str]) -> Dict[object, list]:
 def _excluded(ctx: PassContext, cfg: StashConfig, unit: str) -> str:
     chosen = ctx.chosen("stash", unit)
     if chosen is False:
-        return f"the unit {unit} was not chosen by the budget planner"
+        return f"the unit {unit} was {ctx.unchosen('stash', unit)}"
     if (chosen is None and cfg.allow is not None and unit not in cfg.allow) or unit in cfg.deny:
         return f"the unit {unit} is excluded by StashConfig allow/deny"
     return ""
@@ -289,6 +301,68 @@ def _rewrite_unit(gm: fx.GraphModule, modules, unit: str, consumers: List[fx.Nod
         new.meta[DECISION_KEY] = {"technique": "stash", "bits": bits, "replaces": [node.name], "unit": unit,
                                   "reason": f"input rebuilt from the generic stash of {unit} for the weight "
                                             f"gradient; the input gradient stays exact"}
+        node.replace_all_uses_with(new)
+        graph.erase_node(node)
+        replaced[node] = new
+
+
+# the norms whose output a weight op can rebuild, with their parameters in order (kwargs become positional)
+_REBUILT_NORMS = {"layer_norm": ("input", "normalized_shape", "weight", "bias", "eps"),
+                  "group_norm": ("input", "num_groups", "weight", "bias", "eps"),
+                  "rms_norm": ("input", "normalized_shape", "weight", "eps")}
+
+
+def _norm_source(consumers: List[fx.Node], calls: Dict[str, Call], coded: Dict[str, List[fx.Node]],
+                 rewritten: Set[str]) -> Optional[Tuple[Call, list]]:
+    """(the coded norm whose output every consumer reads and whose input it codes, its arguments in order), so
+    that the consumers can rebuild their input from those codes (``memopt.stash.rebuild``); else None."""
+    data = {_arg(c, 0, "input") for c in consumers}
+    node = next(iter(data)) if len(data) == 1 else None
+    call = calls.get(node.name) if isinstance(node, fx.Node) else None
+    if call is None or call.kind not in _REBUILT_NORMS or node.name not in rewritten:
+        return None
+    names = _REBUILT_NORMS[call.kind]
+    if len(call.args) > len(names) or set(call.kwargs) - set(names[len(call.args):]):
+        return None
+    args = list(call.args) + [call.kwargs.get(n) for n in names[len(call.args):]]
+    if not isinstance(args[0], fx.Node) or args[0] not in coded.get(node.name, ()):
+        return None
+    nested = [leaf for a in args[1:] if isinstance(a, (tuple, list)) and a[:1] != ("get_attr",) for leaf in a]
+    if any(isinstance(leaf, fx.Node) for leaf in nested):
+        return None  # a shape computed in the graph: not a constant the rebuild can carry
+    return call, args
+
+
+def _rewrite_rebuilt(gm: fx.GraphModule, modules, unit: str, consumers: List[fx.Node], norm: Call, norm_args: list,
+                     bits: int, encode: _Encoder, replaced: Dict[fx.Node, fx.Node]) -> None:
+    """Rewrite ``consumers`` of ``norm``'s output to rebuild their input as the norm of its input's codes."""
+    graph, src = gm.graph, norm_args[0]
+    marks, tensors = [], []
+    with graph.inserting_before(consumers[0]):
+        for a in norm_args:
+            if a is src:
+                marks.append(("src", None))
+            elif isinstance(a, tuple) and len(a) == 2 and a[0] == "get_attr":
+                marks.append(("tensor", None))
+                tensors.append(graph.get_attr(a[1]))
+            elif isinstance(a, fx.Node):
+                marks.append(("tensor", None))
+                tensors.append(live(replaced, a))
+            else:
+                marks.append(("value", tuple(a) if isinstance(a, list) else a))
+    for node in consumers:
+        c = _describe(node, op_kind(node, modules), gm, modules)
+        packed, params = encode(src, bits, unit)
+        spec = RebuildSpec(c.kind, tuple(c.conv), bits, encode.cfg.group_size, node.format_node(), norm.target,
+                           tuple(marks))
+        with graph.inserting_before(node):
+            new = graph.create_node("call_function", weight_op_from_rebuild,
+                                    (c.data, live(replaced, src), c.weight, c.bias, packed, params, spec,
+                                     tuple(tensors)), name=f"{node.name}_stash")
+        new.meta[DECISION_KEY] = {
+            "technique": "stash", "bits": bits, "replaces": [node.name], "unit": unit,
+            "reason": f"input rebuilt in backward as {norm.kind} of the {bits}-bit codes of {src.name} that "
+                      f"{norm.node.name} keeps: no codes of its own; the input gradient stays exact"}
         node.replace_all_uses_with(new)
         graph.erase_node(node)
         replaced[node] = new

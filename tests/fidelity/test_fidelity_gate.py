@@ -122,3 +122,16 @@ def test_the_gate_blames_only_units_after_the_parameter_and_the_largest_error_fi
     assert _responsible(graph, "conv2.weight", lossy, weights, radius=1) == [("stash", "near")]
     assert _responsible(graph, "conv3.weight", lossy, weights, radius=4) == []
     assert _responsible(graph, "conv1.weight", lossy, weights, radius=4) == [("fewbit", "before")]
+
+
+def test_units_the_gate_turns_exact_say_so_in_the_report():
+    """Without a budget, a unit the gate took out must not read "not chosen by the budget planner"."""
+    torch.manual_seed(0)
+    model, x = GeluMLP(), torch.randn(64, 64)
+    config = memopt.Config(fewbit=memopt.FewBitConfig(bits=8), stash=None, reversible=None,
+                           fidelity=memopt.FidelityConfig(min_cosine=1.0, max_rounds=3))
+    om = memopt.optimize(model, example_inputs=x, config=config)
+    assert any("-> exact" in change for change in om.plan.fidelity["changes"])
+    exact = [n for n in om.plan.nodes if n.op == "gelu" and n.technique == "exact"]
+    assert exact and all("made exact by the fidelity gate" in n.reason for n in exact)
+    assert "budget planner" not in om.report()
