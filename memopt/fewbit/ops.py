@@ -27,7 +27,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from memopt.core.errors import MemoptError
 from memopt.fewbit.activations import Params, get_activation
 from memopt.core.leaf import graph_leaf
-from memopt.runtime import kernels, triton_fewbit
+from memopt.runtime import kernels, native_generic, triton_fewbit
 from memopt.runtime.bitpack import pack_bits, unpack_bits
 from memopt.runtime.layout import memory_order, memory_order_perm
 
@@ -148,6 +148,8 @@ class _FewBit(torch.autograd.Function):
             grad_x = _triton_backward(ctx, grad, packed, table, inverse)
             if grad_x is not None:
                 return grad_x, None, None, None, None, None, None
+        if not ctx.exact and _native_scales(ctx, grad, packed, table[0]):  # one fused pass, the same gradient
+            return native_generic.fewbit_scale(packed, ctx.bits, grad, table[0]), None, None, None, None, None, None
         codes = unpack_bits(packed, ctx.bits, grad.numel()).view(ctx.shape).permute(inverse)
         if ctx.exact:  # where, not multiply: a masked-out inf/NaN gradient gives 0, as in PyTorch
             low, high = ctx.levels
@@ -161,6 +163,16 @@ class _FewBit(torch.autograd.Function):
         else:
             grad_x = _scale_by_levels(grad, codes, table[0].to(grad.dtype))
         return grad_x, None, None, None, None, None, None
+
+
+def _native_scales(ctx, grad: torch.Tensor, packed: torch.Tensor, levels: torch.Tensor) -> bool:
+    """Whether a table op's backward runs the fused C kernel (``memopt.runtime.native_generic``): float32, contiguous
+    CPU tensors, the codes in the gradient's order (the input was contiguous), levels float32 as
+    ``levels.to(grad.dtype)`` would leave them; else the plain path below."""
+    return (grad.dtype == torch.float32 and levels.dtype == torch.float32 and packed.dtype == torch.uint8
+            and packed.dim() == 1 and ctx.perm == tuple(range(len(ctx.perm))) and tuple(grad.shape) == tuple(ctx.shape)
+            and packed.numel() == (grad.numel() * ctx.bits + 7) // 8 and 1 <= ctx.bits <= 8
+            and native_generic.applies(grad, levels, packed))
 
 
 def _triton_backward(ctx, grad: torch.Tensor, packed: torch.Tensor, table: list, inverse: list):

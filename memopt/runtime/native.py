@@ -43,6 +43,8 @@ __all__ = ["PackedMask", "available", "applies", "disabled", "pack", "unpack", "
            "bn_backward", "act_mask", "channel_extremes", "chain_grid"]
 
 _SOURCE = Path(__file__).with_name("kernels.c")
+# built into the same library: the generic stash's group codecs and few-bit backward (native_generic.py)
+_SOURCES = (_SOURCE, Path(__file__).with_name("kernels_generic.c"))
 _FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC"]
 _ACTS = {"identity": 0, "relu": 1, "relu6": 2, "leaky_relu": 3}
 
@@ -86,9 +88,8 @@ def _build() -> ctypes.CDLL:
     cc = _compiler()
     if cc is None:
         raise RuntimeError("no C compiler found ($CC, cc, gcc)")
-    source = _SOURCE.read_bytes()
-    key = hashlib.sha256(b"\0".join([source, " ".join(_FLAGS).encode(), cc.encode(), platform.machine().encode(),
-                                     _cpu_id().encode()])).hexdigest()[:16]
+    key = hashlib.sha256(b"\0".join([*(s.read_bytes() for s in _SOURCES), " ".join(_FLAGS).encode(), cc.encode(),
+                                     platform.machine().encode(), _cpu_id().encode()])).hexdigest()[:16]
     cache = Path(os.environ.get("MEMOPT_CACHE_DIR") or Path.home() / ".cache" / "memopt")
     try:
         cache.mkdir(parents=True, exist_ok=True)
@@ -101,7 +102,7 @@ def _build() -> ctypes.CDLL:
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
         os.close(fd)
         try:
-            done = subprocess.run([cc, *_FLAGS, str(_SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True)
+            done = subprocess.run([cc, *_FLAGS, *map(str, _SOURCES), "-o", tmp, "-lm"], capture_output=True, text=True)
             if done.returncode != 0:
                 raise RuntimeError(f"{cc} failed: {done.stderr.strip()[-800:]}")
             os.replace(tmp, target)
@@ -122,7 +123,8 @@ def _library() -> Optional[ctypes.CDLL]:
         try:
             _lib = _build()
         except Exception as error:  # no compiler, no OpenMP, a read-only disk: the plain path still works
-            warnings.warn(f"memopt: the fused CPU stash kernels ({_SOURCE.name}) could not be built ({error}); "
+            names = ", ".join(s.name for s in _SOURCES)
+            warnings.warn(f"memopt: the fused CPU stash kernels ({names}) could not be built ({error}); "
                           f"using plain PyTorch ops instead (same codes, slower). Set MEMOPT_NATIVE=0 to skip "
                           f"building them.", RuntimeWarning, stacklevel=3)
     return _lib

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from memopt.core.errors import MemoptError
 from memopt.core.leaf import graph_leaf
-from memopt.runtime import kernels, triton_stash_extras
+from memopt.runtime import kernels, native_generic, triton_stash_extras
 from memopt.runtime.bitpack import pack_bits, unpack_bits
 from memopt.runtime.layout import memory_order, rebuilt_stride
 from memopt.stash.ops import conv_grads, linear_grads
@@ -82,7 +82,11 @@ def group_quantize(x: torch.Tensor, bits: int, group: int, stochastic: bool) -> 
                                                 if stochastic else None)
     flat = memory_order(x.detach())[0].reshape(-1)
     flat = flat if flat.dtype == torch.float32 else flat.float()
+    if not stochastic and native_generic.encodable(flat, bits, group):  # one fused pass, the same codes and params
+        return native_generic.group_encode(flat, bits, group)
     n = flat.numel()
+    if not n:  # nothing to code (the C path gives the same empty codes and parameters)
+        return torch.empty(0, dtype=torch.uint8, device=x.device), torch.empty(2, 0, device=x.device)
     full = n // group * group
     codes, params = _code_groups(flat[:full].view(-1, group), bits, stochastic) if full else (None, None)
     if full < n:
@@ -101,8 +105,14 @@ def group_dequantize(packed: torch.Tensor, params: torch.Tensor, bits: int, grou
     out = torch.empty_like(like)
     dense, _ = memory_order(out)
     n = out.numel()
-    codes = unpack_bits(packed, bits, n)
     direct = out.dtype == torch.float32  # rebuild in place, else through one float32 temporary
+    if native_generic.decodable(packed, params, bits, group, n) and native_generic.applies(dense):
+        v = native_generic.group_decode(packed, params, bits, group, dense.view(-1) if direct else
+                                        torch.empty(n, dtype=torch.float32, device=out.device))
+        if not direct:
+            dense.view(-1).copy_(v)  # the plain path's rounding to out's dtype, the same copy
+        return out
+    codes = unpack_bits(packed, bits, n)
     v = dense.view(-1) if direct else torch.empty(n, dtype=torch.float32, device=out.device)
     full = n // group * group
     if full:
