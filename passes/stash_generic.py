@@ -352,7 +352,7 @@ def _rewrite_rebuilt(gm: fx.GraphModule, modules, unit: str, consumers: List[fx.
                 marks.append(("value", tuple(a) if isinstance(a, list) else a))
     for node in consumers:
         c = _describe(node, op_kind(node, modules), gm, modules)
-        packed, params = encode(src, bits, unit)
+        packed, params = encode(src, bits, call_unit(norm.node))  # the norm unit owns these codes and their bits
         spec = RebuildSpec(c.kind, tuple(c.conv), bits, encode.cfg.group_size, node.format_node(), norm.target,
                            tuple(marks))
         with graph.inserting_before(node):

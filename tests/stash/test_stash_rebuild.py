@@ -51,6 +51,9 @@ def test_weight_ops_after_a_coded_norm_keep_no_codes_of_their_own():
     assert {"q_stash", "k_stash", "v_stash", "fc1_stash", "matmul_stash", "conv_stash"} <= set(rebuilt)
     assert all("as layer_norm of the 8-bit codes" in rebuilt[n].reason for n in ("q_stash", "fc1_stash"))
     assert "as rms_norm" in rebuilt["matmul_stash"].reason and "as group_norm" in rebuilt["conv_stash"].reason
+    # the codes belong to the norm's unit: raising it (the gate, the planner) raises what the rebuild reads too
+    units = {u["chosen"]["unit"]: u["chosen"] for u in om.plan.units}
+    assert units["ln_coded"]["fidelity"] > 0 and units["rms_coded"]["fidelity"] > 0
     assert "matmul_coded" not in {n.name for n in om.plan.nodes}  # x @ parameter: rewritten once, as a weight op
     # the norms' outputs are not coded: only their inputs are, once, shared with the norm
     encoded = [n.name for n in om.graph_module.graph.nodes if n.target is generic_encode]
