@@ -249,25 +249,17 @@ def _key(decision: Decision) -> tuple:
     return tuple(sorted((t, tuple(sorted(us.items(), key=lambda kv: kv[0]))) for t, us in decision.items()))
 
 
-def _raise_all(decision: Decision, config: Config, technique: str, lossy: Set[Tuple[str, str]]) -> Tuple[Decision, str]:
-    """A copy of ``decision`` with every lossy unit of ``technique`` one level up (or exact past the top), and
-    what changed ("5 units 3 -> 4 bits, 2 units 8 bits -> exact"); exact units (1-bit masks) stay."""
-    raised = {t: dict(us) for t, us in decision.items()}
+def _raise_all(decision: Decision, config: Config, technique: str, lossy: Set[Tuple[str, str]],
+               weights: Dict[Tuple[str, str], float]) -> Tuple[Decision, str, Dict[Tuple[str, str], float]]:
+    """A copy of ``decision`` with every lossy unit of ``technique`` one level up (or exact past the top), what
+    changed ("5 units 3 -> 4 bits, 2 units 8 bits -> exact") and the fidelity proxies that follow; exact units
+    (1-bit masks) stay."""
+    raised, followed = {t: dict(us) for t, us in decision.items()}, dict(weights)
     moves: Dict[str, int] = {}
     for unit in [u for u in raised.get(technique, {}) if (technique, u) in lossy]:
-        move = _raise(raised, config, technique, unit).partition(": ")[2]
+        move = _raise(raised, config, technique, unit, followed).partition(": ")[2]
         moves[move] = moves.get(move, 0) + 1
-    return raised, ", ".join(f"{n} unit{'s' * (n > 1)} {move}" for move, n in sorted(moves.items()))
-
-
-def _follow(weights: Dict[Tuple[str, str], float], technique: str, before: Decision, after: Decision) -> None:
-    """Update the fidelity proxies of ``technique``'s units for a raise of all of them from ``before`` to ``after``."""
-    for key in [k for k in weights if k[0] == technique and k[1] in before.get(technique, {})]:
-        old, new = before[technique][key[1]], after.get(technique, {}).get(key[1])
-        if new is None:
-            weights.pop(key)
-        elif old is not None:
-            weights[key] /= 4.0 ** (new - old)
+    return raised, ", ".join(f"{n} unit{'s' * (n > 1)} {move}" for move, n in sorted(moves.items())), followed
 
 
 def fidelity_gate(model: nn.Module, args: tuple, kwargs: dict, config: Config, decision: Decision,
@@ -338,11 +330,10 @@ def fidelity_gate(model: nn.Module, args: tuple, kwargs: dict, config: Config, d
         gated = sum(not f["excluded"] for f in per_parameter.values())
         techniques = sorted(t for t, us in decision.items() if any((t, u) in lossy_nodes for u in us))
         if len(failing) > max(WIDESPREAD * gated, WIDESPREAD_LEAST) and techniques:
-            trials = {t: _raise_all(decision, config, t, set(lossy_nodes)) for t in techniques}
-            scored = sorted((len(evaluate(d)[1]), -per_min(evaluate(d)[0]), t) for t, (d, _) in trials.items())
+            trials = {t: _raise_all(decision, config, t, set(lossy_nodes), weights) for t in techniques}
+            scored = sorted((len(evaluate(d)[1]), -per_min(evaluate(d)[0]), t) for t, (d, _, _) in trials.items())
             technique = scored[0][2]
-            previous, (decision, moves) = decision, trials[technique]
-            _follow(weights, technique, previous, decision)
+            decision, moves, weights = trials[technique]
             changes.append(f"{technique}, every unit one level up: {moves} ({len(failing)} of {gated} parameters "
                            f"below {gate.min_cosine}, worst {failing[0]} {per_parameter[failing[0]]['cosine']:.4f})")
             continue

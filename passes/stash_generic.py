@@ -201,12 +201,16 @@ def _absorb(units, blocked, masks, rewritten: Set[str]) -> Dict[object, list]:
     for key, (_, unit_savers, _, _) in units.items():
         if key in blocked:
             continue
-        take = [masks[n] for n in unit_savers if n in masks and n not in rewritten and
-                all(s.key == key for s in _kept(masks[n][0]))]
+        take = [m for m in _keeping_only(key, unit_savers, masks) if m[0].name not in rewritten]
         if take:
             absorbed[key] = take
             rewritten.update(m[0].name for m in take)
     return absorbed
+
+
+def _keeping_only(key, savers, masks) -> list:
+    """The exact-mask activations (``masks``) among ``savers`` that keep nothing but the storage ``key``."""
+    return [masks[n] for n in savers if n in masks and all(s.key == key for s in _kept(masks[n][0]))]
 
 
 def _excluded(ctx: PassContext, cfg: StashConfig, unit: str) -> str:
@@ -425,6 +429,7 @@ def compact_extras(gm: fx.GraphModule, cfg: StashConfig) -> bool:
     modules = dict(gm.named_modules())
     graph = gm.graph
     modified = False
+    masks = None  # exact_masks, found once at the first max pool
     for node in list(graph.nodes):
         kind = op_kind(node, modules)
         kept = _kept(node)
@@ -434,12 +439,14 @@ def compact_extras(gm: fx.GraphModule, cfg: StashConfig) -> bool:
         if pool is not None and any(set(s.savers) == {node.name} for s in kept):
             # its int64 indices are its own: ceil(log2(kh*kw)) bits per output free them; a ReLU that keeps
             # the same input (its output) keeps its 1-bit mask instead, and the input is freed too
-            masks = exact_masks(gm, modules)
+            masks = exact_masks(gm, modules) if masks is None else masks
             for s in kept:
-                others = [masks.get(n) for n in s.savers if n != node.name]
-                if others and all(m is not None and all(r.key == s.key for r in _kept(m[0])) for m in others):
-                    for m in others:
+                others = [n for n in s.savers if n != node.name]
+                take = _keeping_only(s.key, others, masks)
+                if others and len(take) == len(others):
+                    for m in take:
                         replace_with_mask(gm, *m, None, f"with it {node.name} frees this output (its input)")
+                        del masks[m[0].name]
             with graph.inserting_before(node):
                 new = graph.create_node("call_function", max_pool2d_indices_only, (_arg(node, 0, "input"), *pool),
                                         name=f"{node.name}_indices")
