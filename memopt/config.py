@@ -11,7 +11,7 @@ import dataclasses
 import json
 import math
 from dataclasses import dataclass
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Union
 
 from memopt.fewbit.config import FewBitConfig
 from memopt.recompute.config import RecomputeConfig
@@ -20,6 +20,8 @@ from memopt.stash.config import StashConfig
 from memopt.techniques import TECHNIQUES
 
 _DEVICES = ("cpu", "cuda", "meta")
+# Config.prefer's named exchange rates (memopt.passes.planner.POLICIES holds what each one means to the planner)
+PREFER = ("balanced", "fidelity", "speed", "memory")
 # the layout of Config.to_dict(); 1: dicts written before the key existed (same layout)
 CONFIG_SCHEMA_VERSION = 1
 
@@ -78,6 +80,21 @@ class Config:
             GPU, more may be taken.
         fidelity: the fidelity gate (``FidelityConfig``; None turns it off): plans without a budget are checked
             per parameter against exact gradients on the example inputs and repaired where they miss.
+        prefer: how the budget planner trades gradient fidelity against step time when a ``budget_mb`` needs
+            rewrites (without a budget every technique runs at its defaults and ``prefer`` changes nothing):
+            "balanced" (default): the least fidelity cost, time a tie-breaker, whole blocks recomputed only when
+            the lossy techniques at their fewest bits do not fit. "fidelity": exact recomputation of blocks
+            before any lossy option wherever it frees the bytes; lossy options only for what recomputation
+            cannot reach. "speed": the least extra work: lossy codecs (down to 3 bits) before recomputation,
+            whose time is its recomputed FLOPs. "memory": every lossy unit at its fewest bits (the least peak
+            they reach), blocks recomputed on top only where the budget needs them. A number w >= 0 is an
+            explicit exchange rate: an option costs ``fidelity + w * time`` (fidelity: the squared-error proxy;
+            time: extra elementwise passes, one per element, a recomputed FLOP counted at the planner's
+            ``FLOPS_PER_PASS``), recomputation competing with the lossy options ("fidelity" is 1e-9, "speed"
+            1e-2). ``prefer`` never relaxes the fidelity gate: every plan,
+            "memory" included, is repaired until each parameter's gradient reaches
+            ``FidelityConfig.min_cosine`` (within the budget, by recomputation); to keep approximate gradients,
+            lower ``min_cosine`` or set ``fidelity=None``.
     """
 
     reversible: Optional[ReversibleConfig] = ReversibleConfig()
@@ -87,6 +104,7 @@ class Config:
     device: Optional[str] = None
     workspace_mb: Optional[float] = None
     fidelity: Optional[FidelityConfig] = FidelityConfig()
+    prefer: Union[str, float] = "balanced"
 
     def __post_init__(self) -> None:
         for name, cls in _TECHNIQUES.items():
@@ -104,6 +122,11 @@ class Config:
         w = self.workspace_mb
         if w is not None and (isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w < 0):
             raise ValueError(f"Config.workspace_mb must be None or a finite number of MiB >= 0, got {w!r}")
+        p = self.prefer
+        if isinstance(p, bool) or not (p in PREFER if isinstance(p, str) else
+                                       isinstance(p, (int, float)) and math.isfinite(p) and p >= 0):
+            raise ValueError(f"Config.prefer={p!r} is not supported; use one of {list(PREFER)} or a finite number "
+                             f">= 0 (the fidelity cost one extra elementwise pass per element is worth)")
 
     def workspace_bytes(self, device: str) -> int:
         """Bytes the budget planner keeps free on ``device`` (see ``workspace_mb``)."""

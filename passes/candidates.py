@@ -49,8 +49,10 @@ _EXTRA_PASSES = {"stash": 3.0, "fewbit": 2.0}
 @dataclass(frozen=True)
 class Option:
     """One way to run a unit. ``freed_bytes`` is relative to exact; ``fidelity`` is a gradient-error
-    proxy (mean squared error per element, times elements); ``time`` is extra elementwise work in
-    element passes."""
+    proxy (mean squared error per element, times elements); ``time`` is extra work counted one per element
+    of each extra elementwise pass plus one per recomputed FLOP; ``flops``, the recomputed FLOPs inside
+    ``time`` (recompute and reversible: one more forward of the block), lets the planner's policy weigh a
+    FLOP against an element pass (``memopt.passes.knapsack.FLOPS_PER_PASS``)."""
 
     technique: str
     bits: Optional[int]
@@ -60,6 +62,7 @@ class Option:
     time: float
     # the part of freed_bytes that is alive at the baseline's forward/backward peak (what lowers it)
     peak_freed_bytes: int = 0
+    flops: float = 0.0
 
     def to_dict(self) -> Dict[str, Any]:
         return dataclasses.asdict(self)
@@ -129,7 +132,8 @@ def make_option(technique: Handler, unit: str, nodes: Set[str], new_nodes: Seque
     freed = int(freed_bytes(baseline, after, nodes, new_nodes))
     return Option(technique.name, bits_of(new_nodes), unit, freed,
                   float(sum(technique.planner.fidelity(n, baseline, unit) for n in new_nodes)),
-                  _time(technique.name, unit, nodes, baseline), _peak_freed(baseline, nodes, freed))
+                  _time(technique.name, unit, nodes, baseline), _peak_freed(baseline, nodes, freed),
+                  _flops(technique.name, nodes, baseline))
 
 
 def _peak_freed(baseline: Estimate, nodes: Set[str], freed: int) -> int:
@@ -147,6 +151,13 @@ def _time(technique: str, unit: str, nodes: Set[str], baseline: Estimate) -> flo
         costs = [baseline.nodes[n] for n in nodes if n in baseline.nodes]
         return float(sum(c.flops for c in costs) + sum(math.prod(s) for c in costs for s in c.shapes))
     return _EXTRA_PASSES[technique] * node_numel(baseline, unit)
+
+
+def _flops(technique: str, nodes: Set[str], baseline: Estimate) -> float:
+    """The FLOPs (matmuls, convolutions, attention: the cost model's FLOP counter) a rewrite runs again."""
+    if technique in ("recompute", "reversible"):
+        return float(sum(baseline.nodes[n].flops for n in nodes if n in baseline.nodes))
+    return 0.0
 
 
 def rewritten_units(gm: fx.GraphModule, technique: str) -> Dict[str, Tuple[Set[str], List[fx.Node]]]:

@@ -10,7 +10,7 @@ import torch
 import memopt
 from memopt.testing.zoo import build
 from memopt.passes.candidates import Group, Option
-from memopt.passes.planner import max_saving, option_cost, solve
+from memopt.passes.knapsack import max_saving, option_cost, solve
 
 MiB = 2 ** 20
 
