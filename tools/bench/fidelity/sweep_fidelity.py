@@ -15,12 +15,15 @@ gradient is below 1e-3 of the median norm, and those the gate lists as cancelled
 BatchNorm (memopt.fidelity.invariant_parameters), are counted in `apart`. `gate` is om.plan.fidelity:
 passed or not, its training steps and changes (the first one shown), `-` where no lossy unit was planned
 and `per-submodule` where the model was captured per submodule (each submodule gated on its own).
-`stock saved` / `memopt saved`: memopt.measure(...).saved_bytes (saved-tensor hooks); `ratio` = stock /
+`capture`: how memopt captured it (om.plan.capture); `rewritten nodes`: the plan's rewritten nodes per
+technique (the section "Techniques by node kind" counts them by op). `stock saved` / `memopt saved`:
+memopt.measure(...).saved_bytes (saved-tensor hooks); `ratio` = stock /
 memopt (higher is better). Flags: `BELOW 0.98` (the issue's goal: none), `ERROR`, `SETUP` (the stock model
 cannot train on the inputs: a sweep limitation).
 """
 from __future__ import annotations
 
+import collections
 import copy
 import statistics
 import time
@@ -65,6 +68,8 @@ def run_one(family: str, name: str) -> Dict[str, Any]:
         row.update(status="error", reason=f"optimize: {first_line(e)}")
         return row
     plan = om.plan
+    row["capture"] = plan.capture
+    row["techniques"] = _techniques(plan)
     gate = getattr(plan, "fidelity", None)
     if getattr(plan, "submodules", None):
         row["gate"] = "per-submodule"
@@ -96,6 +101,20 @@ def run_one(family: str, name: str) -> Dict[str, Any]:
     row["seconds"] = round(time.time() - start, 1)
     row.setdefault("status", "ok")
     return row
+
+
+def _techniques(plan) -> Dict[str, Dict[str, int]]:
+    """{technique: {the rewritten node's op: nodes}} of a plan (per-submodule plans list every submodule's)."""
+    found: Dict[str, Dict[str, int]] = {}
+    for node in plan.nodes:
+        if node.technique != "exact":
+            ops = found.setdefault(node.technique, {})
+            ops[node.op] = ops.get(node.op, 0) + 1
+    return found
+
+
+def _technique_summary(row) -> str:
+    return ", ".join(f"{t} {sum(ops.values())}" for t, ops in sorted(row.get("techniques", {}).items())) or "-"
 
 
 def _ratio(row) -> Optional[float]:
@@ -143,13 +162,27 @@ def render(rows: List[Dict[str, Any]], command: str, total: int, done: bool, sta
                       " ".join(str(r.get("gate", "-")).split())[:160].replace("|", "\\|"),
                       fmt_bytes(r["stock_saved"]) if r.get("stock_saved") else "-",
                       fmt_bytes(r["memopt_saved"]) if r.get("memopt_saved") else "-",
-                      f"{ratio:.2f}" if ratio else "-", r.get("optimize_s", "-"), ", ".join(_flags(r)),
+                      f"{ratio:.2f}" if ratio else "-", r.get("capture", "-"), _technique_summary(r),
+                      r.get("optimize_s", "-"), ", ".join(_flags(r)),
                       " ".join(str(r.get("reason", "")).split())[:200].replace("|", "\\|")])
     full = tabulate(table, ["family", "model", "input", "worst", "worst parameter", "p5", "< 0.99", "apart", "gate",
-                            "stock saved", "memopt saved", "ratio", "optimize s", "flag", "reason"],
-                    tablefmt="github")
+                            "stock saved", "memopt saved", "ratio", "capture", "rewritten nodes", "optimize s",
+                            "flag", "reason"], tablefmt="github")
+    kinds: Dict[tuple, List[int]] = {}
+    for r in rows:  # (family, technique, op) -> [models, nodes]
+        for technique, ops in r.get("techniques", {}).items():
+            for op, n in ops.items():
+                entry = kinds.setdefault((r["family"], technique, op), [0, 0])
+                entry[0] += 1
+                entry[1] += n
+    captures = collections.Counter((r["family"], r["capture"]) for r in rows if r.get("capture"))
+    by_kind = tabulate([[f, t, op, m, n] for (f, t, op), (m, n) in sorted(kinds.items())],
+                       ["family", "technique", "rewritten node op", "models", "nodes"], tablefmt="github")
+    by_capture = tabulate([[f, c, n] for (f, c), n in sorted(captures.items())], ["family", "capture", "models"],
+                          tablefmt="github")
     return (f"{run_state(rows, total, done, started, kept, code)}\n\n## Summary\n\n{summary_table}\n\n"
-            f"## All models (worst first per family)\n\n{full}\n")
+            f"## All models (worst first per family)\n\n{full}\n\n## Capture paths\n\n{by_capture}\n\n"
+            f"## Techniques by node kind (the rewritten nodes' ops, over the models)\n\n{by_kind}\n")
 
 
 def main() -> None:
