@@ -132,32 +132,35 @@ def _reads_metadata(node: fx.Node) -> bool:
 
 def invariant_parameters(gm: fx.GraphModule) -> Dict[str, str]:
     """{parameter: why} for the parameters whose exact gradient is zero by construction, up to BatchNorm's eps and
-    rounding: the bias of a conv / linear / BatchNorm whose only reader is a training-mode BatchNorm, directly or
-    through a sum of branches (the batch mean takes any per-channel shift out), and a weight with one element per
-    output channel read directly by one (a depthwise 1x1 conv, a BatchNorm weight: the normalisation takes its
-    scale out). Any approximation of the backward leaves a gradient of the approximation's error's size where the
-    exact one is rounding; a cosine between the two is noise (timm RepViT's RepVggDw 1x1 branch: -0.94 with an
-    8-bit stash), so the gate lists these apart with the reason instead of chasing them."""
+    rounding: the bias of a conv / linear / BatchNorm whose every path reaches a training-mode BatchNorm through
+    only sums of branches and unpadded convs (the batch mean takes any per-channel shift out, and an unpadded conv
+    turns a per-channel shift into another), and a weight with one element per output channel read directly by
+    one (a depthwise 1x1 conv, a BatchNorm weight: the normalisation takes its scale out). Any approximation of the
+    backward leaves a gradient of the approximation's error's size where the exact one is rounding; a cosine
+    between the two is noise (timm RepViT's RepVggDw 1x1 branch: -0.94 with an 8-bit stash; timm FastViT's
+    ReparamLargeKernelConv, whose summed branches feed both an identity BatchNorm and a 1x1 conv's: 0.03, the
+    float64 gradient there is 1e-16), so the gate lists these apart with the reason instead of chasing them."""
     modules = dict(gm.named_modules())
+    memo: Dict[str, Optional[Tuple[Tuple[str, ...], Tuple[str, ...]]]] = {}
     out: Dict[str, str] = {}
     for node in gm.graph.nodes:
-        if not _training_batch_norm(node, modules) or not node.args or not isinstance(node.args[0], fx.Node):
+        weight, bias = _weight_and_bias(node, modules)
+        if weight is None and bias is None:
             continue
-        for producer, direct in _shift_sources(node.args[0]):
-            weight, bias = _weight_and_bias(producer, modules)
-            if bias is not None:
-                out[bias[0]] = (f"{producer.name}'s bias before the training-mode BatchNorm {node.name}"
-                                f"{'' if direct else ' (through a sum)'}: the batch mean cancels it")
-            if direct and weight is not None and weight[1].dim() >= 1 and weight[1][0].numel() == 1:
-                out[weight[0]] = (f"{producer.name}'s per-channel scale before the training-mode BatchNorm "
-                                  f"{node.name}: the normalisation cancels it (its exact gradient is BatchNorm's "
-                                  f"eps term)")
+        found = _shift_cancelled(node, modules, memo)
+        if found is None:
+            continue
+        norms, via = found
+        where = f"the training-mode BatchNorm{'s' * (len(norms) > 1)} {', '.join(norms)}"
+        through = f" (through {' and '.join(via)})" if via else ""
+        if bias is not None:
+            out[bias[0]] = (f"{node.name}'s bias before {where}{through}: the batch mean cancels it")
+        readers = [u for u in node.users if not _reads_metadata(u)]
+        direct = len(readers) == 1 and _training_batch_norm(readers[0], modules) and readers[0].args[0] is node
+        if direct and weight is not None and weight[1].dim() >= 1 and weight[1][0].numel() == 1:
+            out[weight[0]] = (f"{node.name}'s per-channel scale before {where}: the normalisation cancels it (its "
+                              f"exact gradient is BatchNorm's eps term)")
     return out
-
-
-def _only_reader(node: fx.Node) -> Optional[fx.Node]:
-    readers = [u for u in node.users if not _reads_metadata(u)]
-    return readers[0] if len(readers) == 1 else None
 
 
 def _is_add(node: fx.Node) -> bool:
@@ -165,18 +168,49 @@ def _is_add(node: fx.Node) -> bool:
             and not node.kwargs) or (node.op == "call_method" and node.target in ("add", "add_") and not node.kwargs)
 
 
-def _shift_sources(value: fx.Node, depth: int = 0) -> List[Tuple[fx.Node, bool]]:
-    """(node, direct) for each node whose output reaches ``value`` (a BatchNorm's input) only by itself or through
-    a chain of additions of same-shaped branches, each read by nothing else."""
-    if depth == 0 and _only_reader(value) is None:
-        return []
-    if not _is_add(value) or depth > 3:
-        return [(value, depth == 0)]
-    found = []
-    for operand in value.args[:2]:
-        if isinstance(operand, fx.Node) and _only_reader(operand) is value:
-            found += [(n, False) for n, _ in _shift_sources(operand, depth + 1)]
-    return found
+def _unpadded_conv(node: fx.Node, value: fx.Node, modules: Dict[str, nn.Module]) -> bool:
+    """A (not transposed) conv reading ``value`` as its input with no padding: a per-channel constant in, a
+    per-channel constant out (zero padding would make the border differ)."""
+    if node.op == "call_module":
+        module = modules.get(node.target)
+        return (isinstance(module, nn.modules.conv._ConvNd) and not module.transposed and bool(node.args)
+                and node.args[0] is value and (module.padding == "valid" or
+                                               (not isinstance(module.padding, str) and not any(module.padding))))
+    name = getattr(node.target, "__name__", str(node.target))
+    if node.op != "call_function" or not name.startswith("conv") or "transpose" in name or not node.args:
+        return False
+    padding = node.kwargs.get("padding", node.args[4] if len(node.args) > 4 else 0)
+    transposed = name.startswith("convolution") and (node.args[6] if len(node.args) > 6 else True)
+    flat = [padding] if isinstance(padding, (int, str)) else list(padding)
+    return node.args[0] is value and not transposed and all(p in (0, "valid") for p in flat)
+
+
+def _shift_cancelled(value: fx.Node, modules: Dict[str, nn.Module],
+                     memo: Dict[str, Optional[Tuple[Tuple[str, ...], Tuple[str, ...]]]],
+                     depth: int = 0) -> Optional[Tuple[Tuple[str, ...], Tuple[str, ...]]]:
+    """(the training-mode BatchNorms that cancel it, what it passes on the way) when a per-channel shift of
+    ``value``'s output reaches nothing but training-mode BatchNorms' inputs, directly or through sums of branches
+    and unpadded convs; None when some path escapes (an activation, an output, a padded conv, ...)."""
+    if value.name in memo:
+        return memo[value.name]
+    memo[value.name] = None  # a cycle cannot occur in a graph; this also bounds the work
+    readers = [u for u in value.users if not _reads_metadata(u)]
+    if not readers or depth > 16:
+        return None
+    norms: List[str] = []
+    via: List[str] = []
+    for reader in readers:
+        if _training_batch_norm(reader, modules) and reader.args and reader.args[0] is value:
+            norms.append(reader.name)
+            continue
+        step = "a sum" if _is_add(reader) else "an unpadded conv" if _unpadded_conv(reader, value, modules) else None
+        further = None if step is None else _shift_cancelled(reader, modules, memo, depth + 1)
+        if further is None:
+            return None
+        norms += further[0]
+        via += [step] + list(further[1])
+    memo[value.name] = (tuple(dict.fromkeys(norms)), tuple(dict.fromkeys(via)))
+    return memo[value.name]
 
 
 def _consumers(graph: fx.Graph, parameter: str) -> List[fx.Node]:
@@ -215,6 +249,12 @@ def _responsible(graph: fx.Graph, parameter: str, lossy: Dict[Tuple[str, str], S
     scored = [(-weights.get(key, 0.0), min(distances[n] for n in nodes if n in distances), key)
               for key, nodes in lossy.items() if any(n in distances for n in nodes)]
     return [min(scored)[2]] if scored else []
+
+
+def _after(graph: fx.Graph, parameter: str, lossy: Dict[Tuple[str, str], Set[str]]) -> List[Tuple[str, str]]:
+    """Every lossy unit with a node anywhere after ``parameter``'s consumers: all that can change its gradient."""
+    distances = _distances(_consumers(graph, parameter), len(graph.nodes))
+    return [key for key, nodes in lossy.items() if any(n in distances for n in nodes)]
 
 
 def _raise(decision: Decision, config: Config, technique: str, unit: str,
@@ -347,11 +387,44 @@ def fidelity_gate(model: nn.Module, args: tuple, kwargs: dict, config: Config, d
                                    f"{per_parameter[parameter]['cosine']:.4f})")
         if not touched:
             radius += 2  # every unit near the failing parameters is exact already: look further
+    last_resort = None
+    if failing and not verify_only:
+        # the rounds are spent and the plan still misses: never ship it (the rule is never to differ silently from
+        # eager PyTorch). Every lossy unit after the failing parameters goes exact; if some still miss, every lossy
+        # unit does. The plan saves less, and the warning says so and how to keep the savings.
+        missed = {p: per_parameter[p]["cosine"] for p in failing}
+        for scope in ("after the failing parameters", "of the plan"):
+            lossy = {k: v for k, v in lossy_nodes.items() if k[1] in decision.get(k[0], {})}
+            keys = sorted(lossy) if scope == "of the plan" else sorted(
+                {k for p in failing for k in _after(base.graph, p, lossy)})
+            if not keys:
+                continue
+            for technique, unit in keys:
+                del decision[technique][unit]
+                weights.pop((technique, unit), None)
+            shown = ", ".join(f"{t} {u}" for t, u in keys[:4]) + (f" and {len(keys) - 4} more" * (len(keys) > 4))
+            worst_missed = min(missed, key=missed.get)
+            last_resort = (f"last resort after {round_} round{'s' * (round_ != 1)}: {len(keys)} lossy units {scope} "
+                           f"-> exact ({shown}; "
+                           f"{len(missed)} parameters still below {gate.min_cosine}, worst {worst_missed} "
+                           f"{missed[worst_missed]:.4f})")
+            changes.append(last_resort)
+            per_parameter, failing = evaluate(decision)
+            if not failing:
+                break
+        if last_resort is not None:
+            log.warning("memopt: %s: the fidelity gate's %d round(s) left %d parameters below cosine %s (worst %s at "
+                        "%.4f); rather than ship approximate gradients it made lossy units exact, so the plan saves "
+                        "less: %s. To keep the savings, raise FidelityConfig.max_rounds, lower "
+                        "FidelityConfig.min_cosine, or accept the approximate gradients with Config(fidelity=None).",
+                        type(model).__name__, round_, len(missed), gate.min_cosine, worst_missed,
+                        missed[worst_missed], last_resort)
     kept = {p: f for p, f in per_parameter.items() if not f["excluded"]}
     worst = min(kept.items(), key=lambda kv: kv[1]["cosine"]) if kept else None
     report = {
         "min_cosine": gate.min_cosine, "slice": which, "rounds": round_, "changes": changes,
-        "passed": not failing, "steps": steps[0], "projections": len(losses), "before": before,
+        "passed": not failing, "last_resort": last_resort, "steps": steps[0], "projections": len(losses),
+        "before": before,
         "worst": None if worst is None else {"parameter": worst[0], "cosine": round(worst[1]["cosine"], 6),
                                              "relative_error": round(worst[1]["relative_error"], 6)},
         "below": [f"{p} ({per_parameter[p]['cosine']:.4f})" for p in failing],

@@ -135,3 +135,25 @@ def test_units_the_gate_turns_exact_say_so_in_the_report():
     exact = [n for n in om.plan.nodes if n.op == "gelu" and n.technique == "exact"]
     assert exact and all("made exact by the fidelity gate" in n.reason for n in exact)
     assert "budget planner" not in om.report()
+
+
+def test_a_plan_still_missing_after_the_rounds_is_made_exact_and_the_user_is_warned(caplog):
+    """Never ship a plan whose gradients miss the bar: when ``max_rounds`` is spent (one round here, a bar that
+    3 -> 4-bit tables cannot reach) the gate turns the lossy units after the failing parameters exact, passes,
+    and warns naming the worst parameter, its cosine and the settings that would keep the savings."""
+    torch.manual_seed(0)
+    model, x = GeluMLP(), torch.randn(64, 64)
+    config = memopt.Config(fewbit=memopt.FewBitConfig(bits=3), stash=None, reversible=None,
+                           fidelity=memopt.FidelityConfig(min_cosine=0.99999, max_rounds=1))
+    with caplog.at_level("WARNING", logger="memopt"):
+        om = memopt.optimize(model, example_inputs=x, config=config)
+    report = om.plan.fidelity
+    assert report["passed"] and report["last_resort"] and report["rounds"] == 1
+    assert report["changes"][-1] == report["last_resort"] and "-> exact" in report["last_resort"]
+    assert "last resort after 1 round:" in om.report()
+    warning = next(r.getMessage() for r in caplog.records if "rather than ship" in r.getMessage())
+    worst = report["last_resort"].rpartition("worst ")[2].split()[0]
+    assert worst in warning and "FidelityConfig.max_rounds" in warning and "Config(fidelity=None)" in warning
+    # what runs is exact where it matters: every gradient matches eager at the full batch
+    assert all(f["cosine"] >= 0.99999 for f in _cosines(model, om, x).values() if not f["tiny"])
+    assert not any(n.technique == "fewbit" for n in om.plan.nodes)  # every GELU follows layers.0

@@ -151,3 +151,42 @@ def test_shifts_that_reach_a_batch_norm_through_a_sum_are_cancelled_too_but_scal
     assert set(invariant) == {"a.bias", "bn_a.bias", "b.bias"}
     assert "(through a sum)" in invariant["bn_a.bias"] and "(through a sum)" in invariant["b.bias"]
     assert "(through a sum)" not in invariant["a.bias"]  # a feeds bn_a directly
+
+
+class LargeKernelDownsample(nn.Module):
+    """timm FastViT's PatchEmbed: a ReparamLargeKernelConv (two conv + BatchNorm branches summed, no activation)
+    whose sum feeds a MobileOne block, an identity BatchNorm beside a ``mix`` conv and its BatchNorm. A shift of
+    the sum is cancelled on both paths when ``mix`` is unpadded (1x1); a padded 3x3 changes the border only."""
+
+    def __init__(self, mix_kernel=1):
+        super().__init__()
+        self.large, self.bn_large = nn.Conv2d(3, 8, 5, padding=2, bias=False), nn.BatchNorm2d(8)
+        self.small, self.bn_small = nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8)
+        self.identity = nn.BatchNorm2d(8)
+        self.mix, self.bn_mix = nn.Conv2d(8, 8, mix_kernel, padding=mix_kernel // 2, bias=False), nn.BatchNorm2d(8)
+        self.head = nn.Conv2d(8, 4, 3, padding=1)
+
+    def forward(self, x):
+        s = self.bn_large(self.large(x)) + self.bn_small(self.small(x))
+        return self.head(nn.functional.gelu(self.identity(s) + self.bn_mix(self.mix(s))))
+
+
+def test_shifts_cancelled_on_every_path_of_a_fan_out_are_listed_apart():
+    """FastViT's gate failed at cosine 0.03 on ``stages.1.downsample.proj.0.large_conv.bn.bias``: its exact
+    gradient is rounding (1e-16 in float64), the sum it feeds reaching training-mode BatchNorms both directly and
+    through a 1x1 conv, which the sum-only rule missed. Checked here against float64 autograd, not assumed."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 16, 16)
+    model = LargeKernelDownsample().train()
+    invariant = invariant_parameters(capture(model, (x,), {}).graph_module)
+    assert {"bn_large.bias", "bn_small.bias"} <= set(invariant)
+    assert "identity" in invariant["bn_large.bias"] and "bn_mix" in invariant["bn_large.bias"]
+    assert "an unpadded conv" in invariant["bn_large.bias"]
+    assert "the batch mean cancels it" in invariant["bn_large.bias"]
+    reference = copy.deepcopy(model).double()
+    RandomProjection(seed=1)(reference(x.double())).backward()
+    grads = dict(reference.named_parameters())
+    median = sorted(float(p.grad.norm()) for p in reference.parameters())[len(grads) // 2]
+    assert all(float(grads[name].grad.norm()) < 1e-9 * median for name in invariant)
+    padded = invariant_parameters(capture(LargeKernelDownsample(mix_kernel=3).train(), (x,), {}).graph_module)
+    assert not {"bn_large.bias", "bn_small.bias"} & set(padded)  # a padded conv lets the border see the shift
