@@ -8,6 +8,7 @@ buffers, so training it trains the user's model.
 """
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import traceback
@@ -274,6 +275,27 @@ def _model_frames(frames) -> list:
     return [f for f in frames if not f.filename.startswith(skip) and not f.filename.startswith("<")]
 
 
+def _defaults_left_out(model: nn.Module, args: tuple, kwargs: dict) -> Dict[str, Any]:
+    """The forward's parameters the example inputs leave at a plain default (None, a bool, a number, a string),
+    to trace as those constants: fx would trace them as inputs, and ``if attn_mask is not None:`` on an input
+    is always taken. fx asserts the value in the graph, and a call passing them has another input signature,
+    so it is captured again."""
+    try:
+        parameters = list(inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError):  # a forward without a signature Python can read
+        return {}
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    if len(args) > sum(p.kind in positional for p in parameters):
+        return {}  # *args take the rest: the signature does not say which are left out
+    left = {}
+    for i, p in enumerate(parameters):
+        given = (p.kind in positional and i < len(args)) or p.name in kwargs
+        if (not given and p.kind in positional + (inspect.Parameter.KEYWORD_ONLY,) and p.default is not p.empty
+                and (p.default is None or type(p.default) in (bool, int, float, str))):
+            left[p.name] = p.default
+    return left
+
+
 def capture(model: nn.Module, args: tuple, kwargs: dict) -> Captured:
     """Capture ``model`` on the example inputs; raise ``TraceError`` when neither path works."""
     try:
@@ -281,7 +303,7 @@ def capture(model: nn.Module, args: tuple, kwargs: dict) -> Captured:
         # that no traced value flows into) happens for real, and is undone here
         tracer = _HookAwareTracer()
         with preserved_state(model):
-            traced = tracer.trace(model)
+            traced = tracer.trace(model, _defaults_left_out(model, args, kwargs) or None)
         gm = _rebuild_on_model(model, traced, None, tracer.functions)
         canonical_batch_norms(gm, model)
         return Captured(gm, "symbolic_trace")

@@ -20,7 +20,7 @@ from memopt.stash.config import StashConfig
 from memopt.techniques import TECHNIQUES
 
 _DEVICES = ("cpu", "cuda", "meta")
-# Config.prefer's named exchange rates (memopt.passes.planner.POLICIES holds what each one means to the planner)
+# Config.prefer's named exchange rates (memopt.passes.knapsack.POLICIES holds what each one means to the planner)
 PREFER = ("balanced", "fidelity", "speed", "memory")
 # the layout of Config.to_dict(); 1: dicts written before the key existed (same layout)
 CONFIG_SCHEMA_VERSION = 1

@@ -3,8 +3,9 @@
 Blocks are found from ``node.meta["nn_module_stack"]`` (recorded by both capture paths): a node
 belongs to the outermost module on its stack whose path ends in an index (a member of a Sequential
 or ModuleList) and that is not the node's own leaf module. A block is eligible when its nodes are
-contiguous in the graph, take only tensors from outside (attributes are copied in), have exactly
-one value used outside (a tensor), and contain no in-place op on an outside tensor.
+contiguous in the graph, take from outside only tensors and values holding no tensor (``attn_mask=None``, a
+size: passed through as they are; attributes are copied in), have exactly one value used outside (a tensor),
+and contain no in-place op on an outside tensor.
 """
 from __future__ import annotations
 
@@ -79,9 +80,9 @@ def why_not(block: Block) -> Union[str, Tuple[List[fx.Node], fx.Node]]:
             if arg in inside or arg.op == "get_attr" or arg in inputs:
                 continue
             cost = arg.meta.get(META_KEY)
-            if cost is None or not cost.shapes or len(cost.shapes) != 1:
+            if cost is None or len(cost.shapes) > 1:
                 return f"it reads {arg.name}, which is not a single tensor"
-            inputs.append(arg)
+            inputs.append(arg)  # a value holding no tensor (attn_mask=None, a size) passes through as it is
         if _inplace_on(node, inside):
             return f"{node.name} modifies an input of the block in place"
     outputs = [n for n in block.nodes if any(u not in inside for u in n.users)]
@@ -90,7 +91,7 @@ def why_not(block: Block) -> Union[str, Tuple[List[fx.Node], fx.Node]]:
     cost = outputs[0].meta.get(META_KEY)
     if cost is None or len(cost.shapes) != 1:
         return f"its output {outputs[0].name} is not a single tensor"
-    if not inputs:
+    if not any(n.meta[META_KEY].shapes for n in inputs):
         return "it reads no tensor from outside"
     return inputs, outputs[0]
 

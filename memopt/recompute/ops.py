@@ -21,14 +21,28 @@ from memopt.runtime.rng import replayed_rng, rng_state
 _BatchNorm = nn.modules.batchnorm._BatchNorm
 
 
+def _merged(values: tuple, tensors) -> list:
+    """The block's arguments: ``values`` (None where a tensor goes) with ``tensors`` filled in, in order."""
+    tensors = iter(tensors)
+    return [next(tensors) if v is None else v.value for v in values]
+
+
+class _Value:
+    """A block argument that is not a tensor (None, a size), held on ctx instead of saved."""
+
+    def __init__(self, value: Any):
+        self.value = value
+
+
 class _Recompute(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, block: nn.Module, n_inputs: int, random: bool, where: str, *tensors: torch.Tensor):
+    def forward(ctx, block: nn.Module, values: tuple, random: bool, where: str, *tensors: torch.Tensor):
+        n_inputs = sum(v is None for v in values)
         inputs = tensors[:n_inputs]
-        ctx.block, ctx.n_inputs, ctx.random, ctx.where = block, n_inputs, random, where
+        ctx.block, ctx.n_inputs, ctx.values, ctx.random, ctx.where = block, n_inputs, values, random, where
         rng = rng_state(inputs) if random else []
         with torch.no_grad():
-            out = block(*[t.detach() for t in inputs])  # module hooks must not see inputs needing grad
+            out = block(*_merged(values, [t.detach() for t in inputs]))  # hooks must not see inputs needing grad
         if not isinstance(out, torch.Tensor):
             raise TypeError(f"memopt recompute: block {where} returned {type(out).__name__}, expected one tensor")
         ctx.n_rng = len(rng)
@@ -50,7 +64,7 @@ class _Recompute(torch.autograd.Function):
                  for b in (m.running_mean, m.running_var, m.num_batches_tracked) if b is not None]
         with replayed_rng(rng if ctx.random else None, inputs):
             with torch.enable_grad(), replayed_autocast(ctx.autocast):  # the forward's precision, not fp32
-                out = ctx.block(*detached)
+                out = ctx.block(*_merged(ctx.values, detached))
         wanted = [t for t in detached if t.requires_grad] + params
         grads = iter(torch.autograd.grad(out, wanted, grad, allow_unused=True) if wanted else ())
         del out
@@ -69,4 +83,6 @@ def recompute_block(block: nn.Module, random: bool, where: str, *inputs: Any) ->
     if not torch.is_grad_enabled() or not (params or any(isinstance(t, torch.Tensor) and t.requires_grad
                                                          for t in inputs)):
         return block(*inputs)
-    return _Recompute.apply(block, len(inputs), random, where, *inputs, *params)
+    values = tuple(None if isinstance(t, torch.Tensor) else _Value(t) for t in inputs)
+    tensors = [t for t in inputs if isinstance(t, torch.Tensor)]
+    return _Recompute.apply(block, values, random, where, *tensors, *params)

@@ -163,3 +163,59 @@ def test_units_next_to_a_recomputed_block_say_why_they_stay_exact():
                                                      "layers_0, so the rest stays exact")
     assert "layers_0_bn2" not in decisions  # inside the recomputed block: no node of its own any more
     assert decisions["layers_2_bn1"]["reason"] == "planner: the budget is met without it (stash@4 frees 100 B)"
+
+
+class _MaskedBlock(nn.Module):
+    def __init__(self, d=16):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
+
+    def forward(self, x, attn_mask=None, scale=1.0):
+        h = torch.nn.functional.gelu(self.fc1(x))
+        if attn_mask is not None:
+            h = h.masked_fill(attn_mask, 0.0)
+        return x + self.fc2(h) * scale
+
+
+class _Masked(nn.Module):
+    """As timm's ViTs: the forward takes attn_mask=None and hands it to every block (fx keeps it an input)."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(_MaskedBlock() for _ in range(3))
+
+    def forward(self, x, attn_mask=None):
+        for i, block in enumerate(self.blocks):
+            x = block(x, attn_mask, x.shape[-1] / 16)
+        return x
+
+
+def test_blocks_reading_a_none_input_or_a_size_are_recomputed_exactly():
+    torch.manual_seed(0)
+    model, x = _Masked(), torch.randn(4, 8, 16)
+    reference = copy.deepcopy(model)
+    om = memopt.optimize(model, example_inputs=x, config=ALL, optimizer="sgd")
+    assert om.plan.capture == "symbolic_trace"  # attn_mask left at its None: traced as None, not as an input
+    assert sum(u["chosen"]["technique"] == "recompute" for u in om.plan.units) == 3
+    out, ref = _step(om, x), _step(reference, x)
+    assert torch.equal(out, ref)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert torch.equal(p.grad, q.grad), name
+    assert memopt.measure(om, x).saved_bytes == om.plan.estimated_saved_bytes
+    mask = torch.rand(4, 8, 32) > 0.5  # passed: another input signature, captured again with the mask
+    model.zero_grad(), reference.zero_grad()
+    torch.manual_seed(0)
+    out = om(x, attn_mask=mask)
+    assert torch.equal(out, reference(x, attn_mask=mask))
+
+
+def test_recompute_passes_values_that_hold_no_tensor_through():
+    block = _MaskedBlock()
+    x = torch.randn(2, 3, 16, requires_grad=True)
+    out = recompute_block(block, False, "block", x, None, 0.5)
+    ref = block(x, None, 0.5)
+    assert torch.equal(out, ref)
+    g = torch.randn_like(out)
+    got = torch.autograd.grad(out, [x, *block.parameters()], g)
+    want = torch.autograd.grad(ref, [x, *block.parameters()], g)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
