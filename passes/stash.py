@@ -23,7 +23,7 @@ import operator
 from statistics import NormalDist
 from typing import List, Optional, Tuple, Union
 
-from torch import fx, nn
+from torch import fx
 
 from memopt.core.meta import CHAIN_KEY, META_KEY
 from memopt.cost_model.op_registry import op_kind
@@ -32,6 +32,7 @@ from memopt.stash.generic import generic_encode
 from memopt.stash.grid import x_grid_half
 from memopt.stash.ops import ChainSpec, bn_act_stash, conv_from_stash, linear_from_stash, split_by_mask
 from memopt.stash.pool import max_pool2d_indices_only
+from memopt.stash.rebuild import weight_op_from_rebuild
 from memopt.stash.grid import MEAN_BITS, wants_means
 from memopt.stash.identity import bn_exact_link
 from memopt.core.meta import DECISION_KEY
@@ -39,6 +40,8 @@ from memopt.cost_model.analysis import Estimate
 from memopt.stash.config import StashConfig
 from memopt.passes.base import PassContext, PassResult, PlannerHooks, node_numel, register_pass
 from memopt.passes.stash_generic import compact_extras, generic_stash
+from memopt.passes.stash_forms import (BNForm, bn_form, consumer, consumer_reason, in_place_add, max_pool,
+                                       rebuild_kind, trainable_weight)
 
 _ACTS = ("relu", "relu6", "leaky_relu")
 _KEEPS_NOTHING = ("avg_pool", "add")
@@ -66,38 +69,36 @@ def _keeps_nothing(user: fx.Node, end: fx.Node, modules) -> bool:
 
 
 def _needs_rebuild(user: fx.Node, modules) -> bool:
-    return isinstance(modules.get(user.target) if user.op == "call_module" else None, (nn.Conv1d, nn.Conv2d, nn.Linear))
+    return rebuild_kind(user, modules) is not None
 
 
 def _consumer_reason(user: fx.Node, act: fx.Node, modules) -> Optional[str]:
+    """Why ``user`` (any spelling: module, functional, ATen) keeps the chain's output ``act`` with no stash form,
+    else None: convs (1-3 d) and linears rebuild it, a 2-d max pool keeps only its window offsets."""
     if _keeps_nothing(user, act, modules):
         return None
-    kind = op_kind(user, modules)
+    kind = rebuild_kind(user, modules)
     module = modules.get(user.target) if user.op == "call_module" else None
     if module is not None and has_hooks(module):
         return f"{user.name} has hooks, which its rewrite would skip"
-    supported = isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Linear)) or (
-        isinstance(module, nn.MaxPool2d) and not module.return_indices)
-    if not supported:
-        return f"its output is also kept by {user.name} ({kind or user.op}), which has no stash form"
+    if kind is None and max_pool(user, modules) is None:
+        return f"its output is also kept by {user.name} ({op_kind(user, modules) or user.op}), which has no stash form"
     if user.args[:1] != (act,) or any(a is act for a in list(user.args[1:]) + list(user.kwargs.values())):
         return f"{user.name} uses the activation in another position"
-    if isinstance(module, (nn.Conv1d, nn.Conv2d)) and (module.padding_mode != "zeros" or isinstance(module.padding, str)):
-        return f"{user.name} has padding {module.padding!r} / mode {module.padding_mode!r} (zeros, numeric only)"
-    return None
+    return consumer_reason(user, kind, modules) if kind is not None else None
 
 
 def _match(bn: fx.Node, modules) -> Union[str, Tuple[Optional[fx.Node], fx.Node, str]]:
-    """(add node or None, the chain's last node, act kind) for a chain starting at ``bn``, or the reason
-    not. Without an activation the chain ends at the BatchNorm (or its residual add): kind "identity"."""
-    reason = _bn_reason(modules[bn.target])
-    if reason is not None:
-        return reason
+    """(add node or None, the chain's last node, act kind) for a chain starting at ``bn`` (a ``BNForm``'s node),
+    or the reason not. Without an activation the chain ends at the BatchNorm (or its residual add): kind
+    "identity". An in-place add (``aten.add_``, ``x += y``) joins only when what it writes into is read by it
+    alone (the BatchNorm's output, say): the chain computes the sum out of place."""
     end, add = bn, None
     nxt = _single_user(bn)
     if nxt is not None and op_kind(nxt, modules) == "add" and nxt.op != "call_module" and nxt.target is not bn_act_stash:
         operands = [a for a in nxt.args if isinstance(a, fx.Node)]
-        if len(operands) == 2 and not nxt.kwargs and operands.count(bn) == 1:
+        if len(operands) == 2 and not nxt.kwargs and operands.count(bn) == 1 and \
+                (not in_place_add(nxt) or set(nxt.args[0].users) == {nxt}):
             end, add = nxt, nxt
             nxt = _single_user(nxt)
     kind = op_kind(nxt, modules) if nxt is not None else None
@@ -108,54 +109,45 @@ def _match(bn: fx.Node, modules) -> Union[str, Tuple[Optional[fx.Node], fx.Node,
     return add, end, "identity"
 
 
-def _bn_reason(module: nn.Module) -> Optional[str]:
-    if has_hooks(module):
-        return "the BatchNorm has hooks, which a rewrite would skip"
-    if not module.track_running_stats or module.momentum is None:
-        return "BatchNorm without running statistics or with cumulative momentum (momentum=None)"
-    return None
-
-
 def _per_channel_count(node: fx.Node) -> Optional[int]:
     cost = node.meta.get(META_KEY)
     return math.prod(cost.shapes[0]) // cost.shapes[0][1] if cost is not None and cost.shapes else None
 
 
-def _second_bn(bn: fx.Node, add: Optional[fx.Node], kind: str, modules, cfg: StashConfig, order) -> Optional[fx.Node]:
-    """The residual add's other operand when it is a training-mode BatchNorm (later in graph order, so not
-    visited yet, used only by the add, not denied, of the same shape) that can join the chain: the downsample."""
+def _second_bn(bn: fx.Node, add: Optional[fx.Node], kind: str, modules, cfg: StashConfig, order) -> Optional[BNForm]:
+    """The residual add's other operand when it is a training-mode BatchNorm (any form; later in graph order, so
+    not visited yet, used only by the add, not denied, of the same shape) that can join the chain: the downsample."""
     if add is None or kind == "identity":
         return None
     other = next(a for a in add.args if isinstance(a, fx.Node) and a is not bn)
-    module = modules.get(other.target) if other.op == "call_module" else None
-    if not isinstance(module, (nn.BatchNorm1d, nn.BatchNorm2d)) or order[other] < order[bn] or \
-            set(other.users) != {add} or other.name in cfg.deny or _bn_reason(module) is not None or \
-            len(other.args) != 1 or other.kwargs:
+    form = bn_form(other, modules)
+    if not isinstance(form, BNForm) or order[other] < order[bn] or set(other.users) != {add} or \
+            other.name in cfg.deny:
         return None
     shape, other_shape = (n.meta.get(META_KEY) for n in (bn, other))
     if shape is None or other_shape is None or shape.shapes[:1] != other_shape.shapes[:1] or \
             (_per_channel_count(other) or 0) < cfg.min_per_channel:
         return None
-    return other
+    return form
 
 
-def _fusable_pool(bn: fx.Node, add, act: fx.Node, kind: str, modules, cfg: StashConfig) -> Optional[fx.Node]:
-    """BN -> ReLU -> MaxPool2d (the ResNet stem) whose pooled output a consumer keeps anyway (a conv / linear
-    module with a trainable weight; not with the generic stash, which would drop its copy): one Function
-    computes the BN weight gradient exactly from the pooled values, which it keeps for free."""
+def _fusable_pool(gm: fx.GraphModule, form: BNForm, add, act: fx.Node, kind: str, modules,
+                  cfg: StashConfig) -> Optional[Tuple[fx.Node, Tuple]]:
+    """(pool node, its parameters) for BN -> ReLU -> 2-d max pool (the ResNet stem, any spelling) whose pooled
+    output a consumer keeps anyway (a conv / linear with a trainable weight; not with the generic stash, which
+    would drop its copy): one Function computes the BN weight gradient exactly from the pooled values, which it
+    keeps for free."""
     pool = _single_user(act)
-    if add is not None or kind != "relu" or pool is None or cfg.generic or pool.op != "call_module" or \
-            not isinstance(modules[bn.target], nn.BatchNorm2d):
+    if add is not None or kind != "relu" or pool is None or cfg.generic or form.dims != 4 or \
+            (pool.op == "call_module" and has_hooks(modules[pool.target])):
         return None
-    module = modules[pool.target]
-    if not isinstance(module, nn.MaxPool2d) or module.return_indices or has_hooks(module) or \
-            pool.args != (act,) or pool.kwargs or not pool.users:
+    params = max_pool(pool, modules)
+    if params is None or pool.args[:1] != (act,) or not pool.users or \
+            any(a is act for a in list(pool.args[1:]) + list(pool.kwargs.values())):
         return None
-    keepers = [modules.get(u.target) if u.op == "call_module" else None for u in pool.users]
-    if not any(isinstance(m, (nn.Conv1d, nn.Conv2d, nn.Linear)) and m.weight.requires_grad and not has_hooks(m)
-               for m in keepers):
+    if not any(trainable_weight(gm, u, modules) for u in pool.users):
         return None
-    return pool
+    return pool, params
 
 
 def _means(bits: int, cfg: StashConfig) -> bool:
@@ -173,24 +165,26 @@ def _codes_note(bits: int, means: bool, bn: fx.Node) -> str:
     return f"{bits}-bit codes{' (bins rebuilt at their means)' if at_means else ''} for backward"
 
 
-def _rewrite_pool(gm: fx.GraphModule, modules, bn: fx.Node, act: fx.Node, pool: fx.Node, bits: int,
+def _rewrite_pool(gm: fx.GraphModule, form: BNForm, act: fx.Node, pool: fx.Node, params: Tuple, bits: int,
                   means: bool) -> None:
-    graph, module, pm = gm.graph, modules[bn.target], modules[pool.target]
+    graph, bn = gm.graph, form.node
     with graph.inserting_before(pool):
-        attrs = _bn_attrs(graph, bn.target, module)
-        spec = ChainSpec("relu", bits, module.momentum, module.eps, need_y=False, node=bn.format_node(),
-                         pool=(pm.kernel_size, pm.stride, pm.padding, pm.dilation, pm.ceil_mode), means=means)
-        stash = graph.create_node("call_function", bn_act_stash, (bn.args[0], *attrs, None, spec),
+        attrs = form.attrs(graph)
+        spec = ChainSpec("relu", bits, form.momentum, form.eps, need_y=False, node=bn.format_node(),
+                         pool=tuple(params), means=means)
+        stash = graph.create_node("call_function", bn_act_stash, (form.input, *attrs, None, spec),
                                   name=f"{bn.name}_stash")
         stash.meta[CHAIN_KEY] = spec
         new = graph.call_function(operator.getitem, (stash, 0))
-    stash.meta[DECISION_KEY] = {"technique": "stash", "bits": bits, "replaces": [bn.name, act.name, pool.name],
+    replaced = [n.name for n in form.replaced()] + [act.name, pool.name]
+    stash.meta[DECISION_KEY] = {"technique": "stash", "bits": bits, "replaces": replaced,
                                 "unit": bn.name, "reason": f"BN + relu + max-pool: exact forward, "
                                                            f"{_codes_note(bits, means, bn)}, exact BN weight gradient "
                                                            f"from the pooled output"}
     pool.replace_all_uses_with(new)
-    for node in (pool, act, bn):
+    for node in (pool, act):
         graph.erase_node(node)
+    form.erase(graph)
 
 
 def _stash_fidelity(new: fx.Node, baseline: Estimate, unit: str) -> float:
@@ -199,6 +193,8 @@ def _stash_fidelity(new: fx.Node, baseline: Estimate, unit: str) -> float:
     twice that when a second BatchNorm (a downsample, split by the same mask) joined the chain."""
     if new.target is generic_encode:
         return _generic_fidelity(new)
+    if new.target is weight_op_from_rebuild:
+        return _rebuild_fidelity(new)
     if new.target is not bn_act_stash:
         return 0.0  # its consumers reuse the same codes
     bits = new.meta[DECISION_KEY]["bits"]
@@ -218,11 +214,23 @@ def _generic_fidelity(new: fx.Node) -> float:
     values the range is about 2·Φ⁻¹((G − 3/8)/(G + 1/4)) (Blom; 5.6 for G = 256), the step that over
     2^K − 1, the mean squared error step²/12 (nearest) or step²/6 (stochastic), times the elements."""
     _, bits, group, stochastic = new.args
-    cost = new.args[0].meta.get(META_KEY)
+    return _code_error(new.args[0], bits, group, 6 if stochastic else 12)
+
+
+def _rebuild_fidelity(new: fx.Node) -> float:
+    """A weight op whose input is rebuilt as the norm of the norm input's codes keeps no codes of its own, but
+    its weight gradient sees the rebuilt input: priced as a nearest-rounded code of that (normalised) input at
+    the rebuild's bits, so that the planner and the fidelity gate never take it for exact."""
+    spec = new.args[6]
+    return _code_error(new.args[0], spec.bits, spec.group, 12)
+
+
+def _code_error(data: fx.Node, bits: int, group: int, divisor: int) -> float:
+    cost = data.meta.get(META_KEY) if isinstance(data, fx.Node) else None
     numel = math.prod(cost.shapes[0]) if cost is not None and cost.shapes else 0
     span = 2 * NormalDist().inv_cdf((group - 0.375) / (group + 0.25)) if group > 1 else 0.0
     step = span / ((1 << bits) - 1)
-    return step * step / (6 if stochastic else 12) * numel
+    return step * step / divisor * numel
 
 
 _PLANNER = PlannerHooks(
@@ -237,8 +245,8 @@ def stash_pass(gm: fx.GraphModule, cfg: StashConfig, ctx: PassContext) -> PassRe
     order = {n: i for i, n in enumerate(graph.nodes)}
     joined = set()
     for bn in list(graph.nodes):
-        if bn in joined or bn.op != "call_module" or \
-                not isinstance(modules.get(bn.target), (nn.BatchNorm1d, nn.BatchNorm2d)):
+        form = bn_form(bn, modules) if bn not in joined else None  # a BatchNorm in any form (passes/stash_forms.py)
+        if form is None:
             continue
         chosen = ctx.chosen("stash", bn.name)
         if chosen is False:
@@ -247,12 +255,12 @@ def stash_pass(gm: fx.GraphModule, cfg: StashConfig, ctx: PassContext) -> PassRe
         if (chosen is None and cfg.allow is not None and bn.name not in cfg.allow) or bn.name in cfg.deny:
             bn.meta[DECISION_KEY] = {"technique": "exact", "reason": "stash: excluded by StashConfig allow/deny"}
             continue
-        if ctx.foreign_inputs and bn.args and isinstance(bn.args[0], fx.Node) and bn.args[0].op == "placeholder":
+        if ctx.foreign_inputs and isinstance(form, BNForm) and form.input.op == "placeholder":
             bn.meta[DECISION_KEY] = {"technique": "exact", "reason": "stash: its input is an input of this separately "
                                                                      "captured submodule, which the code around it may "
                                                                      "keep too: codes could add bytes"}
             continue
-        found = _match(bn, modules)
+        found = form if isinstance(form, str) else _match(bn, modules)
         per_channel = _per_channel_count(bn) or 0
         if not isinstance(found, str) and per_channel < cfg.min_per_channel:
             found = (f"it normalises {per_channel} elements per channel, fewer than "
@@ -263,19 +271,19 @@ def stash_pass(gm: fx.GraphModule, cfg: StashConfig, ctx: PassContext) -> PassRe
             bn.meta[DECISION_KEY] = {"technique": "exact", "reason": f"stash: {reason}"}
             continue
         add, end, kind = found
-        pool = _fusable_pool(bn, add, end, kind, modules, cfg)
+        pool = _fusable_pool(gm, form, add, end, kind, modules, cfg)
         if pool is not None:
             level = ctx.bits("stash", bn.name, cfg.bits_for(bn.name))
-            _rewrite_pool(gm, modules, bn, end, pool, level, _means(level, cfg))
+            _rewrite_pool(gm, form, end, *pool, level, _means(level, cfg))
             modified = True
             continue
         second = _second_bn(bn, add, kind, modules, cfg, order)
         if second is not None:
-            joined.add(second)
+            joined.add(second.node)
         level = ctx.bits("stash", bn.name, cfg.bits_for(bn.name))
         # no activation, no mask: its codes get the bit an activation chain's mask gives (StashConfig.identity_extra_bit)
         bits = min(level + 1, 8) if kind == "identity" and cfg.identity_extra_bit else level
-        _rewrite(gm, modules, bn, add, end, kind, bits, second, level, _means(bits, cfg))
+        _rewrite(gm, modules, form, add, end, kind, bits, second, level, _means(bits, cfg))
         modified = True
     if cfg.scale_identity:
         for first, conv, following in _identity_links(gm, modules):
@@ -309,9 +317,10 @@ def _identity_links(gm: fx.GraphModule, modules) -> List[Tuple[fx.Node, fx.Node,
         if following is None or following.args[:1] != (conv,) or \
                 conv in list(following.args[1:]) + list(following.kwargs.values()):
             continue
-        module = modules.get(following.target) if following.op == "call_module" else None
-        exact_bn = isinstance(module, (nn.BatchNorm1d, nn.BatchNorm2d)) and module.training and \
-            module.affine and _bn_reason(module) is None
+        form = bn_form(following, modules)  # a training-mode BatchNorm with weight and bias, in any form
+        affine = isinstance(form, BNForm) and (form.module.training and form.module.affine if form.module is not None
+                                               else None not in form.params[:2])
+        exact_bn = affine and form.input is conv
         if exact_bn or _chain_without_residual(following):
             links.append((first, conv, following))
     return links
@@ -334,90 +343,85 @@ def _link(gm: fx.GraphModule, modules, first: fx.Node, conv: fx.Node, following:
         following.kwargs = {**following.kwargs, "link": link}
         source = following.meta[DECISION_KEY]["unit"]
     else:  # a BatchNorm left exact: stock's kernels and saved tensors in a Function that also returns R
-        module, source = modules[following.target], following.name
+        form, source = bn_form(following, modules), following.name
         with graph.inserting_before(following):
-            attrs = _bn_attrs(graph, following.target, module)
-            exact = graph.call_function(bn_exact_link, (conv, *attrs, module.momentum, module.eps, link))
+            exact = graph.call_function(bn_exact_link, (conv, *form.attrs(graph), form.momentum, form.eps, link))
         why = following.meta.get(DECISION_KEY, {}).get("reason", "left exact")
         exact.meta[DECISION_KEY] = {"technique": "exact", "reason": f"{why}; stock's BatchNorm kernels, its weight "
                                                                     f"gradient also passed to {first.name} (scale "
                                                                     f"identity)"}
         following.replace_all_uses_with(exact)
-        graph.erase_node(following)
+        form.erase(graph)  # with the export form's counter: bn_exact_link counts the batch
     note = f"BN weight gradient solved by the scale identity from {source}"
     first.meta[DECISION_KEY] = {**first.meta[DECISION_KEY], "reason": f"{first.meta[DECISION_KEY]['reason']}; {note}"}
 
 
-def _attr(graph: fx.Graph, path: str, module: nn.Module, name: str) -> Optional[fx.Node]:
-    return graph.get_attr(f"{path}.{name}") if getattr(module, name, None) is not None else None
-
-
-def _bn_attrs(graph: fx.Graph, path: str, module: nn.Module) -> List[Optional[fx.Node]]:
-    """A BatchNorm's weight, bias, running mean, running variance and batch count as graph nodes (None if absent)."""
-    return [_attr(graph, path, module, n) for n in ("weight", "bias", "running_mean", "running_var",
-                                                   "num_batches_tracked")]
-
-
-def _rewrite(gm: fx.GraphModule, modules, bn: fx.Node, add: Optional[fx.Node], act: fx.Node, kind: str,
-             bits: int, second: Optional[fx.Node] = None, level: Optional[int] = None, means: bool = False) -> None:
+def _rewrite(gm: fx.GraphModule, modules, form: BNForm, add: Optional[fx.Node], act: fx.Node, kind: str,
+             bits: int, second: Optional[BNForm] = None, level: Optional[int] = None, means: bool = False) -> None:
     """``act`` is the chain's last node: the activation, or the BatchNorm / add for "identity"; ``second``:
     the residual's BatchNorm when it joins the chain; ``level``: the bits asked for the unit (``bits`` are
     those its codes use)."""
-    graph, module = gm.graph, modules[bn.target]
+    graph, bn = gm.graph, form.node
     residual = None if add is None else next(a for a in add.args if isinstance(a, fx.Node) and a is not bn)
     params = _act_params(act, kind, modules)
-    replaced: List[str] = list(dict.fromkeys([bn.name] + ([second.name] if second is not None else []) +
+    forms = [form] + ([second] if second is not None else [])
+    replaced: List[str] = list(dict.fromkeys([n.name for f in forms for n in f.replaced()] +
                                              ([add.name] if add is not None else []) + [act.name]))
     need_y = any(_needs_rebuild(u, modules) for u in act.users)
     with graph.inserting_before(act):
-        attrs = _bn_attrs(graph, bn.target, module)
+        attrs = form.attrs(graph)
         extra = ()
         if second is not None:
-            module2 = modules[second.target]
-            extra = (second.args[0], *_bn_attrs(graph, second.target, module2))
+            extra = (second.input, *second.attrs(graph))
             residual = None
-        spec = ChainSpec(kind, bits, module.momentum, module.eps, params, need_y, bn.format_node(),
+        spec = ChainSpec(kind, bits, form.momentum, form.eps, params, need_y, bn.format_node(),
                          residual=residual is not None, joined=second is not None,
-                         momentum2=modules[second.target].momentum if second is not None else None,
-                         eps2=modules[second.target].eps if second is not None else 1e-5, means=means)
-        stash = graph.create_node("call_function", bn_act_stash, (bn.args[0], *attrs, residual, spec, *extra),
+                         momentum2=second.momentum if second is not None else None,
+                         eps2=second.eps if second is not None else 1e-5, means=means)
+        stash = graph.create_node("call_function", bn_act_stash, (form.input, *attrs, residual, spec, *extra),
                                   name=f"{bn.name}_stash")
         stash.meta[CHAIN_KEY] = spec
         y, codes, mask, affine, zero = (graph.call_function(operator.getitem, (stash, i)) for i in range(5))
     stash.meta[DECISION_KEY] = {"technique": "stash", "bits": bits, "level": bits if level is None else level,
                                 "replaces": replaced, "unit": bn.name,
-                                "reason": f"BN{' + BN ' + second.name if second is not None else ''}"
+                                "reason": f"BN{' + BN ' + second.node.name if second is not None else ''}"
                                           f"{' + residual' if add is not None and second is None else ''} + {kind}: "
                                           f"exact forward, {_codes_note(bits, means, bn)}"}
+    pools = {u: max_pool(u, modules) for u in act.users}  # read from the annotated input, before it is replaced
     act.replace_all_uses_with(y)
     for user in list(y.users):
-        _rewrite_consumer(gm, modules, user, y, (codes, mask, affine, zero), bits, kind, params, bn.name)
-    for node in dict.fromkeys(n for n in (act, add, bn, second) if n is not None):
+        _rewrite_consumer(gm, modules, user, y, (codes, mask, affine, zero), bits, kind, params, bn.name,
+                          pools.get(user))
+    for node in dict.fromkeys(n for n in (act, add) if n is not None and n is not bn):
         graph.erase_node(node)
+    for f in forms:
+        f.erase(graph)
 
 
 def _rewrite_consumer(gm, modules, user: fx.Node, y: fx.Node, stash_nodes, bits: int, kind: str, params,
-                      source: str) -> None:
-    module = modules.get(user.target) if user.op == "call_module" else None
+                      source: str, pool: Optional[Tuple]) -> None:
+    """Rewrite one user of the chain's output ``y`` (any spelling; ``_consumer_reason`` accepted it); ``pool``:
+    its max-pool parameters when it is a 2-d max pool."""
     graph = gm.graph
+    rebuild = rebuild_kind(user, modules)
+    pool = pool if rebuild is None and user.args[:1] == (y,) else None
     with graph.inserting_before(user):
-        if isinstance(module, (nn.Conv1d, nn.Conv2d)):
-            args = (y, graph.get_attr(f"{user.target}.weight"), _attr(graph, user.target, module, "bias"),
-                    *stash_nodes, bits, kind, params, module.stride, module.padding, module.dilation, module.groups)
-            new = graph.create_node("call_function", conv_from_stash, args, name=f"{user.name}_stash")
+        if rebuild is not None:
+            c = consumer(graph, user, rebuild, modules)
+            target = conv_from_stash if rebuild == "conv" else linear_from_stash
+            args = (y, c.weight, c.bias, *stash_nodes, bits, kind, params, *c.conv)
+            new = graph.create_node("call_function", target, args, name=f"{user.name}_stash")
             note = f"input rebuilt from the stash of {source} for the weight gradient"
-        elif isinstance(module, nn.Linear):
-            args = (y, graph.get_attr(f"{user.target}.weight"), _attr(graph, user.target, module, "bias"),
-                    *stash_nodes, bits, kind, params)
-            new = graph.create_node("call_function", linear_from_stash, args, name=f"{user.name}_stash")
-            note = f"input rebuilt from the stash of {source} for the weight gradient"
-        elif isinstance(module, nn.MaxPool2d):
-            args = (y, module.kernel_size, module.stride, module.padding, module.dilation, module.ceil_mode)
-            new = graph.create_node("call_function", max_pool2d_indices_only, args, name=f"{user.name}_indices")
+        elif pool is not None:
+            new = graph.create_node("call_function", max_pool2d_indices_only, (y, *pool), name=f"{user.name}_indices")
+            # the same output (shape, dtype, storage): the generic stash, which runs next, can code it for the conv
+            # that keeps it (a ResNet's first block); what the new node keeps the cost model measures afresh
+            if META_KEY in user.meta:
+                new.meta[META_KEY] = dataclasses.replace(user.meta[META_KEY], name=new.name, saved=[], flops=0)
             note = "keeps only its argmax indices (exact)"
         else:
             return  # keeps nothing (pooling, add, output, another chain's residual): left as it is
-    new.meta[DECISION_KEY] = {"technique": "stash", "bits": None if isinstance(module, nn.MaxPool2d) else bits,
+    new.meta[DECISION_KEY] = {"technique": "stash", "bits": None if pool is not None else bits,
                               "replaces": [user.name], "unit": source, "reason": note}
     user.replace_all_uses_with(new)
     graph.erase_node(user)

@@ -178,8 +178,9 @@ def generic_stash(gm: fx.GraphModule, cfg: StashConfig, ctx: PassContext) -> boo
         source = _norm_source(consumers, calls, coded, rewritten)
         if source is not None:
             norm_unit = call_unit(source[0].node)
-            _rewrite_rebuilt(gm, modules, unit, consumers, *source,
-                             ctx.bits("stash", norm_unit, cfg.generic_bits_for(norm_unit)), encode, replaced)
+            bits = max(ctx.bits("stash", norm_unit, cfg.generic_bits_for(norm_unit)),  # codes shared by both:
+                       ctx.bits("stash", unit, cfg.generic_bits_for(unit)))  # a raise of either one counts
+            _rewrite_rebuilt(gm, modules, unit, consumers, *source, bits, encode, replaced)
             continue
         _rewrite_unit(gm, modules, unit, consumers, ctx.bits("stash", unit, cfg.generic_bits_for(unit)), encode,
                       replaced)

@@ -296,12 +296,15 @@ class BNActStash(torch.autograd.Function):
                 grad_link, None, None)
 
 
+_CONVS = {3: F.conv1d, 4: F.conv2d, 5: F.conv3d}  # by the input's dimensions (batched)
+
+
 class ConvFromStash(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y, weight, bias, packed, mask_packed, affine, zero_code, bits, act, act_params, stride,
                 padding, dilation, groups):
-        out = F.conv2d(y, weight, bias, stride, padding, dilation, groups) if y.dim() == 4 else \
-            F.conv1d(y, weight, bias, stride, padding, dilation, groups)
+        # the conv the module (or the captured F.convNd / aten.convNd call) runs: same kernel, same output
+        out = _CONVS[y.dim()](y, weight, bias, stride, padding, dilation, groups)
         ctx.save_for_backward(packed, mask_packed, affine, zero_code, weight)
         ctx.meta = (y.shape, y.dtype, bits, act, act_params, stride, padding, dilation, groups, bias is not None)
         return out

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 import memopt
+from memopt import fidelity
 from memopt.fidelity import RandomProjection, parameter_fidelity
 
 
@@ -157,3 +158,17 @@ def test_a_plan_still_missing_after_the_rounds_is_made_exact_and_the_user_is_war
     # what runs is exact where it matters: every gradient matches eager at the full batch
     assert all(f["cosine"] >= 0.99999 for f in _cosines(model, om, x).values() if not f["tiny"])
     assert not any(n.technique == "fewbit" for n in om.plan.nodes)  # every GELU follows layers.0
+
+
+def test_a_plan_passing_narrowly_is_confirmed_on_more_projections(monkeypatch):
+    # a small parameter's cosine spreads with the projection: a plan within MARGIN of the bar draws further
+    # projections (up to MAX_PROJECTIONS) before it is accepted; a wide pass stops at PROJECTIONS
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 4)), torch.randn(16, 8)
+    config = memopt.Config(stash=None, reversible=None, fidelity=memopt.FidelityConfig(min_cosine=0.5))
+    wide = memopt.optimize(copy.deepcopy(model), example_inputs=x, config=config).plan.fidelity
+    assert wide["passed"] and wide["projections"] == fidelity.PROJECTIONS
+    monkeypatch.setattr(fidelity, "MARGIN", 1.0)  # every pass is narrow now
+    narrow = memopt.optimize(copy.deepcopy(model), example_inputs=x, config=config).plan.fidelity
+    assert narrow["passed"] and narrow["projections"] == fidelity.MAX_PROJECTIONS
+    assert narrow["steps"] == wide["steps"] + 2 * (fidelity.MAX_PROJECTIONS - fidelity.PROJECTIONS)

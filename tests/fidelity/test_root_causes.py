@@ -4,6 +4,7 @@ at once; (2) a table on a squeeze-excitation gate's tiny tensor frees nothing an
 stays exact; (3) parameters that a training-mode BatchNorm cancels have an exact gradient of rounding size, so
 the gate lists them apart instead of chasing a noise cosine."""
 import copy
+import re
 
 import pytest
 import torch
@@ -124,8 +125,9 @@ def test_the_gate_reports_invariant_parameters_and_does_not_chase_them():
     assert set(report["invariant"]) == {"conv.bias", "scale.weight"}
     assert not any(p.startswith(("conv.bias", "scale.weight")) for p in report["below"])
     text = om.report()
-    # one exact and one rewritten step under each of the two projections (the second confirms a passing plan)
-    assert "fidelity gate (the whole example batch, 4 training steps, 2 random projections): passed" in text
+    # an exact and a rewritten step under each projection (further ones confirm a passing plan)
+    assert re.search(r"fidelity gate \(the whole example batch, \d+ training steps, [234] random projections\): "
+                     r"passed", text)
     assert "listed apart, exact gradient ~0 by construction: scale.weight: scale's per-channel scale" in text
     figures = parameter_fidelity(["a", "b"], [torch.ones(3), torch.ones(3)], [torch.ones(3), -torch.ones(3)], 1e-3,
                                  invariant={"b": "cancelled"})

@@ -100,3 +100,23 @@ def test_the_weight_gradient_is_that_of_the_norm_of_the_rebuilt_input_and_the_in
     torch.testing.assert_close(gw, expected, rtol=1e-5, atol=1e-5)
     with pytest.raises(memopt.MemoptError, match="double backward .* through the stash node node"):
         torch.autograd.grad(out, (weight,), g, create_graph=True)
+
+
+def test_a_rebuilt_weight_op_is_priced_as_lossy_and_a_raise_of_its_unit_raises_the_shared_codes():
+    # the rebuilt input is only as good as the norm input's codes: an option priced at fidelity 0 let the planner
+    # pick a 2-bit rebuild as free and the gate skip the plan as having nothing lossy (a ViT at prefer="fidelity")
+    torch.manual_seed(0)
+    model, x = PreNorm(), torch.randn(4, 24, 16)
+    om = memopt.optimize(copy.deepcopy(model), example_inputs=x, config=CODED)
+    units = {u["chosen"]["unit"]: u["chosen"] for u in om.plan.units}
+    rebuilt = [n.name for n in om.plan.nodes if n.op == "weight_op_from_rebuild"]
+    weight_units = {u for u, c in units.items() if c["technique"] == "stash" and u in ("ln", "rms", "gn")}
+    assert rebuilt and weight_units == {"ln", "rms", "gn"}
+    assert all(units[u]["fidelity"] > 0 for u in weight_units)
+    # the norm's codes at 2 bits, its consumers' unit at 8: the shared codes take the larger, so a raise of the
+    # weight op's unit (by the gate or the planner) is not lost
+    config = memopt.Config(stash=memopt.StashConfig(generic=True, generic_bits=2, node_bits={"ln": 8}), fewbit=None,
+                           fidelity=None)
+    code = memopt.optimize(copy.deepcopy(model), example_inputs=x, config=config).graph_module.code
+    assert code.count("RebuildSpec('linear', (), 8, 256,") == 3  # q, k, v
+    assert "RebuildSpec('linear', (), 2, 256," in code  # fc1 after the functional layer_norm: both units at 2
