@@ -7,10 +7,12 @@ projection BN). When the residual add's other operand is a second training-mode 
 there (a ResNet downsample) and the chain has an activation, that BN joins the chain (one Function,
 one unit named by the first BN in graph order; ``deny`` keeps it out): its gradient is zero wherever
 the activation's mask is, so its x̂ code is split by that mask. Every user of the chain's output must
-be able to drop its copy of it: Conv1d/Conv2d and Linear modules (rewritten to rebuild their input from the stash), MaxPool2d (rewritten to keep
-only its indices), and users that keep nothing (average pooling, add, the model output, another
-chain's residual input). Anything else keeps the output, so the chain stays exact and the report
-says which consumer blocked it.
+be able to drop its copy of it, or need no rewrite: Conv1d/Conv2d and Linear modules (rewritten to rebuild
+their input from the stash), MaxPool2d (rewritten to keep only its indices), users that keep nothing (an add,
+the model output, another chain's residual input, an adaptive average pool to size 1), and the other average
+pools, which keep it (``pool_keeps_input``): the chain then frees its BatchNorm input only, and the planner,
+whose freed bytes count a storage only when every node keeping it is in the unit, counts no more. Anything
+else keeps the output, so the chain stays exact and the report says which consumer blocked it.
 
 Then, in ``passes/stash_generic.py``: the generic stash of the remaining conv / linear / matmul inputs
 (``StashConfig.generic``) and the exact 1-bit extras (``StashConfig.compact_extras``).
@@ -23,7 +25,9 @@ import operator
 from statistics import NormalDist
 from typing import List, Optional, Tuple, Union
 
-from torch import fx
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
 
 from memopt.core.meta import CHAIN_KEY, META_KEY
 from memopt.cost_model.op_registry import op_kind
@@ -44,7 +48,6 @@ from memopt.passes.stash_forms import (BNForm, bn_form, consumer, consumer_reaso
                                        rebuild_kind, trainable_weight)
 
 _ACTS = ("relu", "relu6", "leaky_relu")
-_KEEPS_NOTHING = ("avg_pool", "add")
 
 
 def _act_params(node: fx.Node, kind: str, modules) -> Tuple[float, ...]:
@@ -61,11 +64,40 @@ def _single_user(node: fx.Node) -> Optional[fx.Node]:
 
 
 def _keeps_nothing(user: fx.Node, end: fx.Node, modules) -> bool:
-    """Users that read the chain's output without keeping it for backward."""
-    if user.op == "output" or op_kind(user, modules) in _KEEPS_NOTHING:
+    """Users that read the chain's output without keeping it for backward: an add, the model output, another
+    chain's residual, an average pool that keeps no input (``pool_keeps_input``). A pool that keeps it is a
+    user that needs no rewrite: the chain still frees its BatchNorm input, and the planner counts the output
+    as kept (a storage is freed only when every node keeping it is in the unit: passes/candidates.py)."""
+    if user.op == "output" or op_kind(user, modules) == "add":
         return True
+    if op_kind(user, modules) == "avg_pool":
+        return not pool_keeps_input(user, modules)
     # another chain's stash that takes this output as its residual: used in its forward only
     return user.target is bn_act_stash and user.args[6] is end and end not in user.args[:6]
+
+
+_MEAN_POOLS = (torch.ops.aten.adaptive_avg_pool2d.default, torch.ops.aten.adaptive_avg_pool3d.default)
+
+
+def pool_keeps_input(user: fx.Node, modules) -> bool:
+    """Whether an average pool (any spelling) keeps its input for backward, as PyTorch's autograd does it
+    (saved_tensors_hooks, torch 2.x; tests/stash/test_stash_pools.py checks each spelling against it): every
+    avg_poolNd saves its input (its backward kernel takes the input tensor), and so does every adaptive pool,
+    except one to size 1 in every dimension through the composite op (the module, F.adaptive_avg_poolNd,
+    aten.adaptive_avg_pool2d / 3d), which runs as a mean and keeps nothing (ResNet's head). The kernels
+    aten._adaptive_avg_pool2d / 3d keep it at any size."""
+    if user.op == "call_module":
+        module = modules[user.target]
+        if not isinstance(module, (nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d)):
+            return True
+        size = module.output_size
+    elif user.target in (F.adaptive_avg_pool1d, F.adaptive_avg_pool2d, F.adaptive_avg_pool3d) or \
+            user.target in _MEAN_POOLS:
+        size = user.kwargs.get("output_size", user.args[1] if len(user.args) > 1 else None)
+    else:
+        return True
+    sizes = size if isinstance(size, (tuple, list)) else (size,)
+    return not all(isinstance(v, int) and v == 1 for v in sizes)
 
 
 def _needs_rebuild(user: fx.Node, modules) -> bool:
@@ -75,8 +107,8 @@ def _needs_rebuild(user: fx.Node, modules) -> bool:
 def _consumer_reason(user: fx.Node, act: fx.Node, modules) -> Optional[str]:
     """Why ``user`` (any spelling: module, functional, ATen) keeps the chain's output ``act`` with no stash form,
     else None: convs (1-3 d) and linears rebuild it, a 2-d max pool keeps only its window offsets."""
-    if _keeps_nothing(user, act, modules):
-        return None
+    if _keeps_nothing(user, act, modules) or op_kind(user, modules) == "avg_pool":
+        return None  # a pool that keeps the output (``pool_keeps_input``) needs no rewrite: it stays as it is
     kind = rebuild_kind(user, modules)
     module = modules.get(user.target) if user.op == "call_module" else None
     if module is not None and has_hooks(module):
@@ -420,7 +452,7 @@ def _rewrite_consumer(gm, modules, user: fx.Node, y: fx.Node, stash_nodes, bits:
                 new.meta[META_KEY] = dataclasses.replace(user.meta[META_KEY], name=new.name, saved=[], flops=0)
             note = "keeps only its argmax indices (exact)"
         else:
-            return  # keeps nothing (pooling, add, output, another chain's residual): left as it is
+            return  # keeps nothing (add, output, another chain's residual, a pool to 1) or needs no rewrite: as it is
     new.meta[DECISION_KEY] = {"technique": "stash", "bits": None if pool is not None else bits,
                               "replaces": [user.name], "unit": source, "reason": note}
     user.replace_all_uses_with(new)

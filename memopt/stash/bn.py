@@ -6,7 +6,7 @@ import torch
 
 from memopt.runtime import native
 from memopt.runtime.bitpack import unpack_bits
-from memopt.stash.grid import _from_codes, _per_channel, _xhat_std, batch_slices
+from memopt.stash.grid import _from_codes, _per_channel, batch_slices
 
 
 def gamma_invstd(weight, invstd):
@@ -14,16 +14,16 @@ def gamma_invstd(weight, invstd):
     return (weight.float() if weight is not None else torch.ones_like(invstd)) * invstd
 
 
-def bn_backward(g, sum_g, x_codes, mask, grid, weight, invstd, eps, bits: int, shape, exact=None, out=None):
+def bn_backward(g, sum_g, x_codes, mask, grid, weight, invstd, xstd, bits: int, shape, exact=None, out=None):
     """BN input and weight gradients from the output gradient ``g`` (float32) and the x̂ code, rebuilt from
     ``grid`` (rows, the bin midpoints, or a code book: ``memopt.stash.grid.code_book``): the mean term
     (``sum_g``) and σ are exact; x̂ enters only through the variance term and the weight gradient
     sum(g x̂) (``exact``: (values, where to use them) instead). At most two full-size temporaries. The
     rebuilt x̂ is centred per channel as the true one is, so the input gradient sums to zero per channel
     exactly as stock's does (a conv bias before a training-mode BN gets no quantisation noise:
-    docs/results/stash/stash_gradients*.md)."""
+    docs/results/stash/stash_gradients*.md). ``xstd``: x̂'s std per channel, the one the forward coded with
+    (``memopt.stash.grid.xhat_std``, saved: it cannot be recovered from invstd where var << eps)."""
     nd, n = len(shape), shape.numel()
-    xstd = _xhat_std(invstd, eps)
     scale = gamma_invstd(weight, invstd)
     packed_mask = isinstance(mask, native.PackedMask)
     if native.applies(g, float_dtype=True) and native.applies(x_codes) and (

@@ -8,16 +8,15 @@ from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import is_fake
 
 from memopt.runtime import kernels, native, triton_stash
 from memopt.runtime.bitpack import pack_bits, unpack_bits
 
-# Half-width of the grid in standard deviations, per K. The paper uses 3 for K = 4 and 8; these are the
-# half-widths with the least weight-gradient error of a pre-activation ResNet-20 (the bench_stash_depth setup),
-# wider at larger K, where clipping dominates (memopt/stash/README.md, "Why the defaults"). K = 1, 3, 5, 7 are
-# interpolated.
-# False: every split window keeps its outer ends at ±WINDOWS[K+1] (tools/bench/stash/bench_stash_gradients.py
-# reproduces the "merged" grid with it)
+# Half-width of the grid in standard deviations, per K (the paper: 3 for K = 4 and 8): the least weight-gradient
+# error of a pre-activation ResNet-20 (bench_stash_depth), wider at larger K, where clipping dominates
+# (memopt/stash/README.md, "Why the defaults"); K = 1, 3, 5, 7 interpolated.
+# False: every split window keeps its outer ends at ±WINDOWS[K+1] (the "merged" grid of bench_stash_gradients)
 DATA_ENDS = True
 
 WINDOWS = {1: 1.5, 2: 2.0, 3: 2.5, 4: 3.0, 5: 3.25, 6: 3.5, 7: 3.75, 8: 4.0}
@@ -30,12 +29,10 @@ WINDOWS = {1: 1.5, 2: 2.0, 3: 2.5, 4: 3.0, 5: 3.25, 6: 3.5, 7: 3.75, 8: 4.0}
 # stash_oracle.md, and memopt/stash/README.md, "Why the defaults".
 # The ends are each channel's extremes, already computed for the split grids.
 REACH = {8: 4.0, 4: 2.0}
-# Where K reaches out, an outer end follows the data only where the data's end lies more than this many windows
-# out; nearer, it stays at the window and the few values past it clip into the outer bin (rebuilt at their
-# mean). At random init (Gaussian channels, extremes near 3.5-4.5 std) reaching out always made the bins
-# coarser for nothing; 1.3 windows (4.2 std at K = 4) leaves Gaussian channels alone while still reaching the
-# trained activations' heavy tails, where a larger threshold left layer1's moderately heavy tails clipped
-# (memopt/stash/README.md, "Why the defaults").
+# Where K reaches out, an outer end follows the data only where its end lies more than this many windows out;
+# nearer, values past the window clip into the outer bin (rebuilt at their mean). Gaussian channels at init
+# (extremes 3.5-4.5 std) gained nothing from reaching out; 1.3 windows (4.2 std at K = 4) leaves them alone and
+# still reaches trained heavy tails (memopt/stash/README.md, "Why the defaults").
 REACH_PAST = {4: 1.3}
 
 # Up to this K each bin rebuilds at the mean of the values it coded (``StashConfig.bin_means``), not at its
@@ -143,15 +140,30 @@ def channel_std_mean(z: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
 
 
 def _xhat_std(invstd: torch.Tensor, eps: float) -> torch.Tensor:
-    """Per-channel standard deviation of x̂ = (x - mean) * invstd: sqrt(var / (var + eps)). It is 1 up to
-    eps, except in a (nearly) constant channel (a dead ReLU before the BN), where it is about 0. The
-    code is of x̂ / std, so such a channel rebuilds as 0 instead of a bin midpoint, which gave the
-    BN weight a false gradient (and, with invstd near 1/sqrt(eps), the input a large one). A variance
-    below a few float32 ulps of 1 is the rounding of invstd, not a signal: it counts as 0. A channel
-    with a NaN or inf has NaN statistics: its std is NaN, so its rebuilt x̂ (and its gradients) are NaN
-    as in stock PyTorch, never the finite bin midpoints its NaN codes would decode to."""
+    """Per-channel std of x̂ = (x - mean) * invstd from invstd alone: sqrt(var / (var + eps)) = sqrt(1 - eps·invstd²),
+    1 up to eps, about 0 in a (nearly) constant channel (a dead ReLU before the BN): the code is of x̂ / std, so
+    such a channel rebuilds as 0, not a bin midpoint (a false BN weight gradient). Below 8 ulps of 1 it is invstd's
+    rounding: 0. NaN statistics give NaN, so NaN channels rebuild (and get gradients) NaN as in stock."""
     var = 1 - eps * invstd.float().square()
     return var.masked_fill(var <= 8 * torch.finfo(torch.float32).eps, 0.0).sqrt()  # NaN stays NaN
+
+
+RATIO_FROM_DATA = 1e-2  # var / (var + eps) below which 1 - eps·invstd² is mostly cancellation (error ~2e-7)
+
+
+def xhat_std(x: torch.Tensor, invstd: torch.Tensor, eps: float) -> torch.Tensor:
+    """x̂'s std as the chain codes with it (backward reads the saved copy): ``_xhat_std``, but where var < 1% of eps
+    the data's std times invstd: there 1 - eps·invstd² is rounding, and the 8-ulp rule zeroed real channels (HF
+    MobileViT at init: var ~1e-12, eps 1e-5; every code clipped, the BN weight gradient exactly 0). A real CPU
+    tensor is reduced only when a channel needs it, GPU / fake ones always (no host sync); the same allocations
+    either way, so the cost model's peak is the measured one."""
+    xstd = _xhat_std(invstd, eps)
+    low = (1 - eps * invstd.float().square()) < RATIO_FROM_DATA  # False for NaN: that std stays NaN
+    if x.device.type != "cpu" or is_fake(x) or bool(low.any()):
+        var = x.var([d for d in range(x.dim()) if d != 1], correction=0)
+    else:
+        var = torch.zeros(x.shape[1], dtype=x.dtype, device=x.device)  # what the reduction would allocate
+    return torch.where(low, var.float().sqrt() * invstd.float(), xstd)
 
 
 def x_grid_half(bits: int, split: bool) -> float:
@@ -395,7 +407,7 @@ def _decode_mask(mask_packed: torch.Tensor, codes: Optional[torch.Tensor], zero_
 
 
 def x_code(x, weight, bias, mean, invstd, eps: float, mask, bits: int, act: str, split: bool, residual: bool,
-           affine: bool = False, means: bool = False):
+           affine: bool = False, means: bool = False, xstd: Optional[torch.Tensor] = None):
     """A chain's x̂ code and what goes with it: (packed codes, grid (rows lo0, w0[, lo1, w1]), whether the grid
     depends on the data (then it is saved, else backward rebuilds it), what consumers rebuild z = β + γσ·x̂ from
     (only with ``affine``): rows per side (β + γσ·lo, γσ·w) or, with the means, a code book of z, and the x̂
@@ -404,9 +416,9 @@ def x_code(x, weight, bias, mean, invstd, eps: float, mask, bits: int, act: str,
     window's edge moves to the data's end (``DATA_ENDS``). On a contiguous float32 CPU tensor: two fused passes
     (extremes, codes and bin sums) and one call for the per-channel constants (``memopt/runtime/native.py``: the
     extremes of x map to those of x̂ because x -> (x - mean) * scale is monotonic in float32), the same values as
-    the plain path below."""
+    the plain path below. ``xstd``: x̂'s std per channel (``xhat_std``, computed here when not given)."""
     data = residual or reaches(bits, split)
-    xstd = _xhat_std(invstd, eps)
+    xstd = xhat_std(x, invstd, eps) if xstd is None else xstd  # ``xstd``: the caller's, which backward reads
     sides = 2 if split else 1
     per_channel = x.numel() // max(1, x.shape[1])
     sums = new_bin_sums(x.shape[1], sides, bits, x.device) if wants_means(means, bits, sides, per_channel) else None

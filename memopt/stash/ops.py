@@ -56,10 +56,10 @@ from memopt.stash.bn import bn_backward as _bn_backward, gamma_invstd as _gamma_
 from memopt.stash.pool import BNReLUMaxPoolStash
 from memopt.stash.identity import link_term, solve_rows, solved_weight_grad
 from memopt.stash.grid import (MEAN_STRIDE, REACH, WINDOWS, _act_backward, _activation, _code_, _decode_mask,
-                                   _from_codes, _grid, _mask, _per_channel, _xhat_std, add_bin_sums,
+                                   _from_codes, _grid, _mask, _per_channel, add_bin_sums,
                                    batch_norm_train, batch_slices, channel_std_mean, code_book, exact_mask,
                                    keep_where, new_bin_sums, select_u8, wants_means, x_code, x_grid_half,
-                                   x_grid_past, x_grid_reach)
+                                   x_grid_past, x_grid_reach, xhat_std)
 
 __all__ = ["WINDOWS", "BNActStash", "ChainSpec", "bn_act_stash", "conv_from_stash", "conv_grads", "linear_from_stash",
            "linear_grads", "positive_z_grid", "split_by_mask", "x_grid_half"]
@@ -115,9 +115,11 @@ class _Stash:
 def _split_x_codes(x, weight, bias, mean, invstd, eps, mask, bits: int, act: str, means: bool):
     """A residual chain's x̂ code split by the exact mask, each side's window ending where its values end:
     (packed codes, the data-dependent grid: 4 rows per channel, saved; the code book with the bins' means, else
-    an empty tensor)."""
-    codes, grid, _, _, book = x_code(x, weight, bias, mean, invstd, eps, mask, bits, act, True, True, means=means)
-    return codes, grid, _or_empty(book, x.device)
+    an empty tensor; x̂'s std per channel, saved: ``stash_grid.xhat_std``)."""
+    xstd = xhat_std(x, invstd, eps)
+    codes, grid, _, _, book = x_code(x, weight, bias, mean, invstd, eps, mask, bits, act, True, True, means=means,
+                                     xstd=xstd)
+    return codes, grid, _or_empty(book, x.device), xstd
 
 
 def _or_empty(t: Optional[torch.Tensor], device) -> torch.Tensor:
@@ -157,12 +159,16 @@ class BNActStash(torch.autograd.Function):
         y = None if has_residual and need_y else _activation(z, act, act_params, inplace=True)
         nd, bins, half = x.dim(), 1 << bits, WINDOWS[bits]
         split = split_by_mask(act, has_residual)
+        # x̂'s std, saved in the batch mean's place (backward never reads the mean): where var << eps it cannot be
+        # recovered from invstd (``stash_grid.xhat_std``)
+        xstd = xhat_std(x, invstd, eps)
         x_codes, grid, data, affine, xbook = x_code(x, weight, bias, mean, invstd, eps, mask, bits, act, split,
-                                                    split and has_residual, affine=not has_residual, means=means)
+                                                    split and has_residual, affine=not has_residual, means=means,
+                                                    xstd=xstd)
         xgrid = grid if data else torch.zeros(0, device=x.device)  # a data-dependent grid is kept
         none = torch.zeros(0, device=x.device)
-        x2_codes, grid2, book2, mean2, invstd2 = (
-            *_split_x_codes(x2, weight2, bias2, mean2, invstd2, eps2, mask, bits, act, means), mean2, invstd2) \
+        x2_codes, grid2, book2, xstd2, invstd2 = (
+            *_split_x_codes(x2, weight2, bias2, mean2, invstd2, eps2, mask, bits, act, means), invstd2) \
             if x2 is not None else (none, none, none, none, none)
         empty_u8 = torch.zeros(0, dtype=torch.uint8, device=x.device)
         zero_code = torch.zeros(0, dtype=torch.int32, device=x.device)
@@ -223,8 +229,8 @@ class BNActStash(torch.autograd.Function):
             if act != "relu6":  # the code knows the sign of z exactly (not where ReLU6 clips at 6)
                 mask_packed = empty_u8
         del mask
-        ctx.save_for_backward(x_codes, y_codes, mask_packed, zero_code, weight, bias, mean, invstd, xgrid,
-                              _or_empty(xbook, x.device), x2_codes, weight2, grid2, book2, invstd2)
+        ctx.save_for_backward(x_codes, y_codes, mask_packed, zero_code, weight, bias, xstd, invstd, xgrid,
+                              _or_empty(xbook, x.device), x2_codes, weight2, grid2, book2, invstd2, xstd2)
         ctx.shape, ctx.bits, ctx.act, ctx.act_params, ctx.node, ctx.eps = x.shape, bits, act, act_params, node, eps
         ctx.has_residual, ctx.has_weight, ctx.has_bias = residual_input, weight is not None, bias is not None
         ctx.second = None if x2 is None else (x2.dtype, eps2, weight2 is not None, bias2 is not None)
@@ -241,8 +247,8 @@ class BNActStash(torch.autograd.Function):
         if torch.is_grad_enabled():
             raise MemoptError(f"double backward (create_graph=True) through the stash node {ctx.node} is not "
                               f"supported; exclude it with memopt.StashConfig(deny=(...)) or set Config(stash=None)")
-        x_codes, y_codes, mask_packed, zero_code, weight, bias, mean, invstd, xgrid, xbook, x2_codes, weight2, grid2, \
-            book2, invstd2 = ctx.saved_tensors
+        x_codes, y_codes, mask_packed, zero_code, weight, bias, xstd, invstd, xgrid, xbook, x2_codes, weight2, grid2, \
+            book2, invstd2, xstd2 = ctx.saved_tensors
         shape, nd = ctx.shape, len(ctx.shape)
         dtype = grad_y.dtype
         # the fused kernels read the mask as its 1-bit stream; g is then a new tensor of ours (the downsample BN's
@@ -253,7 +259,6 @@ class BNActStash(torch.autograd.Function):
         else:
             mask = exact_mask(mask_packed, y_codes, zero_code, ctx.bits, shape, as_bits=fresh_g)
         split = split_by_mask(ctx.act, ctx.has_residual or ctx.second is not None)
-        xstd = _xhat_std(invstd, ctx.eps)
         grid = xgrid if xgrid.numel() else _grid(weight, bias, xstd, ctx.bits, ctx.act, split)
         book = xbook if xbook.numel() else grid  # x̂ / std of each code: the bins' means, else the midpoints
         # the scale identity (A): the weight gradient solved from R (B's, in rest[4]) once dL/dβ is known, and used
@@ -273,7 +278,7 @@ class BNActStash(torch.autograd.Function):
             sum_g = g.sum([d for d in range(nd) if d != 1])
             exact = None if rows is None else solved_weight_grad(rows, grad_y, mask, x_codes, sum_g, ctx.act,
                                                                  ctx.bits, shape)
-            grad_x, sum_gx = _bn_backward(g, sum_g, x_codes, mask, book, weight, invstd, ctx.eps, ctx.bits, shape,
+            grad_x, sum_gx = _bn_backward(g, sum_g, x_codes, mask, book, weight, invstd, xstd, ctx.bits, shape,
                                           exact=exact)
         grads2 = (None,) * 3
         if ctx.second is not None:  # the downsample BN: same output gradient, its own x̂ code split by our mask
@@ -281,7 +286,7 @@ class BNActStash(torch.autograd.Function):
             # g is read for the last time here: the fused kernel writes grad_x2 over it (elementwise), one full-size
             # tensor fewer at the backward peak (ResNet-50's downsample blocks hold it)
             grad_x2, sum_gx2 = _bn_backward(g, sum_g, x2_codes, mask, book2 if book2.numel() else grid2, weight2,
-                                            invstd2, eps2, ctx.bits, shape,
+                                            invstd2, xstd2, ctx.bits, shape,
                                             out=g if fresh_g and not ctx.has_residual else None)
             grads2 = (grad_x2.to(dtype2), sum_gx2.to(weight2.dtype) if has_w2 else None,
                       sum_g.to(weight2.dtype if weight2 is not None else dtype) if has_b2 else None)

@@ -21,7 +21,7 @@ from memopt.runtime import kernels, triton_stash_extras
 from memopt.runtime.bitpack import pack_bits, unpack_bits
 from memopt.core.leaf import graph_leaf
 from memopt.stash.bn import bn_backward as _bn_backward
-from memopt.stash.grid import _per_channel, batch_norm_train, keep_where, x_code
+from memopt.stash.grid import _per_channel, batch_norm_train, keep_where, x_code, xhat_std
 
 
 class BNReLUMaxPoolStash(torch.autograd.Function):
@@ -37,12 +37,13 @@ class BNReLUMaxPoolStash(torch.autograd.Function):
         del y, out
         offsets, ctx.pool = pool_offsets(x.shape, pooled, indices, kernel_size, stride, padding, dilation)
         del indices
+        xstd = xhat_std(x, invstd, eps)  # saved: backward cannot recover it from invstd where var << eps
         x_codes, grid, _, _, book = x_code(x, weight, bias, mean, invstd, eps, mask, bits, "relu", True, False,
-                                           means=means)
+                                           means=means, xstd=xstd)
         grid = grid if book is None else book  # what backward rebuilds x̂ from: rows or the bins' means
         mask_packed = pack_bits(mask, 1)
         del mask
-        ctx.save_for_backward(x_codes, mask_packed, offsets, pooled, weight, bias, invstd, grid)
+        ctx.save_for_backward(x_codes, mask_packed, offsets, pooled, weight, bias, invstd, xstd, grid)
         ctx.shape, ctx.bits, ctx.eps, ctx.node = x.shape, bits, eps, node
         ctx.has_weight, ctx.has_bias = weight is not None, bias is not None
         return pooled
@@ -52,7 +53,7 @@ class BNReLUMaxPoolStash(torch.autograd.Function):
         if torch.is_grad_enabled():
             raise MemoptError(f"double backward (create_graph=True) through the stash node {ctx.node} is not "
                               f"supported; exclude it with memopt.StashConfig(deny=(...)) or set Config(stash=None)")
-        x_codes, mask_packed, offsets, pooled, weight, bias, invstd, grid = ctx.saved_tensors
+        x_codes, mask_packed, offsets, pooled, weight, bias, invstd, xstd, grid = ctx.saved_tensors
         shape, nd = ctx.shape, len(ctx.shape)
         dims = [d for d in range(nd) if d != 1]
         mask = unpack_bits(mask_packed, 1, shape.numel()).view(shape).view(torch.bool)  # 0/1 bytes: a view, no copy
@@ -67,7 +68,7 @@ class BNReLUMaxPoolStash(torch.autograd.Function):
         sum_gx = (grad_pool.float() * xw).masked_fill_(pooled <= 0, 0.0).sum(dims)  # NaN passes, as in stock
         del xw
         # a channel with γ = 0 (a constant output: the pooled values carry no x̂) keeps the code's sum
-        grad_x, sum_gx = _bn_backward(g, sum_g, x_codes, mask, grid, weight, invstd, ctx.eps, ctx.bits, shape,
+        grad_x, sum_gx = _bn_backward(g, sum_g, x_codes, mask, grid, weight, invstd, xstd, ctx.bits, shape,
                                       (sum_gx, ok))
         del mask, g
         grad_w = sum_gx if ctx.has_weight else None

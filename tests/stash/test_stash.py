@@ -368,8 +368,8 @@ def test_downsample_bn_joins_the_chain_and_splits_its_xhat_by_the_mask(bits):
         assert torch.equal(b, r)
     codes = math.ceil(x.numel() * bits / 8)
     params = 3 * c * 4  # γ, β and γ2 (parameters, not saved activation bytes; β2 is not needed)
-    # mean, invstd, zero bin, x̂ grid (4 rows); BN2: invstd, x̂2 grid (4 rows)
-    assert sum(s.nbytes for s in rec.saved) - params == 3 * codes + 4 * c * (1 + 1 + 1 + 4 + 1 + 4)
+    # x̂'s std (in the mean's place), invstd, zero bin, x̂ grid (4 rows); BN2: invstd, x̂2's std, x̂2 grid (4 rows)
+    assert sum(s.nbytes for s in rec.saved) - params == 3 * codes + 4 * c * (1 + 1 + 1 + 4 + 1 + 1 + 4)
     assert y.grad_fn.saved_tensors[12].shape == (4, c)  # BN2's grid: split by the mask
     g = torch.randn_like(y)
     y.backward(g)
@@ -410,7 +410,7 @@ def test_stem_bn_relu_max_pool_weight_gradient_is_exact_from_the_pooled_output(b
     n = x.numel()
     params = 2 * c * 4  # γ, β
     expected = math.ceil(n * bits / 8) + math.ceil(n / 8) + math.ceil(ref.numel() * 4 / 8) + ref.numel() * 4 + \
-        c * 4 + 4 * c * 4  # codes, mask, offsets, pooled; invstd and the x̂ grid
+        2 * c * 4 + 4 * c * 4  # codes, mask, offsets, pooled; invstd, x̂'s std and the x̂ grid
     assert sum(s.nbytes for s in rec.saved) - params == expected
     g = torch.randn_like(out)
     out.backward(g)
