@@ -1,0 +1,80 @@
+"""python -m tools.zoo_table   (seconds: it reads the committed sweep results, it runs no model)
+
+The supported-models table of the README, from the fidelity sweeps over the real model zoos
+(``tools/bench/fidelity/sweep_fidelity.py``: every torchvision classifier, one model per timm family, Hugging
+Face architectures from tiny configs; the default ``memopt.Config()``): per family, the models the sweep ran,
+how memopt captured them, the median and least saved-bytes ratio (saved-tensor hooks, stock / memopt), the
+models whose worst per-parameter gradient cosine is below 0.98, the gate failures, and which techniques
+rewrote which kinds of nodes. Only sweeps that recorded the capture path (the current sweep tool) are read.
+Writes docs/results/zoo_table.md and prints the README rows.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from collections import Counter
+from pathlib import Path
+from typing import Any, Dict, List
+
+from tabulate import tabulate
+
+from tools.bench.common import RESULTS
+
+SWEEPS = [("torchvision", "fidelity_sweep_torchvision_partial"), ("torchvision", "fidelity_sweep_torchvision"),
+          ("timm", "fidelity_sweep_timm"), ("timm, its gate failures re-run", "fidelity_sweep_timm_rerun"),
+          ("Hugging Face", "fidelity_sweep_hf")]
+KINDS = {"bn_act_stash": "BN-act chains", "conv_from_stash": "convs after chains", "linear_from_stash":
+         "linears after chains", "generic_encode": "generic codes", "linear_from_codes": "linear inputs",
+         "conv_from_codes": "conv inputs", "weight_op_from_rebuild": "rebuilt after norms",
+         "coded_call": "coded ops (norms, attention, products)", "fewbit_activation": "activations",
+         "dropout_1bit": "dropout masks", "max_pool2d_indices_only": "max-pool offsets"}
+
+
+def _rows(name: str) -> List[Dict[str, Any]]:
+    path = RESULTS / "fidelity" / f"{name}.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def _ratio(row) -> float:
+    return row["stock_saved"] / row["memopt_saved"] if row.get("stock_saved") and row.get("memopt_saved") else 0.0
+
+
+def summarise(family: str, name: str, rows: List[Dict[str, Any]]) -> List[Any]:
+    ratios = sorted(r for r in map(_ratio, rows) if r)
+    captures = Counter(r.get("capture", "?") for r in rows if r.get("status") == "ok")
+    kinds: Counter = Counter()
+    for r in rows:
+        for technique, ops in r.get("techniques", {}).items():
+            for op in ops:
+                kinds[f"{technique}: {KINDS.get(op, op)}"] += 1
+    below = [r["model"] for r in rows if r.get("worst") is not None and r["worst"] < 0.98]
+    failed = [r["model"] for r in rows if str(r.get("gate", "")).startswith("FAILED")]
+    least = min(((_ratio(r), r["model"]) for r in rows if _ratio(r)), default=(0.0, "-"))
+    return [family, f"{len(rows)} ({name})",
+            ", ".join(f"{c} {n}" for c, n in captures.most_common()) or "-",
+            f"{statistics.median(ratios):.2f}" if ratios else "-", f"{least[0]:.2f} ({least[1]})",
+            ", ".join(below) or "none", ", ".join(failed) or "none",
+            "; ".join(k for k, _ in kinds.most_common(6)) or "-"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=str(RESULTS / "zoo_table.md"))
+    args = parser.parse_args()
+    table = []
+    for family, name in SWEEPS:
+        rows = _rows(name)
+        if rows and all("capture" in r or r.get("status") != "ok" for r in rows):  # sweeps of the current tool
+            table.append(summarise(family, name, rows))
+    headers = ["family", "models (sweep file)", "capture", "median saved ratio", "least ratio",
+               "worst cosine < 0.98", "gate failed", "most common rewrites (models)"]
+    text = tabulate(table, headers, tablefmt="github")
+    Path(args.out).write_text(f"# Model zoos at the default config\n\nCommand: `python -m tools.zoo_table`. "
+                              f"{' '.join(__doc__.split(chr(10))[2:8])}\n\n{text}\n")
+    readme = tabulate([row[:7] for row in table], headers[:7], tablefmt="github")
+    print(f"{text}\n\nREADME rows:\n{readme}")
+
+
+if __name__ == "__main__":
+    main()
