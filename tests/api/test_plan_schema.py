@@ -24,8 +24,14 @@ def test_a_plan_written_before_the_redesign_loads_and_reapplies_to_the_same_byte
     om = memopt.optimize(model, example_inputs=x, optimizer="sgd", plan=FIXTURE)
     om(x).sum().backward()
     assert om.plan.chosen_units() == plan.chosen_units()
-    assert om.plan.estimated_saved_bytes == old["estimated_saved_bytes"]
-    assert om.plan.estimated_peak_bytes == old["estimated_peak_bytes"]
+    # the same bytes, but for one runtime change since: a chain joined by a downsample BatchNorm keeps that BN's x̂
+    # std (4 bytes per channel), which cannot be recovered from invstd where var << eps (7ff9dec)
+    joined = [n for n in om.plan.nodes if n.op == "bn_act_stash" and ": exact forward" in n.reason
+              and " + BN " in n.reason]
+    extra = sum(4 * int(n.shape.split("x")[1]) for n in joined)
+    assert joined and extra > 0
+    assert om.plan.estimated_saved_bytes == old["estimated_saved_bytes"] + extra
+    assert om.plan.estimated_peak_bytes == old["estimated_peak_bytes"] + extra
     assert om.plan.schema_version == PLAN_SCHEMA_VERSION
 
 
