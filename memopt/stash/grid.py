@@ -152,11 +152,9 @@ RATIO_FROM_DATA = 1e-2  # var / (var + eps) below which 1 - eps·invstd² is mos
 
 
 def xhat_std(x: torch.Tensor, invstd: torch.Tensor, eps: float) -> torch.Tensor:
-    """x̂'s std as the chain codes with it (backward reads the saved copy): ``_xhat_std``, but where var < 1% of eps
-    the data's std times invstd: there 1 - eps·invstd² is rounding, and the 8-ulp rule zeroed real channels (HF
-    MobileViT at init: var ~1e-12, eps 1e-5; every code clipped, the BN weight gradient exactly 0). A real CPU
-    tensor is reduced only when a channel needs it, GPU / fake ones always (no host sync); the same allocations
-    either way, so the cost model's peak is the measured one."""
+    """x̂'s std as the chain codes with it (saved for backward): ``_xhat_std``, but the data's std times invstd where
+    var < 1% of eps, where 1 - eps·invstd² is rounding (HF MobileViT at init: every code clipped, BN weight gradient
+    exactly 0). CPU reduces only when needed, GPU / fake always (no sync); same allocations, so estimate = measured."""
     xstd = _xhat_std(invstd, eps)
     low = (1 - eps * invstd.float().square()) < RATIO_FROM_DATA  # False for NaN: that std stays NaN
     if x.device.type != "cpu" or is_fake(x) or bool(low.any()):
