@@ -19,7 +19,7 @@ import time
 import traceback
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Dict, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 from tools.bench.capture.zoo import FAMILIES, HEAVY_PARAMS, count_params, names
 
@@ -112,9 +112,11 @@ def _worker(conn, threads: int, job: str) -> None:
 
 
 def sweep(doc: str, title: str, script: str, default_out: Path, job: str,
-          render: Callable[..., str], progress: Callable[[Dict[str, Any]], str]) -> None:
+          render: Callable[..., str], progress: Callable[[Dict[str, Any]], str],
+          variants: Optional[Dict[str, Tuple[str, str, Path, str]]] = None) -> None:
     """Parse the sweep's command line and run ``job`` over the zoo; ``render(rows, command, total, done, started,
-    kept, code)`` makes the results body, ``progress(row)`` the line printed per model."""
+    kept, code)`` makes the results body, ``progress(row)`` the line printed per model. ``variants``: {flag: (help,
+    job, default out, title)}, flags that run another job (e.g. the same one under autocast) into another file."""
     import multiprocessing as mp
     from multiprocessing.connection import wait
 
@@ -124,12 +126,18 @@ def sweep(doc: str, title: str, script: str, default_out: Path, job: str,
     parser.add_argument("--only", choices=FAMILIES, action="append", help="a family (repeatable); default all")
     parser.add_argument("--limit", type=int, default=None, help="the first N models of each family")
     parser.add_argument("--models", default=None, help="comma-separated model names (within the families)")
-    parser.add_argument("--out", type=Path, default=default_out)
+    parser.add_argument("--out", type=Path, default=None, help=f"default {default_out}")
     parser.add_argument("--workers", type=int, default=2, help="worker processes (threads split among them)")
     parser.add_argument("--timeout", type=float, default=300, help="seconds per model")
     parser.add_argument("--resume", action="store_true",
                         help="keep the rows of the .jsonl next to --out (timeouts and crashes run again)")
+    for flag, (text, *_) in (variants or {}).items():
+        parser.add_argument(flag, action="store_true", help=text)
     args = parser.parse_args()
+    for flag, (_, variant_job, variant_out, variant_title) in (variants or {}).items():
+        if getattr(args, flag.lstrip("-").replace("-", "_")):
+            job, default_out, title = variant_job, variant_out, variant_title
+    args.out = args.out or default_out
     command = f"python -m {script}" + "".join(f" {a}" for a in sys.argv[1:])
     families = args.only or list(FAMILIES)
     wanted = set(args.models.split(",")) if args.models else None

@@ -1,4 +1,4 @@
-"""python -m tools.bench.fidelity.sweep_fidelity [--only torchvision|timm|hf] [--limit N] [--models a,b] [--resume]
+"""python -m tools.bench.fidelity.sweep_fidelity [--only torchvision|timm|hf] [--limit N] [--models a,b] [--resume] [--bf16]
 
 Gradient fidelity sweep (issue 22): at the default config, how close are memopt's gradients to exact autograd on
 real models, what did the fidelity gate change, and what is left of the savings?
@@ -20,6 +20,10 @@ technique (the section "Techniques by node kind" counts them by op). `stock save
 memopt.measure(...).saved_bytes (saved-tensor hooks); `ratio` = stock /
 memopt (higher is better). Flags: `BELOW 0.98` (the issue's goal: none), `ERROR`, `SETUP` (the stock model
 cannot train on the inputs: a sweep limitation).
+
+`--bf16`: the same per model with CPU bf16 autocast (``torch.autocast("cpu", dtype=torch.bfloat16)``) around
+optimize, both training steps and both measurements, so memopt is compared with the eager model under the same
+autocast (the bytes autograd keeps are then mostly bf16 copies); written to fidelity_sweep_bf16.md.
 """
 from __future__ import annotations
 
@@ -101,6 +105,13 @@ def run_one(family: str, name: str) -> Dict[str, Any]:
     row["seconds"] = round(time.time() - start, 1)
     row.setdefault("status", "ok")
     return row
+
+
+def run_one_bf16(family: str, name: str) -> Dict[str, Any]:
+    """``run_one`` under CPU bf16 autocast (the model's parameters stay float32, as in mixed-precision training)."""
+    import torch
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        return dict(run_one(family, name), autocast="bf16")
 
 
 def _techniques(plan) -> Dict[str, Dict[str, int]]:
@@ -190,7 +201,9 @@ def main() -> None:
           "tools.bench.fidelity.sweep_fidelity:run_one", render,
           lambda row: (f"{row.get('status')} worst={row.get('worst')} ({row.get('worst_parameter')}) "
                        f"ratio={_ratio(row)} gate={str(row.get('gate'))[:120]} {', '.join(_flags(row))} "
-                       f"{row.get('reason', '')[:200]}"))
+                       f"{row.get('reason', '')[:200]}"),
+          {"--bf16": ("run every model under CPU bf16 autocast", "tools.bench.fidelity.sweep_fidelity:run_one_bf16",
+                      RESULTS / "fidelity" / "fidelity_sweep_bf16.md", TITLE + ", under bf16 autocast")})
 
 
 if __name__ == "__main__":
