@@ -23,7 +23,10 @@ cannot train on the inputs: a sweep limitation).
 
 `--bf16`: the same per model with CPU bf16 autocast (``torch.autocast("cpu", dtype=torch.bfloat16)``) around
 optimize, both training steps and both measurements, so memopt is compared with the eager model under the same
-autocast (the bytes autograd keeps are then mostly bf16 copies); written to fidelity_sweep_bf16.md.
+autocast (the bytes autograd keeps are then mostly bf16 copies); written to fidelity_sweep_bf16.md. There
+`autocast floor` is autocast's own error on the worst parameter (the cosine of eager under autocast against eager
+float32, same seed and projection) and `autocast least` its least over the parameters compared: where memopt's
+worst is near them, it is at bf16's own noise.
 """
 from __future__ import annotations
 
@@ -50,6 +53,8 @@ def _gradients(module, model, x, loss) -> List[Any]:
 
 
 def run_one(family: str, name: str) -> Dict[str, Any]:
+    import torch
+
     import memopt
     from memopt.capture import capture
     from memopt.fidelity import RandomProjection, invariant_parameters, parameter_fidelity
@@ -60,9 +65,16 @@ def run_one(family: str, name: str) -> Dict[str, Any]:
         model, x, desc = build(family, name, MIN_SIZE)
         row["input"] = desc
         ref = copy.deepcopy(model)
+        autocast = torch.is_autocast_enabled("cpu")
+        full = copy.deepcopy(model) if autocast else None
+        exact = _gradients(ref, ref, x, RandomProjection(seed=11))  # before optimize: a stock failure is SETUP
     except Exception as e:  # noqa: BLE001
-        row.update(status="setup", reason=f"building the stock model: {first_line(e)}")
+        row.update(status="setup", reason=f"the stock model: {first_line(e)}")
         return row
+    if autocast:  # eager float32 against eager under autocast: how far autocast alone moves each gradient
+        with torch.autocast("cpu", enabled=False):
+            floor = _gradients(full, full, x, RandomProjection(seed=11))
+        del full
     try:
         seed(3)
         t = time.time()
@@ -83,7 +95,6 @@ def run_one(family: str, name: str) -> Dict[str, Any]:
     else:
         row["gate"] = "-"
     try:
-        exact = _gradients(ref, ref, x, RandomProjection(seed=11))
         approx = _gradients(om, model, x, RandomProjection(seed=11))
         names = [n for n, _ in model.named_parameters()]
         try:
@@ -98,6 +109,10 @@ def run_one(family: str, name: str) -> Dict[str, Any]:
             row.update(worst=round(kept[0], 4), worst_parameter=worst[0], p5=round(kept[len(kept) // 20], 4),
                        below=sum(c < 0.99 for c in kept), gated=len(kept),
                        apart=sum(f["excluded"] for f in figures.values()))
+            if autocast:  # autocast's own error on that parameter: eager float32 vs eager under autocast
+                own = parameter_fidelity(names, floor, exact, 1e-3, invariant)
+                row["autocast_floor"] = round(own[worst[0]]["cosine"], 4)
+                row["autocast_least"] = round(min(f["cosine"] for f in own.values() if not f["excluded"]), 4)
         row["stock_saved"] = memopt.measure(ref, x).saved_bytes
         row["memopt_saved"] = memopt.measure(om, x).saved_bytes
     except Exception as e:  # noqa: BLE001
@@ -164,21 +179,24 @@ def render(rows: List[Dict[str, Any]], command: str, total: int, done: bool, sta
     summary_table = tabulate(summary, ["family", "models", "compared", f"worst < {GOAL} (goal 0)", "worst < 0.99",
                                        "least worst", "median worst", "gate failed", "errors",
                                        "median saved ratio stock/memopt"], tablefmt="github")
+    floors = any("autocast_floor" in r for r in rows)
     table = []
     for r in sorted(rows, key=lambda r: (r["family"], r.get("worst", 2.0))):
         ratio = _ratio(r)
         table.append([r["family"], r["model"], r.get("input", ""), r.get("worst", "-"),
                       r.get("worst_parameter", "-"), r.get("p5", "-"),
-                      f"{r['below']}/{r['gated']}" if "below" in r else "-", r.get("apart", "-"),
-                      " ".join(str(r.get("gate", "-")).split())[:160].replace("|", "\\|"),
+                      f"{r['below']}/{r['gated']}" if "below" in r else "-", r.get("apart", "-")]
+                     + ([r.get("autocast_floor", "-"), r.get("autocast_least", "-")] if floors else [])
+                     + [" ".join(str(r.get("gate", "-")).split())[:160].replace("|", "\\|"),
                       fmt_bytes(r["stock_saved"]) if r.get("stock_saved") else "-",
                       fmt_bytes(r["memopt_saved"]) if r.get("memopt_saved") else "-",
                       f"{ratio:.2f}" if ratio else "-", r.get("capture", "-"), _technique_summary(r),
                       r.get("optimize_s", "-"), ", ".join(_flags(r)),
                       " ".join(str(r.get("reason", "")).split())[:200].replace("|", "\\|")])
-    full = tabulate(table, ["family", "model", "input", "worst", "worst parameter", "p5", "< 0.99", "apart", "gate",
-                            "stock saved", "memopt saved", "ratio", "capture", "rewritten nodes", "optimize s",
-                            "flag", "reason"], tablefmt="github")
+    full = tabulate(table, ["family", "model", "input", "worst", "worst parameter", "p5", "< 0.99", "apart"]
+                    + (["autocast floor", "autocast least"] if floors else [])
+                    + ["gate", "stock saved", "memopt saved", "ratio", "capture", "rewritten nodes", "optimize s",
+                       "flag", "reason"], tablefmt="github")
     kinds: Dict[tuple, List[int]] = {}
     for r in rows:  # (family, technique, op) -> [models, nodes]
         for technique, ops in r.get("techniques", {}).items():
