@@ -23,6 +23,7 @@ from memopt.canonical import canonical_batch_norms
 from memopt.core.errors import TraceError
 from memopt.core.leaf import LEAF_FUNCTIONS
 from memopt.core.state import preserved_state
+from memopt.masks import drop_constant_masks
 
 log = logging.getLogger("memopt")
 
@@ -306,6 +307,7 @@ def capture(model: nn.Module, args: tuple, kwargs: dict) -> Captured:
             traced = tracer.trace(model, _defaults_left_out(model, args, kwargs) or None)
         gm = _rebuild_on_model(model, traced, None, tracer.functions)
         canonical_batch_norms(gm, model)
+        drop_constant_masks(gm)  # what the eager model passes to attention where a trace builds a mask
         return Captured(gm, "symbolic_trace")
     except Exception as fx_error:  # noqa: BLE001 - any tracing failure sends us to the export path
         fx_msg = f"{type(fx_error).__name__}: {fx_error}"
@@ -330,6 +332,7 @@ def capture(model: nn.Module, args: tuple, kwargs: dict) -> Captured:
         _drop_export_guards(graph)
         graph.lint()
         gm = _rebuild_on_model(model, graph, ep_module)
+        drop_constant_masks(gm)
         return Captured(gm, "export")
     except Exception as export_error:  # noqa: BLE001
         export_msg = f"{type(export_error).__name__}: {export_error}"

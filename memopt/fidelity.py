@@ -13,7 +13,6 @@ or ``max_rounds`` is spent. The report records every change and the final per-pa
 from __future__ import annotations
 
 import logging
-import operator
 import time
 from collections import deque
 from typing import Any, Dict, List, Optional, Set, Tuple
@@ -21,10 +20,11 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 import torch
 from torch import fx, nn
 
-from memopt.canonical import OWNER_ATTRIBUTE, proxy_name
+from memopt.canonical import proxy_name
 from memopt.capture import capture, flat_inputs
 from memopt.config import Config
 from memopt.core.meta import HISTOGRAM_KEY, META_KEY
+from memopt.invariance import invariant_parameters
 from memopt.cost_model.step import default_loss, output_tensors
 from memopt.passes.base import Decision, PassContext
 from memopt.passes.planner import apply_decision
@@ -78,139 +78,6 @@ def parameter_fidelity(names: List[str], exact: List[Optional[torch.Tensor]], ap
         out[name] = {"cosine": cosine, "relative_error": relative, "tiny": small,
                      "excluded": small or name in invariant}
     return out
-
-
-def _training_batch_norm(node: fx.Node, modules: Dict[str, nn.Module]) -> bool:
-    """Whether ``node`` normalises with batch statistics (a BatchNorm module in training mode, ``F.batch_norm``
-    or an ATen batch norm with ``training=True``)."""
-    if node.op == "call_module":
-        module = modules.get(node.target)
-        return isinstance(module, nn.modules.batchnorm._BatchNorm) and (module.training or module.running_mean is None)
-    if node.op != "call_function":
-        return False
-    name = getattr(node.target, "__name__", str(node.target))
-    if "batch_norm" not in name or "no_training" in name or "backward" in name:
-        return False
-    training = node.kwargs.get("training", node.args[5] if len(node.args) > 5 else False)
-    return training is True
-
-
-def _weight_and_bias(node: fx.Node, modules: Dict[str, nn.Module]) -> Tuple[Optional[Tuple[str, torch.Tensor]], ...]:
-    """((name, tensor) of the weight, of the bias) of a conv / linear node, either missing as None."""
-    if node.op == "call_module":
-        module = modules.get(node.target)
-        if not isinstance(module, (nn.Linear, nn.modules.conv._ConvNd, nn.modules.batchnorm._BatchNorm)):
-            return None, None
-        path = getattr(module, OWNER_ATTRIBUTE, node.target)  # a fused module's twin: the model's own names
-        return tuple((f"{path}.{a}", getattr(module, a)) if getattr(module, a, None) is not None else None
-                     for a in ("weight", "bias"))
-    name = getattr(node.target, "__name__", str(node.target))
-    if node.op != "call_function" or not any(k in name for k in ("conv", "linear")):
-        return None, None
-    out = []
-    for arg in (node.args[1:3] if len(node.args) >= 2 else ()):
-        if isinstance(arg, fx.Node) and arg.op == "get_attr":
-            out.append((arg.target, _get_attr(node.graph.owning_module, arg.target)))
-        else:
-            out.append(None)
-    return (tuple(out) + (None, None))[:2]
-
-
-def _get_attr(root: nn.Module, target: str) -> Optional[torch.Tensor]:
-    value: Any = root
-    for part in target.split("."):
-        value = getattr(value, part, None)
-    return value if isinstance(value, torch.Tensor) else None
-
-
-def _reads_metadata(node: fx.Node) -> bool:
-    """A node that reads only a tensor's metadata (timm's ``_assert(x.ndim == 4)``), not its values."""
-    if node.op == "call_function" and node.target is getattr:
-        return node.args[1] in ("ndim", "shape", "dtype", "device", "is_cuda")
-    return node.op == "call_method" and node.target in ("dim", "size")
-
-
-def invariant_parameters(gm: fx.GraphModule) -> Dict[str, str]:
-    """{parameter: why} for the parameters whose exact gradient is zero by construction, up to BatchNorm's eps and
-    rounding: the bias of a conv / linear / BatchNorm whose every path reaches a training-mode BatchNorm through
-    only sums of branches and unpadded convs (the batch mean takes any per-channel shift out, and an unpadded conv
-    turns a per-channel shift into another), and a weight with one element per output channel read directly by
-    one (a depthwise 1x1 conv, a BatchNorm weight: the normalisation takes its scale out). Any approximation of the
-    backward leaves a gradient of the approximation's error's size where the exact one is rounding; a cosine
-    between the two is noise (timm RepViT's RepVggDw 1x1 branch: -0.94 with an 8-bit stash; timm FastViT's
-    ReparamLargeKernelConv, whose summed branches feed both an identity BatchNorm and a 1x1 conv's: 0.03, the
-    float64 gradient there is 1e-16), so the gate lists these apart with the reason instead of chasing them."""
-    modules = dict(gm.named_modules())
-    memo: Dict[str, Optional[Tuple[Tuple[str, ...], Tuple[str, ...]]]] = {}
-    out: Dict[str, str] = {}
-    for node in gm.graph.nodes:
-        weight, bias = _weight_and_bias(node, modules)
-        if weight is None and bias is None:
-            continue
-        found = _shift_cancelled(node, modules, memo)
-        if found is None:
-            continue
-        norms, via = found
-        where = f"the training-mode BatchNorm{'s' * (len(norms) > 1)} {', '.join(norms)}"
-        through = f" (through {' and '.join(via)})" if via else ""
-        if bias is not None:
-            out[bias[0]] = (f"{node.name}'s bias before {where}{through}: the batch mean cancels it")
-        readers = [u for u in node.users if not _reads_metadata(u)]
-        direct = len(readers) == 1 and _training_batch_norm(readers[0], modules) and readers[0].args[0] is node
-        if direct and weight is not None and weight[1].dim() >= 1 and weight[1][0].numel() == 1:
-            out[weight[0]] = (f"{node.name}'s per-channel scale before {where}: the normalisation cancels it (its "
-                              f"exact gradient is BatchNorm's eps term)")
-    return out
-
-
-def _is_add(node: fx.Node) -> bool:
-    return (node.op == "call_function" and node.target in (operator.add, operator.iadd, torch.add)
-            and not node.kwargs) or (node.op == "call_method" and node.target in ("add", "add_") and not node.kwargs)
-
-
-def _unpadded_conv(node: fx.Node, value: fx.Node, modules: Dict[str, nn.Module]) -> bool:
-    """A (not transposed) conv reading ``value`` as its input with no padding: a per-channel constant in, a
-    per-channel constant out (zero padding would make the border differ)."""
-    if node.op == "call_module":
-        module = modules.get(node.target)
-        return (isinstance(module, nn.modules.conv._ConvNd) and not module.transposed and bool(node.args)
-                and node.args[0] is value and (module.padding == "valid" or
-                                               (not isinstance(module.padding, str) and not any(module.padding))))
-    name = getattr(node.target, "__name__", str(node.target))
-    if node.op != "call_function" or not name.startswith("conv") or "transpose" in name or not node.args:
-        return False
-    padding = node.kwargs.get("padding", node.args[4] if len(node.args) > 4 else 0)
-    transposed = name.startswith("convolution") and (node.args[6] if len(node.args) > 6 else True)
-    flat = [padding] if isinstance(padding, (int, str)) else list(padding)
-    return node.args[0] is value and not transposed and all(p in (0, "valid") for p in flat)
-
-
-def _shift_cancelled(value: fx.Node, modules: Dict[str, nn.Module],
-                     memo: Dict[str, Optional[Tuple[Tuple[str, ...], Tuple[str, ...]]]],
-                     depth: int = 0) -> Optional[Tuple[Tuple[str, ...], Tuple[str, ...]]]:
-    """(the training-mode BatchNorms that cancel it, what it passes on the way) when a per-channel shift of
-    ``value``'s output reaches nothing but training-mode BatchNorms' inputs, directly or through sums of branches
-    and unpadded convs; None when some path escapes (an activation, an output, a padded conv, ...)."""
-    if value.name in memo:
-        return memo[value.name]
-    memo[value.name] = None  # a cycle cannot occur in a graph; this also bounds the work
-    readers = [u for u in value.users if not _reads_metadata(u)]
-    if not readers or depth > 16:
-        return None
-    norms: List[str] = []
-    via: List[str] = []
-    for reader in readers:
-        if _training_batch_norm(reader, modules) and reader.args and reader.args[0] is value:
-            norms.append(reader.name)
-            continue
-        step = "a sum" if _is_add(reader) else "an unpadded conv" if _unpadded_conv(reader, value, modules) else None
-        further = None if step is None else _shift_cancelled(reader, modules, memo, depth + 1)
-        if further is None:
-            return None
-        norms += further[0]
-        via += [step] + list(further[1])
-    memo[value.name] = (tuple(dict.fromkeys(norms)), tuple(dict.fromkeys(via)))
-    return memo[value.name]
 
 
 def _consumers(graph: fx.Graph, parameter: str) -> List[fx.Node]:

@@ -97,9 +97,7 @@ def _why_not(node: fx.Node, kind: str, module: Optional[nn.Module], cfg: FewBitC
     """None when the node can be rewritten, else the reason it stays exact."""
     if module is not None and has_hooks(module):
         return "its module has hooks, which a rewrite would skip"
-    chosen = ctx.chosen("fewbit", node.name)
-    if chosen is False:
-        return ctx.unchosen("fewbit", node.name)
+    chosen = ctx.chosen("fewbit", node.name)  # a unit left out of a decision says why only if it could be rewritten
     if chosen is None and cfg.allow is not None and node.name not in cfg.allow:
         return "not in FewBitConfig.allow"
     if node.name in cfg.deny:
@@ -134,7 +132,7 @@ def _why_not(node: fx.Node, kind: str, module: Optional[nn.Module], cfg: FewBitC
             return "in-place on a model input or attribute: rewriting would stop mutating it"
         if len(inp.users) > 1:
             return "in-place op whose input is read by other nodes too: rewriting would change what they see"
-    return None
+    return ctx.unchosen("fewbit", node.name) if chosen is False else None
 
 
 _TABLE_ERRORS: Dict[Tuple, float] = {}

@@ -76,7 +76,8 @@ def _keeps_nothing(user: fx.Node, end: fx.Node, modules) -> bool:
     return user.target is bn_act_stash and user.args[6] is end and end not in user.args[:6]
 
 
-_MEAN_POOLS = (torch.ops.aten.adaptive_avg_pool2d.default, torch.ops.aten.adaptive_avg_pool3d.default)
+_MEAN_POOLS = (torch.ops.aten.adaptive_avg_pool1d.default, torch.ops.aten.adaptive_avg_pool2d.default,
+               torch.ops.aten.adaptive_avg_pool3d.default)
 
 
 def pool_keeps_input(user: fx.Node, modules) -> bool:
@@ -84,7 +85,7 @@ def pool_keeps_input(user: fx.Node, modules) -> bool:
     (saved_tensors_hooks, torch 2.x; tests/stash/test_stash_pools.py checks each spelling against it): every
     avg_poolNd saves its input (its backward kernel takes the input tensor), and so does every adaptive pool,
     except one to size 1 in every dimension through the composite op (the module, F.adaptive_avg_poolNd,
-    aten.adaptive_avg_pool2d / 3d), which runs as a mean and keeps nothing (ResNet's head). The kernels
+    aten.adaptive_avg_pool1d / 2d / 3d), which runs as a mean and keeps nothing (ResNet's head). The kernels
     aten._adaptive_avg_pool2d / 3d keep it at any size."""
     if user.op == "call_module":
         module = modules[user.target]
@@ -280,10 +281,7 @@ def stash_pass(gm: fx.GraphModule, cfg: StashConfig, ctx: PassContext) -> PassRe
         form = bn_form(bn, modules) if bn not in joined else None  # a BatchNorm in any form (passes/stash_forms.py)
         if form is None:
             continue
-        chosen = ctx.chosen("stash", bn.name)
-        if chosen is False:
-            bn.meta[DECISION_KEY] = {"technique": "exact", "reason": f"stash: {ctx.unchosen('stash', bn.name)}"}
-            continue
+        chosen = ctx.chosen("stash", bn.name)  # a unit left out of a decision says why only if it could be rewritten
         if (chosen is None and cfg.allow is not None and bn.name not in cfg.allow) or bn.name in cfg.deny:
             bn.meta[DECISION_KEY] = {"technique": "exact", "reason": "stash: excluded by StashConfig allow/deny"}
             continue
@@ -299,8 +297,9 @@ def stash_pass(gm: fx.GraphModule, cfg: StashConfig, ctx: PassContext) -> PassRe
                      f"StashConfig.min_per_channel={cfg.min_per_channel}")
         reason = found if isinstance(found, str) else next(
             (r for r in (_consumer_reason(u, found[1], modules) for u in found[1].users) if r), None)
-        if reason is not None:
-            bn.meta[DECISION_KEY] = {"technique": "exact", "reason": f"stash: {reason}"}
+        if reason is not None or chosen is False:
+            why = reason if reason is not None else ctx.unchosen("stash", bn.name)
+            bn.meta[DECISION_KEY] = {"technique": "exact", "reason": f"stash: {why}"}
             continue
         add, end, kind = found
         pool = _fusable_pool(gm, form, add, end, kind, modules, cfg)

@@ -288,3 +288,22 @@ def rewrite_call(gm: fx.GraphModule, call: Call, coded: List[fx.Node], bits: int
     for e in call.erase:
         graph.erase_node(e)
     return new
+
+
+# coded ops that normalise their input in blocks: its codes are grouped within a block (``row_group``)
+NORMS = ("layer_norm", "rms_norm", "group_norm", "batch_norm")
+
+
+def norm_rows(calls: Dict[str, Call]) -> Dict[fx.Node, int]:
+    """{input of a coded norm: elements per normalised block contiguous in memory}: a layer / RMS norm's last
+    dim, a batch / group norm's channel plane (the dims after the channel dim)."""
+    rows: Dict[fx.Node, int] = {}
+    for call in calls.values():
+        data = call.args[0] if call.args else None
+        cost = data.meta.get(META_KEY) if isinstance(data, fx.Node) else None
+        if call.kind not in NORMS or cost is None or not cost.shapes or not cost.shapes[0]:
+            continue
+        shape = cost.shapes[0]
+        row = shape[-1] if call.kind in ("layer_norm", "rms_norm") else int(torch.Size(shape[2:]).numel())
+        rows[data] = min(rows.get(data, row), row)
+    return rows

@@ -29,7 +29,7 @@ from memopt.core.meta import META_KEY, STATE_CATEGORIES
 from memopt.cost_model.op_registry import op_kind
 from memopt.capture import has_hooks
 from memopt.runtime.bitpack import packed_nbytes
-from memopt.stash.generic import (conv_from_codes, dropout_1bit, generic_encode, linear_from_codes,
+from memopt.stash.generic import (conv_from_codes, dropout_1bit, generic_encode, linear_from_codes, row_group,
                                       matmul_from_codes, where_1bit)
 from memopt.core.meta import DECISION_KEY
 from memopt.stash.config import StashConfig
@@ -37,7 +37,8 @@ from memopt.stash.pool import max_pool2d_indices_only
 from memopt.stash.rebuild import RebuildSpec, weight_op_from_rebuild
 from memopt.passes.base import PassContext
 from memopt.passes.fewbit import exact_masks, replace_with_mask
-from memopt.passes.stash_coded import Call, call_unit, find_call, live, members, rewrite_call, savers_by_storage, settle
+from memopt.passes.stash_coded import (NORMS, Call, call_unit, find_call, live, members, norm_rows, rewrite_call,
+                                       savers_by_storage, settle)
 
 aten = torch.ops.aten
 _FLOATS = ("float32", "bfloat16", "float16")
@@ -163,7 +164,7 @@ def generic_stash(gm: fx.GraphModule, cfg: StashConfig, ctx: PassContext) -> boo
         if not changed:
             break
     replaced: Dict[fx.Node, fx.Node] = {}
-    encode = _Encoder(gm, cfg, replaced)
+    encode = _Encoder(gm, cfg, replaced, norm_rows({n: c for n, c in calls.items() if n in rewritten}))
     taken = set()
     for key, (unit, _, consumers, _) in units.items():
         reason = blocked.get(key) or (f"another storage of {unit} is already a unit" if unit in taken else None)
@@ -190,8 +191,9 @@ def generic_stash(gm: fx.GraphModule, cfg: StashConfig, ctx: PassContext) -> boo
                                f"kept by nodes that stay exact too)")
             continue
         unit = call_unit(call.node)
-        rewrite_call(gm, call, coded[name], ctx.bits("stash", unit, cfg.generic_bits_for(unit)), cfg.group_size,
-                     lambda data, bits, unit=unit: encode(data, bits, unit), replaced)
+        group = encode.group(coded[name][0]) if call.kind in NORMS and len(coded[name]) == 1 else cfg.group_size
+        rewrite_call(gm, call, coded[name], ctx.bits("stash", unit, cfg.generic_bits_for(unit)), group,
+                     lambda data, bits, unit=unit, group=group: encode(data, bits, unit, group), replaced)
     return bool(taken) or any(name in rewritten for name in calls)
 
 
@@ -257,16 +259,23 @@ def _weight_units(gm: fx.GraphModule, cfg: StashConfig, modules) -> Dict[object,
 
 
 class _Encoder:
-    """One generic_encode per (tensor, bits), shared by every consumer and coded op reading it."""
+    """One generic_encode per (tensor, bits), shared by every consumer and coded op reading it; a coded norm's
+    input is grouped within its normalised blocks (``rows``), every other tensor in groups of ``group_size``."""
 
-    def __init__(self, gm: fx.GraphModule, cfg: StashConfig, replaced: Dict[fx.Node, fx.Node]) -> None:
-        self.graph, self.cfg, self.done, self.replaced = gm.graph, cfg, {}, replaced
+    def __init__(self, gm: fx.GraphModule, cfg: StashConfig, replaced: Dict[fx.Node, fx.Node],
+                 rows: Optional[Dict[fx.Node, int]] = None) -> None:
+        self.graph, self.cfg, self.done, self.replaced, self.rows = gm.graph, cfg, {}, replaced, rows or {}
 
-    def __call__(self, data: fx.Node, bits: int, unit: str) -> Tuple[fx.Node, fx.Node]:
+    def group(self, data: fx.Node) -> int:
+        row = self.rows.get(data, self.rows.get(live(self.replaced, data)))
+        return self.cfg.group_size if row is None else row_group(row, self.cfg.group_size)
+
+    def __call__(self, data: fx.Node, bits: int, unit: str, group: Optional[int] = None) -> Tuple[fx.Node, fx.Node]:
+        group = group or self.group(data)
         data = live(self.replaced, data)
-        key = (data, bits)
+        key = (data, bits, group)
         if key not in self.done:
-            graph, group = self.graph, self.cfg.group_size
+            graph = self.graph
             with graph.inserting_after(data):
                 enc = graph.create_node("call_function", generic_encode, (data, bits, group, self.cfg.stochastic),
                                         name=f"{data.name}_codes")
@@ -285,10 +294,10 @@ class _Encoder:
 def _rewrite_unit(gm: fx.GraphModule, modules, unit: str, consumers: List[fx.Node], bits: int,
                   encode: _Encoder, replaced: Dict[fx.Node, fx.Node]) -> None:
     graph = gm.graph
-    group = encode.cfg.group_size
     for node in consumers:
         c = _describe(node, op_kind(node, modules), gm, modules)
         packed, params = encode(c.data, bits, unit)
+        group = encode.group(c.data)
         label = node.format_node()
         with graph.inserting_before(node):
             if c.kind == "linear":
@@ -358,7 +367,7 @@ def _rewrite_rebuilt(gm: fx.GraphModule, modules, unit: str, consumers: List[fx.
     for node in consumers:
         c = _describe(node, op_kind(node, modules), gm, modules)
         packed, params = encode(src, bits, call_unit(norm.node))  # the norm unit owns these codes and their bits
-        spec = RebuildSpec(c.kind, tuple(c.conv), bits, encode.cfg.group_size, node.format_node(), norm.target,
+        spec = RebuildSpec(c.kind, tuple(c.conv), bits, encode.group(src), node.format_node(), norm.target,
                            tuple(marks))
         with graph.inserting_before(node):
             new = graph.create_node("call_function", weight_op_from_rebuild,

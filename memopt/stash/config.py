@@ -51,7 +51,9 @@ class StashConfig:
             ``act(g) * u`` (SiLU / GELU; g and u kept, act(g) rebuilt). Forward outputs are unchanged;
             their input gradients become approximate too. A coded op's unit is ``<node>_coded``.
         group_size: elements per group of the generic stash (default 256, as ActNN): 8 bytes of
-            metadata per group, 6% on top of 4-bit codes.
+            metadata per group, 6% on top of 4-bit codes. The input of a coded norm is grouped within
+            the blocks it normalises (``memopt.stash.generic.row_group``: a token's features, a channel's
+            plane), so that a row of small values is not coded on the step of a wide one.
         stochastic: stochastic rounding for the generic stash (unbiased in expectation, but about twice
             the squared error of rounding to nearest: see docs/results/stash/stash_generic.md); default
             False: deterministic.

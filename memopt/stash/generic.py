@@ -75,6 +75,24 @@ def _code_groups(v: torch.Tensor, bits: int, stochastic: bool) -> Tuple[torch.Te
     return t.clamp_(0, (1 << bits) - 1).to(torch.uint8).view(-1), torch.stack([lo, step])
 
 
+def row_group(row: int, group: int) -> int:
+    """Elements per group for a tensor whose rows (the blocks a norm normalises together, contiguous in memory)
+    hold ``row`` elements, so that no group mixes two rows: a whole row when it is shorter than ``group``, else
+    the largest size up to ``group`` that tiles a row (``group`` when none is at least half of it). A group's
+    step follows its widest row; a norm divides each row by that row's own std, so a row of small values (a
+    transformer's class token beside patch tokens, a channel of small activations) coded with a wide one would
+    rebuild with an error many times its std. Rows under 16 elements keep ``group`` (8 bytes per group)."""
+    if row < 16:
+        return group
+    if row <= group:
+        return row
+    parts = -(-row // group)
+    for more in range(parts, 2 * parts + 1):
+        if row % more == 0:
+            return row // more
+    return group
+
+
 def group_quantize(x: torch.Tensor, bits: int, group: int, stochastic: bool) -> Tuple[torch.Tensor, torch.Tensor]:
     """(packed codes, float32 [2, groups] of min and step) of ``x`` in its memory order."""
     if kernels.stash_triton(x, "generic stash code"):  # two launches, the same codes, steps and noise draws

@@ -66,6 +66,17 @@ def test_relu_whose_output_the_next_conv_keeps_stays_exact_with_the_reason():
     assert "also kept by features_1" in om.report()  # the report says why
 
 
+def test_a_plan_reapplied_keeps_each_exact_units_own_reason():
+    """A unit a decision leaves out says why the pass could not rewrite it, when it could not; "not chosen by the
+    budget planner" only for units the pass could have rewritten (a plan made without a budget has no planner)."""
+    model, x = build("cnn")
+    om = memopt.optimize(model, example_inputs=x, config=FEWBIT_ONLY)
+    again = memopt.optimize(model, example_inputs=x, plan=om.plan)
+    for before, after in zip(om.plan.nodes, again.plan.nodes):
+        assert (after.name, after.technique, after.reason) == (before.name, before.technique, before.reason)
+    assert "budget planner" not in again.report()
+
+
 def test_inplace_relu6_that_keeps_a_copy_is_rewritten_exactly():
     model, x = build("mobilenet_v2")
     om = memopt.optimize(model, example_inputs=x, config=FEWBIT_ONLY)

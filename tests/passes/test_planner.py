@@ -134,6 +134,20 @@ def test_plan_is_deterministic_and_reapplies_without_planning(resnet, tmp_path):
     assert again.plan.estimated_peak_bytes == first.plan.estimated_peak_bytes
 
 
+def test_a_reapplied_plan_keeps_the_reason_a_batchnorm_chain_stays_exact():
+    """A BatchNorm chain the stash pass cannot take (4 elements per channel) says so when a plan is re-applied,
+    not "not chosen by the budget planner" (that plan had no budget)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(),
+                                torch.nn.Linear(16, 4)).train()
+    x = torch.randn(4, 8)
+    om = memopt.optimize(model, example_inputs=x)
+    again = memopt.optimize(model, example_inputs=x, plan=om.plan)
+    reasons = {n.name: n.reason for n in again.plan.nodes}
+    assert reasons == {n.name: n.reason for n in om.plan.nodes}
+    assert any("4 elements per channel" in (r or "") for r in reasons.values()), reasons
+
+
 def test_a_hand_edited_plan_is_applied_as_edited(resnet, tmp_path):
     model, x, baseline, full = resnet
     om = memopt.optimize(model, (full + 0.3 * (baseline - full)) / MiB, example_inputs=x, optimizer="sgd")

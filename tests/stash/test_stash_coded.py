@@ -264,3 +264,43 @@ def test_an_output_the_graph_updates_in_place_is_the_ops_own():
     assert any(n.op == "linear_from_codes" for n in om.plan.nodes)
     out, ref = _step(om, x), _step(reference, x)
     assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("row, group, expected", [(32, 256, 32), (256, 256, 256), (768, 256, 256), (300, 256, 150),
+                                                  (1000, 256, 250), (257, 256, 256), (8, 256, 256), (49, 256, 49)])
+def test_row_group_keeps_groups_within_a_row(row, group, expected):
+    from memopt.stash.generic import row_group
+    assert row_group(row, group) == expected
+
+
+class SmallTokens(nn.Module):
+    """A LayerNorm over tokens of which the first two are a thousand times smaller than the rest (HF DeiT's class
+    and distillation tokens at init, in a later layer), then a linear: coded on the step of the patch tokens
+    beside them, the small tokens rebuild as noise, which the norm scales up to unit size."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj, self.norm, self.fc = nn.Linear(32, 32), nn.LayerNorm(32), nn.Linear(32, 32)
+        self.tokens = nn.Parameter(torch.randn(1, 2, 32) * 1e-3)
+
+    def forward(self, x):
+        h = torch.cat([self.tokens.expand(x.shape[0], 2, 32), self.proj(x)], 1)
+        return self.fc(self.norm(h))
+
+
+def test_a_norm_input_is_grouped_per_token_so_small_tokens_keep_their_shape():
+    torch.manual_seed(0)
+    model, x = SmallTokens().train(), torch.randn(2, 16, 32)
+    reference = copy.deepcopy(model)
+    om = memopt.optimize(model, example_inputs=x, config=CODED)
+    coded = [n for n in om.graph_module.graph.nodes if n.target is coded_call]
+    assert coded and coded[0].args[0].group == 32, "the LayerNorm's input is coded per token"
+    assert torch.equal(om(x), reference(x))
+    names = [n for n, _ in model.named_parameters()]
+    grads = []
+    for module, params in ((reference, reference), (om, model)):
+        params.zero_grad()
+        (module(x) * torch.randn(2, 18, 32, generator=torch.Generator().manual_seed(1))).sum().backward()
+        grads.append([p.grad for p in params.parameters()])
+    figures = parameter_fidelity(names, grads[0], grads[1], 0.0)
+    assert min(f["cosine"] for f in figures.values()) > 0.999, figures

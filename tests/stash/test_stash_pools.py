@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 import memopt
+from memopt.cost_model.op_registry import op_kind
 from memopt.passes.stash import pool_keeps_input
 
 aten = torch.ops.aten
@@ -27,6 +28,11 @@ POOLS = [  # (the op as a callable module or function, input shape)
     (lambda t: F.adaptive_avg_pool3d(t, 1), (2, 3, 4, 4, 4)),
     (lambda t: aten.adaptive_avg_pool3d.default(t, [1, 1, 1]), (2, 3, 4, 4, 4)),
     (lambda t: aten._adaptive_avg_pool3d.default(t, [1, 1, 1]), (2, 3, 4, 4, 4)),
+    (lambda t: F.avg_pool1d(t, 2), (2, 3, 8)), (lambda t: F.avg_pool3d(t, 2), (2, 3, 4, 4, 4)),
+    (lambda t: aten.avg_pool1d.default(t, [2]), (2, 3, 8)),
+    (lambda t: aten.avg_pool3d.default(t, [2, 2, 2]), (2, 3, 4, 4, 4)),
+    (lambda t: aten.adaptive_avg_pool1d.default(t, [1]), (2, 3, 8)),
+    (lambda t: aten.adaptive_avg_pool1d.default(t, [3]), (2, 3, 8)),
 ]
 
 
@@ -58,6 +64,7 @@ def _pool_node(op):
 def test_the_rule_is_what_autograd_keeps(index):
     op, shape = POOLS[index]
     node, modules = _pool_node(op)
+    assert op_kind(node, modules) == "avg_pool", node.format_node()  # every spelling is known as a pool
     assert pool_keeps_input(node, modules) == _autograd_keeps_input(op, shape), (node.format_node(), shape)
 
 

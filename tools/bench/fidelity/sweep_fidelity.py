@@ -54,6 +54,7 @@ def _gradients(module, model, x, loss) -> List[Any]:
 
 def run_one(family: str, name: str) -> Dict[str, Any]:
     import torch
+    from torch.fx.passes.shape_prop import ShapeProp
 
     import memopt
     from memopt.capture import capture
@@ -98,8 +99,12 @@ def run_one(family: str, name: str) -> Dict[str, Any]:
         approx = _gradients(om, model, x, RandomProjection(seed=11))
         names = [n for n, _ in model.named_parameters()]
         try:
-            invariant = invariant_parameters(capture(ref, x if isinstance(x, tuple) else (x,), {}).graph_module) \
-                if not isinstance(x, dict) else {}
+            invariant = {}
+            if not isinstance(x, dict):
+                gm = capture(ref, x if isinstance(x, tuple) else (x,), {}).graph_module
+                with torch.no_grad():  # shapes for the rules that follow reshapes (a key bias before a softmax)
+                    ShapeProp(gm).propagate(*(x if isinstance(x, tuple) else (x,)))
+                invariant = invariant_parameters(gm)
         except Exception:  # noqa: BLE001  (models only captured per submodule: nothing listed apart)
             invariant = {}
         figures = parameter_fidelity(names, exact, approx, 1e-3, invariant)

@@ -1,0 +1,198 @@
+"""Attention masks that a trace materialises where the eager model passes none.
+
+Hugging Face models (and others) skip the attention mask at run time when it would mask nothing, or pass
+``is_causal=True`` instead of a causal mask, by looking at the mask's values; under ``torch.export`` or symbolic
+tracing that check cannot run, so the traced graph builds the mask from constants and hands it to
+``scaled_dot_product_attention``. The traced graph then differs from the eager model: SDPA keeps the
+materialised mask for backward (one copy per call: HF ViT's two layers kept 4.5 KiB more than eager), which the
+capture check rightly refuses, so the whole model fell back to per-submodule capture and lost most of its
+savings; and SDPA may pick another kernel.
+
+``drop_constant_masks`` evaluates every SDPA mask that depends on no graph input (only constants and
+attributes, no random op) and, where it masks nothing, removes it; where it is exactly the causal mask of a
+square score matrix, it replaces it with ``is_causal=True``: what the eager model runs. Anything else stays as
+traced. The capture check still compares the result with the eager model bit for bit, so a model whose eager
+code did pass the mask is refused there, not changed silently.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, List, Optional, Set
+
+import torch
+import torch.nn.functional as F
+from torch import fx
+
+log = logging.getLogger("memopt")
+
+_SDPA = (F.scaled_dot_product_attention, torch.ops.aten.scaled_dot_product_attention.default)
+_RANDOM = ("rand", "dropout", "bernoulli", "normal", "multinomial", "uniform")
+
+
+def _mask(node: fx.Node) -> Any:
+    return node.kwargs["attn_mask"] if "attn_mask" in node.kwargs else node.args[3] if len(node.args) > 3 else None
+
+
+def _causal_flag(node: fx.Node) -> Any:
+    return node.kwargs["is_causal"] if "is_causal" in node.kwargs else node.args[5] if len(node.args) > 5 else False
+
+
+def _ancestors(node: fx.Node) -> Optional[List[fx.Node]]:
+    """``node`` and everything it is computed from, in graph order; None when that reaches a graph input, a
+    parameter (BEiT's relative position bias is a mask learned from a table initialised to zeros: all zero now,
+    not after a step), a random op or an op that writes in place (the mask then is data, not a constant)."""
+    seen: Set[fx.Node] = set()
+    root = node.graph.owning_module
+    stack = [node]
+    while stack:
+        current = stack.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        if current.op in ("placeholder", "output", "call_module") or _impure(current):
+            return None
+        if current.op == "get_attr" and _requires_grad(root, current.target):
+            return None
+        stack.extend(current.all_input_nodes)
+    order = {n: i for i, n in enumerate(node.graph.nodes)}
+    return sorted(seen, key=order.__getitem__)
+
+
+def _requires_grad(root: Any, target: str) -> bool:
+    value = root
+    for part in target.split("."):
+        value = getattr(value, part, None)
+    return not isinstance(value, torch.Tensor) or isinstance(value, torch.nn.Parameter) or value.requires_grad
+
+
+def _impure(node: fx.Node) -> bool:
+    """A random op, or one that writes to an input (an ATen op's schema says; a method named ``x_``)."""
+    name = getattr(node.target, "__name__", str(node.target))
+    if any(word in name for word in _RANDOM):
+        return True
+    schema = getattr(node.target, "_schema", None)
+    if schema is not None:
+        return schema.is_mutable
+    return node.op == "call_method" and name.endswith("_") and not name.endswith("__")
+
+
+def _evaluate(gm: fx.GraphModule, nodes: List[fx.Node]) -> Any:
+    interpreter = fx.Interpreter(gm)
+    with torch.no_grad():
+        for node in nodes:
+            interpreter.env[node] = interpreter.run_node(node)
+    return interpreter.env[nodes[-1]]
+
+
+def _kind(value: Any) -> Optional[str]:
+    """"none" when the mask masks nothing, "causal" when it is the lower-triangular mask of a square score
+    matrix, else None."""
+    if not isinstance(value, torch.Tensor) or value.dim() < 2 or value.is_meta or value.numel() == 0:
+        return None
+    if type(value) is not torch.Tensor:  # a fake or subclass tensor: its values are unknown
+        return None
+    if value.dtype == torch.bool:
+        keep = value
+    elif value.is_floating_point():
+        if not bool(((value == 0) | (value == float("-inf")) | (value == torch.finfo(value.dtype).min)).all()):
+            return None
+        keep = value == 0
+    else:
+        return None
+    if bool(keep.all()):
+        return "none"
+    rows, cols = keep.shape[-2:]
+    causal = torch.ones(rows, cols, dtype=torch.bool, device=keep.device).tril()
+    if rows == cols and bool((keep == causal).all()):
+        return "causal"
+    return None
+
+
+def drop_constant_masks(gm: fx.GraphModule) -> List[str]:
+    """Remove the SDPA masks that mask nothing, and turn exact causal masks into ``is_causal=True`` (see the
+    module docstring); the names of the SDPA nodes changed."""
+    changed: List[str] = []
+    dropped: List[fx.Node] = []  # sums whose zero term was dropped
+    cache = {}
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target not in _SDPA:
+            continue
+        mask = _mask(node)
+        if not isinstance(mask, fx.Node) or _causal_flag(node) is not False:
+            continue
+        if mask not in cache:
+            nodes = _ancestors(mask)
+            try:
+                cache[mask] = None if nodes is None else _kind(_evaluate(gm, nodes))
+            except Exception:  # noqa: BLE001 - a mask we cannot evaluate stays as traced
+                cache[mask] = None
+        kind = cache[mask]
+        if kind is None:
+            kept = _without_zero_term(gm, mask, cache)
+            if kept is not None:  # a learned bias plus a materialised zero mask: the bias, as eager passes it
+                node.args, node.kwargs = _with_mask(node, kept)
+                changed.append(node.name)
+                dropped.append(mask)
+            continue
+        args, kwargs = _with_mask(node, None)
+        args = list(args)
+        if kind == "causal":
+            if len(args) > 5:
+                args[5] = True
+            else:
+                kwargs["is_causal"] = True
+        node.args, node.kwargs = tuple(args), kwargs
+        changed.append(node.name)
+    if changed:
+        _remove_unused(gm, [m for m, kind in cache.items() if kind is not None], dropped)
+        log.info("memopt: %d attention masks built from constants replaced by what the eager model passes "
+                 "(none, or is_causal=True): %s", len(changed), ", ".join(changed[:4]))
+    return changed
+
+
+def _with_mask(node: fx.Node, mask: Any) -> tuple:
+    """(args, kwargs) of the SDPA ``node`` with ``mask`` as its mask."""
+    args, kwargs = list(node.args), dict(node.kwargs)
+    if "attn_mask" in kwargs:
+        kwargs["attn_mask"] = mask
+    else:
+        args[3] = mask
+    return tuple(args), kwargs
+
+
+_ADDS = (torch.ops.aten.add.Tensor, torch.add, __import__("operator").add)
+
+
+def _without_zero_term(gm: fx.GraphModule, mask: fx.Node, cache: dict) -> Optional[fx.Node]:
+    """The other term of a mask ``a + b`` whose one term is a constant that masks nothing, float zeros or boolean
+    all-true (a padding mask a trace materialised where eager passes none, added to a learned position bias: HF
+    BEiT adds its all-true boolean mask, which counts as +1 everywhere), else None. Eager passes the term alone;
+    SDPA broadcasts its mask, so that term in its own shape is what it gets."""
+    if mask.op != "call_function" or mask.target not in _ADDS or mask.kwargs or len(mask.args) != 2:
+        return None
+    for zero, other in (mask.args, mask.args[::-1]):
+        if not isinstance(zero, fx.Node) or not isinstance(other, fx.Node):
+            continue
+        if zero not in cache:
+            nodes = _ancestors(zero)
+            try:
+                value = None if nodes is None else _evaluate(gm, nodes)
+            except Exception:  # noqa: BLE001 - a term we cannot evaluate stays
+                value = None
+            cache[zero] = ("zeros" if isinstance(value, torch.Tensor) and type(value) is torch.Tensor and (
+                (value.is_floating_point() and not bool(value.any())) or
+                (value.dtype == torch.bool and bool(value.all()))) else None)
+        if cache[zero] == "zeros":
+            return other
+    return None
+
+
+def _remove_unused(gm: fx.GraphModule, masks: List[fx.Node], sums: List[fx.Node]) -> None:
+    """Erase the dropped masks, the sums that lost their zero term, and what only they used (pure ops on
+    constants: see ``_ancestors``)."""
+    candidates = {a for m in masks for a in (_ancestors(m) or [])} | set(sums)
+    for node in reversed(list(gm.graph.nodes)):
+        if node in candidates and not node.users:
+            gm.graph.erase_node(node)
+    gm.graph.lint()
+    gm.recompile()
