@@ -71,7 +71,8 @@ def test_weight_ops_after_a_coded_norm_keep_no_codes_of_their_own():
         assert F.cosine_similarity(p.grad.flatten(), q.grad.flatten(), 0) > 0.99, name
     # the printed graph re-creates the spec: fx prints the NamedTuple by importing its class
     code = om.graph_module.code
-    assert "RebuildSpec('linear', (), 8, 256," in code and "'F.layer_norm', (('src', None), ('value', (32,))" in code
+    # (groups of 32: the norm's input is coded per token, memopt.stash.generic.row_group)
+    assert "RebuildSpec('linear', (), 8, 32," in code and "'F.layer_norm', (('src', None), ('value', (32,))" in code
     again = pickle.loads(pickle.dumps(om.graph_module))
     assert torch.equal(again(x), out.detach())
 
@@ -118,5 +119,5 @@ def test_a_rebuilt_weight_op_is_priced_as_lossy_and_a_raise_of_its_unit_raises_t
     config = memopt.Config(stash=memopt.StashConfig(generic=True, generic_bits=2, node_bits={"ln": 8}), fewbit=None,
                            fidelity=None)
     code = memopt.optimize(copy.deepcopy(model), example_inputs=x, config=config).graph_module.code
-    assert code.count("RebuildSpec('linear', (), 8, 256,") == 3  # q, k, v
-    assert "RebuildSpec('linear', (), 2, 256," in code  # fc1 after the functional layer_norm: both units at 2
+    assert code.count("RebuildSpec('linear', (), 8, 32,") == 3  # q, k, v (in groups of one token's 32 features)
+    assert "RebuildSpec('linear', (), 2, 32," in code  # fc1 after the functional layer_norm: both units at 2
