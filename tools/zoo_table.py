@@ -21,9 +21,13 @@ from tabulate import tabulate
 
 from tools.bench.common import RESULTS
 
-SWEEPS = [("torchvision", "fidelity_sweep_torchvision_partial"), ("torchvision", "fidelity_sweep_torchvision"),
-          ("timm", "fidelity_sweep_timm"), ("timm, its gate failures re-run", "fidelity_sweep_timm_rerun"),
-          ("Hugging Face", "fidelity_sweep_hf")]
+# (family as shown, sweep file, the rows' family field or None for all): the bf16 sweep holds several families
+SWEEPS = [("torchvision", "fidelity_sweep_torchvision_partial", None),
+          ("torchvision", "fidelity_sweep_torchvision", None),
+          ("timm", "fidelity_sweep_timm", None), ("timm, its gate failures re-run", "fidelity_sweep_timm_rerun", None),
+          ("Hugging Face", "fidelity_sweep_hf", None),
+          ("timm, bf16 autocast", "fidelity_sweep_bf16", "timm"),
+          ("Hugging Face, bf16 autocast", "fidelity_sweep_bf16", "hf")]
 KINDS = {"bn_act_stash": "BN-act chains", "conv_from_stash": "convs after chains", "linear_from_stash":
          "linears after chains", "generic_encode": "generic codes", "linear_from_codes": "linear inputs",
          "conv_from_codes": "conv inputs", "weight_op_from_rebuild": "rebuilt after norms",
@@ -63,8 +67,8 @@ def main() -> None:
     parser.add_argument("--out", default=str(RESULTS / "zoo_table.md"))
     args = parser.parse_args()
     table = []
-    for family, name in SWEEPS:
-        rows = _rows(name)
+    for family, name, only in SWEEPS:
+        rows = [r for r in _rows(name) if only is None or r.get("family") == only]
         if rows and all("capture" in r or r.get("status") != "ok" for r in rows):  # sweeps of the current tool
             table.append(summarise(family, name, rows))
     headers = ["family", "models (sweep file)", "capture", "median saved ratio", "least ratio",
