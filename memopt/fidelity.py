@@ -12,6 +12,7 @@ or ``max_rounds`` is spent. The report records every change and the final per-pa
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections import deque
@@ -78,6 +79,26 @@ def parameter_fidelity(names: List[str], exact: List[Optional[torch.Tensor]], ap
         out[name] = {"cosine": cosine, "relative_error": relative, "tiny": small,
                      "excluded": small or name in invariant}
     return out
+
+
+def autocast_noise(model: nn.Module, args: tuple, kwargs: dict, rng: Any, loss: Any, names: List[str],
+                   exact: List[Optional[torch.Tensor]], tiny: float, bar: float) -> Optional[Dict[str, str]]:
+    """Under autocast (None when it is off): {parameter: why} for the parameters whose eager gradient under
+    autocast is itself below the bar against eager float32 (one more step, autocast off). There the reference
+    the gate compares with is the low precision's rounding, not a gradient: any change of rounding moves it as
+    far, and chasing it turned every unit exact without bringing it closer (the bf16 sweep's "autocast floor"
+    column: on several CNNs at init the two gradients of a parameter are unrelated)."""
+    devices = [d for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)]
+    if not devices:
+        return None
+    with contextlib.ExitStack() as stack:
+        for device in devices:
+            stack.enter_context(torch.autocast(device, enabled=False))
+        full = training_step(model, model, args, kwargs, rng, loss).grads
+    figures = parameter_fidelity(names, full, exact, tiny)
+    return {p: (f"under autocast its eager gradient is itself at cosine {f['cosine']:.3f} to float32's: below the "
+                f"bar, it is the low precision's rounding, not a reference") for p, f in figures.items()
+            if not f["excluded"] and f["cosine"] < bar}
 
 
 def _consumers(graph: fx.Graph, parameter: str) -> List[fx.Node]:
@@ -196,6 +217,10 @@ def fidelity_gate(model: nn.Module, args: tuple, kwargs: dict, config: Config, d
     losses = [RandomProjection(seed=0)]
     exacts = [training_step(model, model, sliced_args, sliced_kwargs, rng, losses[0]).grads]
     steps = [1]
+    noisy = autocast_noise(model, sliced_args, sliced_kwargs, rng, losses[0], names, exacts[0], gate.tiny,
+                           gate.min_cosine)
+    steps[0] += bool(noisy is not None)
+    invariant.update(noisy or {})
     lossy_nodes = {(u["chosen"]["technique"], u["chosen"]["unit"]): set(u["nodes"]) for u in units if _lossy(u)}
     weights = {(u["chosen"]["technique"], u["chosen"]["unit"]): float(u["chosen"]["fidelity"]) for u in units
                if _lossy(u)}

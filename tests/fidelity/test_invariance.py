@@ -111,3 +111,34 @@ def test_without_shapes_nothing_is_listed_through_a_reshape():
     torch.manual_seed(0)
     model, x = LinearAttention().train(), torch.randn(2, 5, 16)
     assert invariant_parameters(capture(model, (x,), {}).graph_module) == {}
+
+
+class Cancel(nn.Module):
+    """``w * (a(x) - b(x))`` with a and b within 0.1% of each other on inputs near 1000: in bfloat16 the difference
+    is rounding, so w's gradient under autocast is unrelated to its float32 one; a's and b's are not."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+        with torch.no_grad():
+            self.b.weight.copy_(self.a.weight * 1.001)
+            self.b.bias.copy_(self.a.bias)
+        self.w = nn.Parameter(torch.ones(8))
+
+    def forward(self, x):
+        return self.w * (self.a(x) - self.b(x))
+
+
+def test_under_autocast_a_gradient_that_is_bf16_rounding_is_listed_apart():
+    from memopt.fidelity import RandomProjection, autocast_noise
+    from memopt.soundness import training_step
+
+    torch.manual_seed(0)
+    model, x = Cancel().train(), 1000 + torch.randn(4, 8)
+    rng = torch.Generator().manual_seed(0).get_state()
+    names = [n for n, _ in model.named_parameters()]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        exact = training_step(model, model, (x,), {}, rng, RandomProjection(0)).grads
+        noisy = autocast_noise(model, (x,), {}, rng, RandomProjection(0), names, exact, 1e-3, 0.99)
+    assert set(noisy) == {"w"} and "under autocast" in noisy["w"], noisy
+    assert autocast_noise(model, (x,), {}, rng, RandomProjection(0), names, exact, 1e-3, 0.99) is None  # off
