@@ -27,6 +27,7 @@ SWEEPS = [("torchvision", "fidelity_sweep_torchvision_partial", None),
           ("timm", "fidelity_sweep_timm", None), ("timm, its gate failures re-run", "fidelity_sweep_timm_rerun", None),
           ("Hugging Face", "fidelity_sweep_hf", None),
           ("timm, bf16 autocast", "fidelity_sweep_bf16_0a888e0", "timm"),
+          ("timm, bf16, its gate failures re-run", "fidelity_sweep_bf16_timm_rerun", None),
           ("Hugging Face, bf16 autocast", "fidelity_sweep_bf16", "hf")]
 KINDS = {"bn_act_stash": "BN-act chains", "conv_from_stash": "convs after chains", "linear_from_stash":
          "linears after chains", "generic_encode": "generic codes", "linear_from_codes": "linear inputs",
