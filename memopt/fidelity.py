@@ -215,16 +215,27 @@ def fidelity_gate(model: nn.Module, args: tuple, kwargs: dict, config: Config, d
     invariant = invariant_parameters(base)
     rng = torch.Generator().manual_seed(0).get_state()  # a fixed draw (dropout): the same plan, the same report
     losses = [RandomProjection(seed=0)]
-    exacts = [training_step(model, model, sliced_args, sliced_kwargs, rng, losses[0]).grads]
-    steps = [1]
-    noisy = autocast_noise(model, sliced_args, sliced_kwargs, rng, losses[0], names, exacts[0], gate.tiny,
-                           gate.min_cosine)
-    steps[0] += bool(noisy is not None)
-    invariant.update(noisy or {})
+    steps = [0]
+    cache: Dict[tuple, List[Dict[str, Dict[str, Any]]]] = {}  # plan -> its figures under each projection
+
+    def exact_step(loss: Any) -> List[Optional[torch.Tensor]]:
+        """The eager step's gradients under ``loss``; under autocast, the parameters at its own rounding's noise
+        under that projection join those listed apart (a small one is noisy under some projections only)."""
+        grads = training_step(model, model, sliced_args, sliced_kwargs, rng, loss).grads
+        noisy = autocast_noise(model, sliced_args, sliced_kwargs, rng, loss, names, grads, gate.tiny,
+                               gate.min_cosine)
+        steps[0] += 1 + (noisy is not None)
+        new = {p: why for p, why in (noisy or {}).items() if p not in invariant}
+        invariant.update(new)
+        for figures in (f for done in cache.values() for f in done):  # plans measured before: listed apart too
+            for p in new.keys() & figures.keys():
+                figures[p]["excluded"] = True
+        return grads
+
+    exacts = [exact_step(losses[0])]
     lossy_nodes = {(u["chosen"]["technique"], u["chosen"]["unit"]): set(u["nodes"]) for u in units if _lossy(u)}
     weights = {(u["chosen"]["technique"], u["chosen"]["unit"]): float(u["chosen"]["fidelity"]) for u in units
                if _lossy(u)}
-    cache: Dict[tuple, List[Dict[str, Dict[str, Any]]]] = {}  # plan -> its figures under each projection
 
     def evaluate(trial: Decision) -> Tuple[Dict[str, Dict[str, Any]], List[str]]:
         """(per-parameter fidelity, the failing parameters, worst first) of the plan ``trial``: per parameter the
@@ -257,9 +268,8 @@ def fidelity_gate(model: nn.Module, args: tuple, kwargs: dict, config: Config, d
             # one projection's cosine of a small parameter sways with the projection near the bar: a plan that
             # passes is confirmed on independent ones (more while it passes narrowly), and repaired on the worst
             # of them if it misses
-            steps[0] += 1  # the exact step of the new projection
             losses.append(RandomProjection(seed=len(losses)))
-            exacts.append(training_step(model, model, sliced_args, sliced_kwargs, rng, losses[-1]).grads)
+            exacts.append(exact_step(losses[-1]))  # counts its steps
             per_parameter, failing = evaluate(decision)
         before = before or {"parameter": failing[0] if failing else None,
                             "cosine": per_parameter[failing[0]]["cosine"] if failing else per_min(per_parameter)}
