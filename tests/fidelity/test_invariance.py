@@ -142,3 +142,23 @@ def test_under_autocast_a_gradient_that_is_bf16_rounding_is_listed_apart():
         noisy = autocast_noise(model, (x,), {}, rng, RandomProjection(0), names, exact, 1e-3, 0.99)
     assert set(noisy) == {"w"} and "under autocast" in noisy["w"], noisy
     assert autocast_noise(model, (x,), {}, rng, RandomProjection(0), names, exact, 1e-3, 0.99) is None  # off
+
+
+def test_under_autocast_a_gradient_that_is_zero_in_float32_is_listed_apart():
+    """BN -> ReLU -> depthwise conv -> training BN with the first BN's bias at 0 (init): ReLU passes the first
+    BN's scale through, the second BN cancels it, so its float32 gradient is ~0; under bf16 rounding lifts it above
+    the "tiny" rule, and the gate chased it (timm MobileNetV3 under autocast)."""
+    from memopt.fidelity import RandomProjection, autocast_noise
+    from memopt.soundness import training_step
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 1), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 3, groups=8),
+                          nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 4, 1)).train()
+    x = torch.randn(2, 3, 12, 12)
+    rng = torch.Generator().manual_seed(0).get_state()
+    names = [n for n, _ in model.named_parameters()]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        exact = training_step(model, model, (x,), {}, rng, RandomProjection(0)).grads
+        noisy = autocast_noise(model, (x,), {}, rng, RandomProjection(0), names, exact, 1e-3, 0.99)
+    assert "1.weight" in noisy and "float32 gradient is below" in noisy["1.weight"], noisy
+    assert "4.weight" not in noisy and "6.weight" not in noisy
