@@ -162,3 +162,16 @@ def test_under_autocast_a_gradient_that_is_zero_in_float32_is_listed_apart():
         noisy = autocast_noise(model, (x,), {}, rng, RandomProjection(0), names, exact, 1e-3, 0.99)
     assert "1.weight" in noisy and "float32 gradient is below" in noisy["1.weight"], noisy
     assert "4.weight" not in noisy and "6.weight" not in noisy
+
+
+def test_under_autocast_a_model_that_cannot_run_in_float32_lists_nothing_apart():
+    """A submodule captured on its own receives bf16 activations (HF Wav2Vec2's feature projection): with autocast
+    off its step fails, and the gate must go on without the rule instead of failing optimize()."""
+    from memopt.fidelity import RandomProjection, autocast_noise
+    from memopt.soundness import training_step
+
+    model, x = nn.Linear(8, 4), torch.randn(3, 8, dtype=torch.bfloat16)
+    rng = torch.Generator().manual_seed(0).get_state()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        exact = training_step(model, model, (x,), {}, rng, RandomProjection(0)).grads
+        assert autocast_noise(model, (x,), {}, rng, RandomProjection(0), ["weight", "bias"], exact, 1e-3, 0.99) == {}
