@@ -22,7 +22,8 @@ from tabulate import tabulate
 from tools.bench.common import RESULTS
 
 # (family as shown, sweep file, the rows' family field or None for all): the bf16 sweep holds several families
-SWEEPS = [("torchvision", "fidelity_sweep_torchvision_partial", None),
+SWEEPS = [("torchvision", "fidelity_sweep_torchvision_partial_ed86d90", None),
+          ("torchvision", "fidelity_sweep_torchvision_partial", None),
           ("torchvision", "fidelity_sweep_torchvision", None),
           ("timm", "fidelity_sweep_timm", None), ("timm, its gate failures re-run", "fidelity_sweep_timm_rerun", None),
           ("Hugging Face", "fidelity_sweep_hf", None),
