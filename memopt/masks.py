@@ -120,13 +120,7 @@ def drop_constant_masks(gm: fx.GraphModule) -> List[str]:
         mask = _mask(node)
         if not isinstance(mask, fx.Node) or _causal_flag(node) is not False:
             continue
-        if mask not in cache:
-            nodes = _ancestors(mask)
-            try:
-                cache[mask] = None if nodes is None else _kind(_evaluate(gm, nodes))
-            except Exception:  # noqa: BLE001 - a mask we cannot evaluate stays as traced
-                cache[mask] = None
-        kind = cache[mask]
+        kind = _cached_kind(gm, mask, cache)
         if kind is None:
             kept = _without_zero_term(gm, mask, cache)
             if kept is not None:  # a learned bias plus a materialised zero mask: the bias, as eager passes it
@@ -148,6 +142,18 @@ def drop_constant_masks(gm: fx.GraphModule) -> List[str]:
         log.info("memopt: %d attention masks built from constants replaced by what the eager model passes "
                  "(none, or is_causal=True): %s", len(changed), ", ".join(changed[:4]))
     return changed
+
+
+def _cached_kind(gm: fx.GraphModule, node: fx.Node, cache: dict) -> Optional[str]:
+    """``_kind`` of the constant ``node`` evaluates to, once per node; None when it is not a constant or cannot be
+    evaluated (it then stays as traced)."""
+    if node not in cache:
+        nodes = _ancestors(node)
+        try:
+            cache[node] = None if nodes is None else _kind(_evaluate(gm, nodes))
+        except Exception:  # noqa: BLE001 - a mask we cannot evaluate stays as traced
+            cache[node] = None
+    return cache[node]
 
 
 def _with_mask(node: fx.Node, mask: Any) -> tuple:
@@ -173,16 +179,7 @@ def _without_zero_term(gm: fx.GraphModule, mask: fx.Node, cache: dict) -> Option
     for zero, other in (mask.args, mask.args[::-1]):
         if not isinstance(zero, fx.Node) or not isinstance(other, fx.Node):
             continue
-        if zero not in cache:
-            nodes = _ancestors(zero)
-            try:
-                value = None if nodes is None else _evaluate(gm, nodes)
-            except Exception:  # noqa: BLE001 - a term we cannot evaluate stays
-                value = None
-            cache[zero] = ("zeros" if isinstance(value, torch.Tensor) and type(value) is torch.Tensor and (
-                (value.is_floating_point() and not bool(value.any())) or
-                (value.dtype == torch.bool and bool(value.all()))) else None)
-        if cache[zero] == "zeros":
+        if _cached_kind(gm, zero, cache) == "none":  # float zeros or boolean all-true
             return other
     return None
 
