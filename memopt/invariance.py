@@ -20,11 +20,11 @@ import operator
 from typing import Any, Dict, FrozenSet, List, Optional, Set, Tuple
 
 import torch
-import torch.nn.functional as F
 from torch import fx, nn
 
 from memopt.canonical import OWNER_ATTRIBUTE
 from memopt.core.meta import META_KEY
+from memopt.cost_model.op_registry import op_kind
 
 
 def _training_batch_norm(node: fx.Node, modules: Dict[str, nn.Module]) -> bool:
@@ -164,9 +164,6 @@ def _shift_cancelled(value: fx.Node, modules: Dict[str, nn.Module],
     return memo[value.name]
 
 
-_SOFTMAX = {F.softmax, F.log_softmax, torch.softmax, torch.log_softmax, torch.ops.aten._softmax.default,
-            torch.ops.aten.softmax.int, torch.ops.aten._log_softmax.default, torch.ops.aten.log_softmax.int}
-_SDPA = {F.scaled_dot_product_attention, torch.ops.aten.scaled_dot_product_attention.default}
 _MATMUL = {torch.matmul, operator.matmul, torch.bmm, torch.ops.aten.matmul.default, torch.ops.aten.bmm.default}
 _VIEWS = {torch.reshape, torch.ops.aten.view.default, torch.ops.aten.reshape.default,
           torch.ops.aten._unsafe_view.default}
@@ -256,13 +253,14 @@ def _follow(reader: fx.Node, value: fx.Node, varying: FrozenSet[int], modules: D
     if shape is None:
         return None
     rank = len(shape)
-    if _is(reader, _SOFTMAX, ("softmax", "log_softmax")) and reader.args[0] is value:
+    kind = op_kind(reader, modules) if reader.op != "call_module" else None  # a module's dim is not an argument
+    if kind in ("softmax", "log_softmax") and reader.args[0] is value:
         dim = _dim(reader, 1, "dim")
         if isinstance(dim, int) and dim % rank not in varying:
             found.add(reader.name)
             return True
         return None
-    if _is(reader, _SDPA):
+    if kind == "sdpa":
         key = _dim(reader, 1, "key")
         others = [reader.args[0] if reader.args else reader.kwargs.get("query"), _dim(reader, 2, "value")]
         if key is value and all(o is not value and o not in carriers for o in others) and rank >= 2 \

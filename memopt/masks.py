@@ -20,12 +20,12 @@ import logging
 from typing import Any, List, Optional, Set
 
 import torch
-import torch.nn.functional as F
 from torch import fx
+
+from memopt.cost_model.op_registry import kind_of_target
 
 log = logging.getLogger("memopt")
 
-_SDPA = (F.scaled_dot_product_attention, torch.ops.aten.scaled_dot_product_attention.default)
 _RANDOM = ("rand", "dropout", "bernoulli", "normal", "multinomial", "uniform")
 
 
@@ -115,7 +115,7 @@ def drop_constant_masks(gm: fx.GraphModule) -> List[str]:
     dropped: List[fx.Node] = []  # sums whose zero term was dropped
     cache = {}
     for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target not in _SDPA:
+        if node.op != "call_function" or kind_of_target(node.target) != "sdpa":
             continue
         mask = _mask(node)
         if not isinstance(mask, fx.Node) or _causal_flag(node) is not False:
