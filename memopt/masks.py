@@ -10,14 +10,15 @@ savings; and SDPA may pick another kernel.
 
 ``drop_constant_masks`` evaluates every SDPA mask that depends on no graph input (only constants and
 attributes, no random op) and, where it masks nothing, removes it; where it is exactly the causal mask of a
-square score matrix, it replaces it with ``is_causal=True``: what the eager model runs. Anything else stays as
-traced. The capture check still compares the result with the eager model bit for bit, so a model whose eager
+square score matrix, it replaces it with ``is_causal=True``: what the eager model runs; where a learned bias is
+combined with such a mask (added to it, or selected by it in a ``where``), the bias alone is the mask, as eager
+passes it. Anything else stays as traced. The capture check still compares the result with the eager model bit for bit, so a model whose eager
 code did pass the mask is refused there, not changed silently.
 """
 from __future__ import annotations
 
 import logging
-from typing import Any, List, Optional, Set
+from typing import Any, List, Optional, Set, Tuple
 
 import torch
 from torch import fx
@@ -112,7 +113,7 @@ def drop_constant_masks(gm: fx.GraphModule) -> List[str]:
     """Remove the SDPA masks that mask nothing, and turn exact causal masks into ``is_causal=True`` (see the
     module docstring); the names of the SDPA nodes changed."""
     changed: List[str] = []
-    dropped: List[fx.Node] = []  # sums whose zero term was dropped
+    dropped: List[fx.Node] = []  # sums and wheres whose constant term was dropped
     cache = {}
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or kind_of_target(node.target) != "sdpa":
@@ -122,11 +123,14 @@ def drop_constant_masks(gm: fx.GraphModule) -> List[str]:
             continue
         kind = _cached_kind(gm, mask, cache)
         if kind is None:
-            kept = _without_zero_term(gm, mask, cache)
-            if kept is not None:  # a learned bias plus a materialised zero mask: the bias, as eager passes it
-                node.args, node.kwargs = _with_mask(node, kept)
+            inner, kept = _unmasked_term(gm, mask, cache)
+            if kept is not None:  # a learned bias with a materialised mask that masks nothing: the bias alone
+                if inner is mask:
+                    node.args, node.kwargs = _with_mask(node, kept)
+                else:  # under a contiguous(): keep it, eager calls it on the bias too
+                    next(iter(inner.users)).replace_input_with(inner, kept)
                 changed.append(node.name)
-                dropped.append(mask)
+                dropped.append(inner)
             continue
         args, kwargs = _with_mask(node, None)
         args = list(args)
@@ -167,25 +171,40 @@ def _with_mask(node: fx.Node, mask: Any) -> tuple:
 
 
 _ADDS = (torch.ops.aten.add.Tensor, torch.add, __import__("operator").add)
+_WHERES = (torch.ops.aten.where.self, torch.ops.aten.where.ScalarOther, torch.where)
+_CONTIGUOUS = (torch.ops.aten.contiguous.default, "contiguous")
 
 
-def _without_zero_term(gm: fx.GraphModule, mask: fx.Node, cache: dict) -> Optional[fx.Node]:
-    """The other term of a mask ``a + b`` whose one term is a constant that masks nothing, float zeros or boolean
-    all-true (a padding mask a trace materialised where eager passes none, added to a learned position bias: HF
-    BEiT adds its all-true boolean mask, which counts as +1 everywhere), else None. Eager passes the term alone;
-    SDPA broadcasts its mask, so that term in its own shape is what it gets."""
-    if mask.op != "call_function" or mask.target not in _ADDS or mask.kwargs or len(mask.args) != 2:
-        return None
-    for zero, other in (mask.args, mask.args[::-1]):
-        if not isinstance(zero, fx.Node) or not isinstance(other, fx.Node):
-            continue
-        if _cached_kind(gm, zero, cache) == "none":  # float zeros or boolean all-true
-            return other
-    return None
+def _unmasked_term(gm: fx.GraphModule, mask: fx.Node, cache: dict) -> Tuple[Optional[fx.Node], Optional[fx.Node]]:
+    """(the node, the term eager passes) for a mask that combines a learned term with a constant that masks
+    nothing, else (None, None); the mask may be that node under single-use ``contiguous()`` calls:
+    - ``a + b`` whose one term is float zeros or boolean all-true (a padding mask a trace materialised where eager
+      passes none, added to a learned position bias: HF BEiT adds its all-true boolean mask, +1 everywhere);
+    - ``where(c, a, fill)`` whose condition is all-true (HF T5 superposes its materialised padding mask on the
+      position bias so; eager passes the bias alone).
+    SDPA broadcasts its mask, so the term in its own shape is what it gets."""
+    inner = mask
+    while (inner.op in ("call_function", "call_method") and inner.target in _CONTIGUOUS and len(inner.args) == 1
+           and isinstance(inner.args[0], fx.Node) and len(inner.args[0].users) == 1):
+        inner = inner.args[0]
+    if inner.op != "call_function" or inner.kwargs or not inner.args:
+        return None, None
+    args = inner.args
+    if inner.target in _ADDS and len(args) == 2:
+        pairs = (args, args[::-1])
+    elif inner.target in _WHERES and len(args) == 3:
+        pairs = ((args[0], args[1]),)
+    else:
+        return None, None
+    for constant, other in pairs:
+        if isinstance(constant, fx.Node) and isinstance(other, fx.Node) \
+                and _cached_kind(gm, constant, cache) == "none":  # float zeros or boolean all-true
+            return inner, other
+    return None, None
 
 
 def _remove_unused(gm: fx.GraphModule, masks: List[fx.Node], sums: List[fx.Node]) -> None:
-    """Erase the dropped masks, the sums that lost their zero term, and what only they used (pure ops on
+    """Erase the dropped masks, the sums and wheres that lost their constant term, and what only they used (pure ops on
     constants: see ``_ancestors``)."""
     candidates = {a for m in masks for a in (_ancestors(m) or [])} | set(sums)
     for node in reversed(list(gm.graph.nodes)):
