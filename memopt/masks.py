@@ -12,7 +12,8 @@ savings; and SDPA may pick another kernel.
 attributes, no random op) and, where it masks nothing, removes it; where it is exactly the causal mask of a
 square score matrix, it replaces it with ``is_causal=True``: what the eager model runs; where a learned bias is
 combined with such a mask (added to it, or selected by it in a ``where``), the bias alone is the mask, as eager
-passes it. Anything else stays as traced. The capture check still compares the result with the eager model bit for bit, so a model whose eager
+passes it; and where a dropped mask made the trace repeat grouped key/value heads per query head, SDPA gets them
+as eager does, with ``enable_gqa=True``. Anything else stays as traced. The capture check still compares the result with the eager model bit for bit, so a model whose eager
 code did pass the mask is refused there, not changed silently.
 """
 from __future__ import annotations
@@ -141,6 +142,7 @@ def drop_constant_masks(gm: fx.GraphModule) -> List[str]:
                 kwargs["is_causal"] = True
         node.args, node.kwargs = tuple(args), kwargs
         changed.append(node.name)
+        dropped.extend(_grouped_heads(node))
     if changed:
         _remove_unused(gm, [m for m, kind in cache.items() if kind is not None], dropped)
         log.info("memopt: %d attention masks built from constants replaced by what the eager model passes "
@@ -201,6 +203,55 @@ def _unmasked_term(gm: fx.GraphModule, mask: fx.Node, cache: dict) -> Tuple[Opti
                 and _cached_kind(gm, constant, cache) == "none":  # float zeros or boolean all-true
             return inner, other
     return None, None
+
+
+_A = torch.ops.aten
+
+
+def _grouped_heads(node: fx.Node) -> List[fx.Node]:
+    """Pass grouped-query attention's key and value heads to the unmasked SDPA ``node`` as they are, with
+    ``enable_gqa=True``, where the trace repeated them per query head (HF's ``repeat_kv``: unsqueeze at dim 2,
+    expand, reshape); the repeat nodes now unused. HF calls SDPA so when there is no mask (``use_gqa_in_sdpa``),
+    which is what the eager model ran once the traced mask is gone: the repeated copies are what SDPA kept for
+    backward in the graph but not in eager. The capture check still compares with eager bit for bit."""
+    args, kwargs = list(node.args), dict(node.kwargs)
+    if kwargs.get("enable_gqa", False) or len(args) < 3:
+        return []
+    repeats = [_unrepeated(args[1]), _unrepeated(args[2])]
+    if None in repeats:
+        return []
+    (key, key_chain), (value, value_chain) = repeats
+    args[1], args[2] = key, value
+    kwargs["enable_gqa"] = True
+    node.args, node.kwargs = tuple(args), kwargs
+    return key_chain + value_chain
+
+
+def _unrepeated(node: Any) -> Optional[Tuple[fx.Node, List[fx.Node]]]:
+    """(x, the repeat nodes) for ``reshape(expand(unsqueeze(x, 2), (b, h, r, s, d)), (b, h * r, s, d))`` with r
+    > 1, each used once, shapes read from the export graph's ``val`` metadata; else None."""
+    chain = [node]
+    for target in (_A.expand.default, _A.unsqueeze.default):
+        last = chain[-1]
+        if not isinstance(last, fx.Node) or last.op != "call_function" or len(last.users) != 1 \
+                or not isinstance(last.args[0], fx.Node):
+            return None
+        chain.append(last.args[0])
+        if chain[-1].target is not target:
+            return None
+    reshape, expand, unsqueeze = chain
+    source = unsqueeze.args[0]
+    if reshape.target not in (_A.reshape.default, _A.view.default) or unsqueeze.args[1:] != (2,) \
+            or len(unsqueeze.users) != 1:
+        return None
+    shapes = [tuple(n.meta["val"].shape) if "val" in n.meta else None for n in (source, expand, reshape)]
+    if None in shapes or len(shapes[0]) != 4:
+        return None
+    (b, h, s, d), repeated, out = shapes
+    r = repeated[2] if len(repeated) == 5 else 0
+    if r <= 1 or repeated != (b, h, r, s, d) or out != (b, h * r, s, d):
+        return None
+    return source, [reshape, expand, unsqueeze]
 
 
 def _remove_unused(gm: fx.GraphModule, masks: List[fx.Node], sums: List[fx.Node]) -> None:

@@ -154,3 +154,50 @@ def test_a_learned_bias_with_an_all_true_traced_mask_is_the_bias_alone(combine):
     expected.sum().backward()
     assert torch.equal(model.table.grad, reference.table.grad)
     assert memopt.measure(om, x).saved_bytes == memopt.measure(reference, x).saved_bytes
+
+
+class GroupedQueryAttention(nn.Module):
+    """HF's SDPA attention with one key/value head for two query heads: eager (no mask) passes the key and value
+    heads as they are with ``enable_gqa=True``; under torch.export HF materialised a mask, so it repeated them per
+    query head (``repeat_kv``) and SDPA kept the repeated copies for backward."""
+
+    def __init__(self, heads=2, d=8):
+        super().__init__()
+        self.q, self.o = nn.Linear(heads * d, heads * d), nn.Linear(heads * d, heads * d)
+        self.k, self.v = nn.Linear(heads * d, d), nn.Linear(heads * d, d)
+        self.heads, self.d = heads, d
+
+    def forward(self, x):
+        x = torch.stack(list(x.unbind(0)))
+        b, n, c = x.shape
+        q = self.q(x).view(b, n, self.heads, self.d).transpose(1, 2)
+        k, v = (f(x).view(b, n, 1, self.d).transpose(1, 2) for f in (self.k, self.v))
+        if torch.compiler.is_exporting():
+            k, v = (t[:, :, None].expand(b, 1, self.heads, n, self.d).reshape(b, self.heads, n, self.d)
+                    for t in (k, v))
+            mask = torch.ones(n, n, dtype=torch.bool).tril()[None, None].expand(b, 1, n, n)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return self.o(y.transpose(1, 2).reshape(b, n, c))
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["float32", "bf16-autocast"])
+def test_grouped_key_value_heads_repeated_by_the_trace_are_passed_as_eager_passes_them(autocast):
+    torch.manual_seed(0)
+    model, x = GroupedQueryAttention().train(), torch.randn(2, 6, 16)
+    reference = copy.deepcopy(model)
+    context = torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast)
+    with context:
+        om = memopt.optimize(model, example_inputs=x, config=memopt.Config.exact())
+    assert om.plan.capture == "export"
+    sdpa, = [n for n in om.graph_module.graph.nodes if "scaled_dot_product" in str(n.target)]
+    assert sdpa.kwargs["enable_gqa"] is True and sdpa.kwargs["is_causal"] is True
+    assert not any(n.target is torch.ops.aten.expand.default for n in om.graph_module.graph.nodes)
+    with context:
+        out, expected = om(x), reference(x)
+        assert torch.equal(out, expected)
+        out.float().sum().backward()
+        expected.float().sum().backward()
+        assert memopt.measure(om, x).saved_bytes == memopt.measure(reference, x).saved_bytes
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), reference.parameters()))
