@@ -189,6 +189,36 @@ MAX_PROJECTIONS = 4
 WIDESPREAD_LEAST = 3
 
 
+def _without(decision: Decision, keys: List[Tuple[str, str]]) -> Decision:
+    trial = {t: dict(us) for t, us in decision.items()}
+    for technique, unit in keys:
+        del trial[technique][unit]
+    return trial
+
+
+def _fewest_exact(keys: List[Tuple[str, str]], decision: Decision, weights: Dict[Tuple[str, str], float],
+                  passes: Any) -> List[Tuple[str, str]]:
+    """Which of the lossy units ``keys`` to turn exact when the gate's rounds are spent: the largest fidelity
+    proxies first, as few as pass. Where all of them exact does not pass, all of them (the caller goes on to the
+    rest of the plan). Otherwise the shortest passing count is found by halving between none (the plan as it is,
+    failing) and all (passing): about log2(len(keys)) trial plans, each a training step per projection, where
+    turning every unit exact would throw away the savings of units that cost the gradients nothing (a failing
+    SE bias early in EfficientNet-B2 took 223 units exact when few of them mattered). A count that passes is
+    always what is kept; a shorter one between two failing ones may be missed, as halving assumes more exact
+    units help."""
+    ordered = sorted(keys, key=lambda k: (-weights.get(k, 0.0), k))
+    if not passes(_without(decision, ordered)):
+        return ordered
+    low, high = 0, len(ordered)  # low: fails (the plan as it is); high: passes
+    while high - low > 1:
+        middle = (low + high) // 2
+        if passes(_without(decision, ordered[:middle])):
+            high = middle
+        else:
+            low = middle
+    return ordered[:high]
+
+
 def _key(decision: Decision) -> tuple:
     return tuple(sorted((t, tuple(sorted(us.items(), key=lambda kv: kv[0]))) for t, us in decision.items()))
 
@@ -309,8 +339,9 @@ def fidelity_gate(model: nn.Module, args: tuple, kwargs: dict, config: Config, d
     last_resort = None
     if failing and not verify_only:
         # the rounds are spent and the plan still misses: never ship it (the rule is never to differ silently from
-        # eager PyTorch). Every lossy unit after the failing parameters goes exact; if some still miss, every lossy
-        # unit does. The plan saves less, and the warning says so and how to keep the savings.
+        # eager PyTorch). Lossy units after the failing parameters go exact, the fewest that pass (_fewest_exact);
+        # if all of them do not suffice, lossy units of the whole plan the same way. The plan saves less, and the
+        # warning says so and how to keep the savings.
         missed = {p: per_parameter[p]["cosine"] for p in failing}
         for scope in ("after the failing parameters", "of the plan"):
             lossy = {k: v for k, v in lossy_nodes.items() if k[1] in decision.get(k[0], {})}
@@ -318,15 +349,16 @@ def fidelity_gate(model: nn.Module, args: tuple, kwargs: dict, config: Config, d
                 {k for p in failing for k in _after(base.graph, p, lossy)})
             if not keys:
                 continue
+            candidates = len(keys)
+            keys = _fewest_exact(keys, decision, weights, lambda trial: not evaluate(trial)[1])
             for technique, unit in keys:
                 del decision[technique][unit]
                 weights.pop((technique, unit), None)
             shown = ", ".join(f"{t} {u}" for t, u in keys[:4]) + (f" and {len(keys) - 4} more" * (len(keys) > 4))
             worst_missed = min(missed, key=missed.get)
-            last_resort = (f"last resort after {round_} round{'s' * (round_ != 1)}: {len(keys)} lossy units {scope} "
-                           f"-> exact ({shown}; "
-                           f"{len(missed)} parameters still below {gate.min_cosine}, worst {worst_missed} "
-                           f"{missed[worst_missed]:.4f})")
+            last_resort = (f"last resort after {round_} round{'s' * (round_ != 1)}: {len(keys)} of the {candidates} "
+                           f"lossy units {scope} -> exact ({shown}; the rounds left {len(missed)} parameters below "
+                           f"{gate.min_cosine}, worst {worst_missed} {missed[worst_missed]:.4f})")
             changes.append(last_resort)
             per_parameter, failing = evaluate(decision)
             if not failing:

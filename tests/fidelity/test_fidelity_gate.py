@@ -172,3 +172,66 @@ def test_a_plan_passing_narrowly_is_confirmed_on_more_projections(monkeypatch):
     narrow = memopt.optimize(copy.deepcopy(model), example_inputs=x, config=config).plan.fidelity
     assert narrow["passed"] and narrow["projections"] == fidelity.MAX_PROJECTIONS
     assert narrow["steps"] == wide["steps"] + 2 * (fidelity.MAX_PROJECTIONS - fidelity.PROJECTIONS)
+
+
+class TwoBranch(nn.Module):
+    """A wide GELU branch and a narrow one scaled by 1e-3 (its own parameters frozen), both after ``stem``: the
+    narrow branch's few-bit error cannot move any gated gradient, the wide one's can."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Linear(16, 16)
+        self.a1, self.a2 = nn.Linear(16, 256), nn.Linear(256, 8)
+        self.b1, self.b2 = nn.Linear(16, 32), nn.Linear(32, 8)
+        for p in (*self.b1.parameters(), *self.b2.parameters()):
+            p.requires_grad_(False)
+
+    def forward(self, x):
+        h = self.stem(x)
+        return self.a2(nn.functional.gelu(self.a1(h))) + 1e-3 * self.b2(nn.functional.gelu(self.b1(h)))
+
+
+def test_the_last_resort_turns_exact_only_the_units_the_gradients_need():
+    torch.manual_seed(0)
+    model, x = TwoBranch(), torch.randn(64, 16)
+    config = memopt.Config(fewbit=memopt.FewBitConfig(bits=3), stash=None, reversible=None,
+                           fidelity=memopt.FidelityConfig(min_cosine=0.99999, max_rounds=1))
+    om = memopt.optimize(model, example_inputs=x, config=config)
+    report = om.plan.fidelity
+    assert report["passed"] and "1 of the 2 lossy units after the failing parameters -> exact (fewbit gelu;" \
+        in report["last_resort"]
+    techniques = {n.name: n.technique for n in om.plan.nodes}
+    assert techniques["gelu"] == "exact" and techniques["gelu_1_fewbit"] == "fewbit"
+    assert all(f["cosine"] >= 0.99999 for f in _cosines(model, om, x).values() if not f["tiny"])
+
+
+def _key(name):
+    return ("stash", name)
+
+
+@pytest.mark.parametrize("needed, expected", [({"a", "b"}, ["a", "b"]), ({"c"}, ["a", "b", "c"]), (set(), None)])
+def test_fewest_exact_halves_between_the_plan_and_all_units_exact(needed, expected):
+    """The shortest passing prefix of the units by fidelity proxy (largest first), in about log2(n) trials, the
+    decision itself untouched; with nothing needed, one unit (none exact is the failing plan the gate had)."""
+    names = "abcdefghij"
+    keys = [_key(n) for n in reversed(names)]
+    weights = {_key(n): float(len(names) - i) for i, n in enumerate(names)}  # a largest ... j smallest
+    decision = {"stash": {n: 8 for n in names}}
+    trials = []
+
+    def passes(trial):
+        trials.append(trial)
+        return not (needed & set(trial["stash"]))
+
+    chosen = fidelity._fewest_exact(keys, decision, weights, passes)
+    if expected is None:  # nothing needed: the halving still ends at one unit, the least it tries
+        assert [k[1] for k in chosen] == ["a"]
+    else:
+        assert [k[1] for k in chosen] == expected
+    assert len(trials) <= 1 + 4 and decision == {"stash": {n: 8 for n in names}}  # 1 + ceil(log2 10)
+
+
+def test_fewest_exact_takes_all_when_all_exact_still_fails():
+    keys = [_key("a"), _key("b")]
+    chosen = fidelity._fewest_exact(keys, {"stash": {"a": 4, "b": 4, "z": 4}}, {}, lambda trial: False)
+    assert chosen == sorted(keys)
