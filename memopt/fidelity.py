@@ -16,7 +16,7 @@ import contextlib
 import logging
 import time
 from collections import deque
-from typing import Any, Dict, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import torch
 from torch import fx, nn
@@ -209,14 +209,21 @@ def _fewest_exact(keys: List[Tuple[str, str]], decision: Decision, weights: Dict
     ordered = sorted(keys, key=lambda k: (-weights.get(k, 0.0), k))
     if not passes(_without(decision, ordered)):
         return ordered
-    low, high = 0, len(ordered)  # low: fails (the plan as it is); high: passes
+    return ordered[:shortest_passing(len(ordered), lambda k: passes(_without(decision, ordered[:k])))]
+
+
+def shortest_passing(count: int, passes: Callable[[int], bool]) -> int:
+    """The least ``k`` in 1..``count`` for which ``passes(k)``, by halving between 0 (known to fail) and ``count``
+    (known to pass): about log2(count) calls. The ``k`` returned always passed; a shorter passing one between two
+    failing ones may be missed, as halving assumes that a larger ``k`` does not fail where a smaller passes."""
+    low, high = 0, count
     while high - low > 1:
         middle = (low + high) // 2
-        if passes(_without(decision, ordered[:middle])):
+        if passes(middle):
             high = middle
         else:
             low = middle
-    return ordered[:high]
+    return high
 
 
 def _key(decision: Decision) -> tuple:

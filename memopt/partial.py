@@ -16,13 +16,18 @@ The whole model's totals cannot come from fake tensors (its uncaptured code need
 they are measured: one real training step of the original model and one of the routed model on the
 example inputs (``memopt.measure``; state, gradients and RNG restored). Per-node rows of the
 captured submodules come from the fake-tensor cost model, as for a fully captured model.
+
+Each submodule's plan passed the fidelity gate on its own inputs and outputs, but their errors meet in the
+model's gradients; ``gate_whole`` checks the whole model's per-parameter gradients against eager autograd on the
+example batch and, where some miss, runs the fewest lossy submodules as written.
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
@@ -37,6 +42,9 @@ from memopt.measure import measure
 from memopt.pipeline import build, input_signature
 from memopt.plan import PartialPlan, Plan
 from memopt.core.units import fmt_bytes
+from memopt.fidelity import PROJECTIONS, RandomProjection, has_lossy_units, parameter_fidelity, per_min, \
+    shortest_passing
+from memopt.soundness import training_step
 
 log = logging.getLogger("memopt")
 
@@ -193,12 +201,16 @@ def build_partial(model: nn.Module, args: tuple, kwargs: dict, config: Config, b
         raise MemoptError(f"{type(model).__name__} is captured per submodule, whose totals are measured with "
                           f"memopt.measure; give its example inputs either positionally or by keyword, not both")
     base = measure(model, inputs, optimizer=optimizer)
+    gate: Dict[str, Any] = {}
     if budget_bytes is not None and base.peak_bytes <= budget_bytes:
         units_run: List[Unit] = []
         after = base
     else:
-        units_run = units
-        with routed(model, units):
+        # each submodule was gated on its own inputs; their errors meet in the model's gradients, so the model is
+        # checked as a whole too (on the full example batch: the routing is per input shape, and the measurement
+        # below runs the same step anyway)
+        units_run, gate = gate_whole(model, args, kwargs, config, units)
+        with routed(model, units_run):
             after = measure(model, inputs, optimizer=optimizer)
     if budget_bytes is not None and after.peak_bytes > budget_bytes:
         raise BudgetError(f"budget_mb={budget_bytes / 2**20:.1f} ({fmt_bytes(budget_bytes)}) cannot be met for "
@@ -218,10 +230,79 @@ def build_partial(model: nn.Module, args: tuple, kwargs: dict, config: Config, b
         input_signature=input_signature(args, kwargs), torch_version=torch.__version__, config=config.to_dict(),
         budget_bytes=budget_bytes, baseline_saved_bytes=base.saved_bytes, estimated_saved_bytes=after.saved_bytes,
         baseline_peak_bytes=base.peak_bytes, estimated_peak_bytes=after.peak_bytes, baseline_breakdown={},
-        estimated_breakdown={}, passes=passes, nodes=nodes, units=unit_entries, submodules=records,
+        estimated_breakdown={}, passes=passes, nodes=nodes, units=unit_entries, submodules=records, fidelity=gate,
         totals=f"measured: one real training step of the original and of the optimized model on the example "
                f"inputs ({after.method}); the code outside the captured submodules cannot run on fake tensors")
     return PartialBuilt(result, units_run)
+
+
+def gate_whole(model: nn.Module, args: tuple, kwargs: dict, config: Config,
+               units: List[Unit]) -> Tuple[List[Unit], Dict[str, Any]]:
+    """(the units to run, the report) of the fidelity gate on the whole model captured per submodule: its
+    per-parameter gradients with every unit routed against eager autograd, under ``PROJECTIONS`` random
+    projections of the outputs (a fixed RNG draw, state restored), with the parameters each unit's own gate listed
+    apart. Where some miss ``FidelityConfig.min_cosine``, the fewest units with lossy rewrites that pass, the
+    least faithful first by their own gates, run their original forward instead (found by halving); the report
+    says which. No report when the gate is off or no unit is lossy."""
+    gate = config.fidelity
+    lossy = [u for u in units if has_lossy_units(u.built.plan.units)]
+    if gate is None or not lossy:
+        return units, {}
+    start = time.perf_counter()
+    names = [n for n, _ in model.named_parameters()]
+    invariant = {f"{u.path}.{p}": why for u in units for p, why in u.built.plan.fidelity.get("invariant", {}).items()}
+    rng = torch.Generator().manual_seed(0).get_state()
+    losses = [RandomProjection(seed=seed) for seed in range(PROJECTIONS)]
+    exacts = [training_step(model, model, args, kwargs, rng, loss).grads for loss in losses]
+    steps, cache = [len(losses)], {}
+
+    def evaluate(run: List[Unit]) -> Tuple[Dict[str, Dict[str, Any]], List[str]]:
+        key = tuple(u.path for u in run)
+        if key not in cache:
+            per: Dict[str, Dict[str, Any]] = {}
+            with routed(model, run):
+                for loss, exact in zip(losses, exacts):
+                    approx = training_step(model, model, args, kwargs, rng, loss).grads
+                    steps[0] += 1
+                    for p, f in parameter_fidelity(names, exact, approx, gate.tiny, invariant).items():
+                        if p not in per or (f["excluded"], -f["cosine"]) > (per[p]["excluded"], -per[p]["cosine"]):
+                            per[p] = f
+            cache[key] = per
+        per = cache[key]
+        return per, sorted((p for p, f in per.items() if not f["excluded"] and f["cosine"] < gate.min_cosine),
+                           key=lambda p: per[p]["cosine"])
+
+    per, failing = evaluate(units)
+    before = {"parameter": failing[0] if failing else None,
+              "cosine": per[failing[0]]["cosine"] if failing else per_min(per)}
+    changes: List[str] = []
+    if failing:
+        order = sorted(lossy, key=lambda u: (u.built.plan.fidelity.get("worst") or {}).get("cosine", 1.0))
+        k = shortest_passing(len(order), lambda k: not evaluate([u for u in units if u not in order[:k]])[1])
+        dropped = order[:k]
+        units = [u for u in units if u not in dropped]
+        changes.append(f"{k} of the {len(lossy)} submodules with lossy rewrites run their original forward "
+                       f"({', '.join(u.path for u in dropped[:4])}{' ...' * (k > 4)}): with every submodule "
+                       f"rewritten, {len(failing)} parameters of the whole model were below {gate.min_cosine}, "
+                       f"worst {failing[0]} {per[failing[0]]['cosine']:.4f}")
+        log.warning("memopt: %s (captured per submodule): %s", type(model).__name__, changes[-1])
+        per, failing = evaluate(units)
+    kept = {p: f for p, f in per.items() if not f["excluded"]}
+    worst = min(kept.items(), key=lambda kv: kv[1]["cosine"]) if kept else None
+    log.info("memopt: fidelity gate on %s as a whole: %d steps, %.2f s", type(model).__name__, steps[0],
+             time.perf_counter() - start)
+    return units, {
+        "min_cosine": gate.min_cosine, "slice": "the whole example batch, the model as a whole", "rounds": len(changes),
+        "changes": changes, "passed": not failing, "last_resort": changes[0] if changes else None, "steps": steps[0],
+        "projections": len(losses), "before": before,
+        "worst": None if worst is None else {"parameter": worst[0], "cosine": round(worst[1]["cosine"], 6),
+                                             "relative_error": round(worst[1]["relative_error"], 6)},
+        "below": [f"{p} ({per[p]['cosine']:.4f})" for p in failing],
+        "tiny": sorted(p for p, f in per.items() if f["tiny"]),
+        "invariant": {p: invariant[p] for p in sorted(invariant) if p in per},
+        "parameters": {p: {"cosine": round(f["cosine"], 6), "relative_error": round(f["relative_error"], 6)}
+                       for p, f in per.items()},
+    }
 
 
 def _prefixed_unit(path: str, entry: Dict[str, Any]) -> Dict[str, Any]:

@@ -140,3 +140,59 @@ def test_budget_plan_and_export(tmp_path, one_thread):
     a = clone(x)
     torch.manual_seed(0)
     assert torch.equal(a, om(x))
+
+
+class _Block(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.a, self.b = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+
+    def forward(self, x):
+        return x + self.b(F.gelu(self.a(x)))
+
+
+class GeluChain(nn.Module):
+    """Eight GELU blocks with Python control flow on a value between them: captured per submodule."""
+
+    def __init__(self, width=16, depth=8):
+        super().__init__()
+        self.blocks = nn.ModuleList(_Block(width) for _ in range(depth))
+        self.head = nn.Linear(width, 4)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+            if x.detach().abs().amax() > 1e6:
+                x = x / 2
+        return self.head(x)
+
+
+def test_the_model_captured_per_submodule_is_gated_as_a_whole(one_thread, caplog):
+    """Each block passes its own gate at 3 bits (cosine >= 0.995 on its own inputs and outputs), but their
+    errors meet in the model's gradients: with every block rewritten, parameters of the whole model miss the bar.
+    The whole-model gate finds the fewest blocks to run as written and says which."""
+    torch.manual_seed(0)
+    model, x = GeluChain(), torch.randn(64, 16)
+    reference = copy.deepcopy(model)
+    config = memopt.Config(fewbit=memopt.FewBitConfig(bits=3), stash=None, reversible=None,
+                           fidelity=memopt.FidelityConfig(min_cosine=0.995))
+    with caplog.at_level("WARNING", logger="memopt"):
+        om = memopt.optimize(model, example_inputs=x, config=config)
+    gate = om.plan.fidelity
+    assert om.plan.capture == "per-submodule" and gate["slice"] == "the whole example batch, the model as a whole"
+    assert gate["before"]["cosine"] < 0.995 and gate["passed"] and gate["worst"]["cosine"] >= 0.995
+    change, = gate["changes"]
+    assert change.startswith("4 of the 8 submodules with lossy rewrites run their original forward (")
+    dropped = change.partition("(")[2].partition(")")[0].split(", ")
+    assert set(om.graph_modules) == {f"blocks.{i}" for i in range(8)} - set(dropped) | {"head"}
+    assert any(change in r.getMessage() for r in caplog.records)
+    assert "the model as a whole" in om.report() and change in om.report()
+    torch.manual_seed(0)
+    assert torch.equal(om(x), reference(x))
+
+
+def test_a_model_captured_per_submodule_without_lossy_rewrites_has_no_gate_report(one_thread):
+    torch.manual_seed(0)
+    model, x = GeluChain(), torch.randn(64, 16)
+    om = memopt.optimize(model, example_inputs=x, config=memopt.Config.exact())
+    assert om.plan.capture == "per-submodule" and om.plan.fidelity == {}

@@ -14,7 +14,8 @@ listed apart: `worst` and `p5` (5th percentile) cosine, `< 0.99` how many miss 0
 gradient is below 1e-3 of the median norm, and those the gate lists as cancelled by a training-mode
 BatchNorm (memopt.fidelity.invariant_parameters), are counted in `apart`. `gate` is om.plan.fidelity:
 passed or not, its training steps and changes (the first one shown), `-` where no lossy unit was planned
-and `per-submodule` where the model was captured per submodule (each submodule gated on its own).
+and `per-submodule` where the model was captured per submodule with no lossy rewrite (each submodule gated on its
+own; with lossy rewrites the model is then gated as a whole: `per-submodule, whole model passed, ...`).
 `capture`: how memopt captured it (om.plan.capture); `rewritten nodes`: the plan's rewritten nodes per
 technique (the section "Techniques by node kind" counts them by op). `stock saved` / `memopt saved`:
 memopt.measure(...).saved_bytes (saved-tensor hooks); `ratio` = stock /
@@ -89,11 +90,12 @@ def run_one(family: str, name: str) -> Dict[str, Any]:
     row["capture"] = plan.capture
     row["techniques"] = _techniques(plan)
     gate = getattr(plan, "fidelity", None)
-    if getattr(plan, "submodules", None):
-        row["gate"] = "per-submodule"
-    elif gate:
-        row["gate"] = (f"{'passed' if gate['passed'] else 'FAILED'}, {gate.get('steps')} steps, "
+    whole = "per-submodule, whole model " if getattr(plan, "submodules", None) else ""
+    if gate:
+        row["gate"] = (f"{whole}{'passed' if gate['passed'] else 'FAILED'}, {gate.get('steps')} steps, "
                        f"{len(gate['changes'])} changes" + (f": {gate['changes'][0]}" if gate["changes"] else ""))
+    elif whole:
+        row["gate"] = "per-submodule"
     else:
         row["gate"] = "-"
     try:
