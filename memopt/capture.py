@@ -23,6 +23,7 @@ from memopt.canonical import canonical_batch_norms
 from memopt.core.errors import TraceError
 from memopt.core.leaf import LEAF_FUNCTIONS
 from memopt.core.state import preserved_state
+from memopt.constants import share_repeated_constants
 from memopt.masks import drop_constant_masks
 
 log = logging.getLogger("memopt")
@@ -333,6 +334,7 @@ def capture(model: nn.Module, args: tuple, kwargs: dict) -> Captured:
         graph.lint()
         gm = _rebuild_on_model(model, graph, ep_module)
         drop_constant_masks(gm)
+        share_repeated_constants(gm, model)  # what eager caches, the trace built per call
         return Captured(gm, "export")
     except Exception as export_error:  # noqa: BLE001
         export_msg = f"{type(export_error).__name__}: {export_error}"
