@@ -296,11 +296,7 @@ def fidelity_gate(model: nn.Module, args: tuple, kwargs: dict, config: Config, d
                 approx = training_step(rewritten, model, sliced_args, sliced_kwargs, rng, loss).grads
                 steps[0] += 1
                 done.append(parameter_fidelity(names, exact, approx, gate.tiny, invariant))
-        per: Dict[str, Dict[str, Any]] = {}
-        for figures in done:
-            for p, f in figures.items():
-                if p not in per or (f["excluded"], -f["cosine"]) > (per[p]["excluded"], -per[p]["cosine"]):
-                    per[p] = f
+        per = worst_over(done)
         failing = sorted((p for p, f in per.items() if not f["excluded"] and f["cosine"] < gate.min_cosine),
                          key=lambda p: per[p]["cosine"])
         return per, failing
@@ -377,12 +373,32 @@ def fidelity_gate(model: nn.Module, args: tuple, kwargs: dict, config: Config, d
                         "FidelityConfig.min_cosine, or accept the approximate gradients with Config(fidelity=None).",
                         type(model).__name__, round_, len(missed), gate.min_cosine, worst_missed,
                         missed[worst_missed], last_resort)
+    report = gate_report(per_parameter, failing, invariant, min_cosine=gate.min_cosine, slice=which, rounds=round_,
+                         changes=changes, passed=not failing, last_resort=last_resort, steps=steps[0],
+                         projections=len(losses), before=before)
+    log.info("memopt: fidelity gate on %s: %d rounds, %d steps, %d changes, %.2f s", type(model).__name__, round_,
+             steps[0], len(changes), time.perf_counter() - start)
+    return decision, report
+
+
+def worst_over(figures: List[Dict[str, Dict[str, Any]]]) -> Dict[str, Dict[str, Any]]:
+    """Per parameter, its worst figures over several projections' (listed apart under any of them: apart)."""
+    per: Dict[str, Dict[str, Any]] = {}
+    for each in figures:
+        for p, f in each.items():
+            if p not in per or (f["excluded"], -f["cosine"]) > (per[p]["excluded"], -per[p]["cosine"]):
+                per[p] = f
+    return per
+
+
+def gate_report(per_parameter: Dict[str, Dict[str, Any]], failing: List[str], invariant: Dict[str, str],
+                **head: Any) -> Dict[str, Any]:
+    """The gate's report (``Plan.fidelity``): ``head`` (its verdict, changes, steps ...), then the worst parameter,
+    those below the bar, those listed apart and every parameter's figures."""
     kept = {p: f for p, f in per_parameter.items() if not f["excluded"]}
     worst = min(kept.items(), key=lambda kv: kv[1]["cosine"]) if kept else None
-    report = {
-        "min_cosine": gate.min_cosine, "slice": which, "rounds": round_, "changes": changes,
-        "passed": not failing, "last_resort": last_resort, "steps": steps[0], "projections": len(losses),
-        "before": before,
+    return {
+        **head,
         "worst": None if worst is None else {"parameter": worst[0], "cosine": round(worst[1]["cosine"], 6),
                                              "relative_error": round(worst[1]["relative_error"], 6)},
         "below": [f"{p} ({per_parameter[p]['cosine']:.4f})" for p in failing],
@@ -391,9 +407,6 @@ def fidelity_gate(model: nn.Module, args: tuple, kwargs: dict, config: Config, d
         "parameters": {p: {"cosine": round(f["cosine"], 6), "relative_error": round(f["relative_error"], 6)}
                        for p, f in per_parameter.items()},
     }
-    log.info("memopt: fidelity gate on %s: %d rounds, %d steps, %d changes, %.2f s", type(model).__name__, round_,
-             steps[0], len(changes), time.perf_counter() - start)
-    return decision, report
 
 
 def per_min(per_parameter: Dict[str, Dict[str, Any]]) -> float:

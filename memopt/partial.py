@@ -42,8 +42,8 @@ from memopt.measure import measure
 from memopt.pipeline import build, input_signature
 from memopt.plan import PartialPlan, Plan
 from memopt.core.units import fmt_bytes
-from memopt.fidelity import PROJECTIONS, RandomProjection, has_lossy_units, parameter_fidelity, per_min, \
-    shortest_passing
+from memopt.fidelity import PROJECTIONS, RandomProjection, gate_report, has_lossy_units, parameter_fidelity, \
+    per_min, shortest_passing, worst_over
 from memopt.soundness import training_step
 
 log = logging.getLogger("memopt")
@@ -259,15 +259,13 @@ def gate_whole(model: nn.Module, args: tuple, kwargs: dict, config: Config,
     def evaluate(run: List[Unit]) -> Tuple[Dict[str, Dict[str, Any]], List[str]]:
         key = tuple(u.path for u in run)
         if key not in cache:
-            per: Dict[str, Dict[str, Any]] = {}
+            figures = []
             with routed(model, run):
                 for loss, exact in zip(losses, exacts):
                     approx = training_step(model, model, args, kwargs, rng, loss).grads
                     steps[0] += 1
-                    for p, f in parameter_fidelity(names, exact, approx, gate.tiny, invariant).items():
-                        if p not in per or (f["excluded"], -f["cosine"]) > (per[p]["excluded"], -per[p]["cosine"]):
-                            per[p] = f
-            cache[key] = per
+                    figures.append(parameter_fidelity(names, exact, approx, gate.tiny, invariant))
+            cache[key] = worst_over(figures)
         per = cache[key]
         return per, sorted((p for p, f in per.items() if not f["excluded"] and f["cosine"] < gate.min_cosine),
                            key=lambda p: per[p]["cosine"])
@@ -287,22 +285,12 @@ def gate_whole(model: nn.Module, args: tuple, kwargs: dict, config: Config,
                        f"worst {failing[0]} {per[failing[0]]['cosine']:.4f}")
         log.warning("memopt: %s (captured per submodule): %s", type(model).__name__, changes[-1])
         per, failing = evaluate(units)
-    kept = {p: f for p, f in per.items() if not f["excluded"]}
-    worst = min(kept.items(), key=lambda kv: kv[1]["cosine"]) if kept else None
     log.info("memopt: fidelity gate on %s as a whole: %d steps, %.2f s", type(model).__name__, steps[0],
              time.perf_counter() - start)
-    return units, {
-        "min_cosine": gate.min_cosine, "slice": "the whole example batch, the model as a whole", "rounds": len(changes),
-        "changes": changes, "passed": not failing, "last_resort": changes[0] if changes else None, "steps": steps[0],
-        "projections": len(losses), "before": before,
-        "worst": None if worst is None else {"parameter": worst[0], "cosine": round(worst[1]["cosine"], 6),
-                                             "relative_error": round(worst[1]["relative_error"], 6)},
-        "below": [f"{p} ({per[p]['cosine']:.4f})" for p in failing],
-        "tiny": sorted(p for p, f in per.items() if f["tiny"]),
-        "invariant": {p: invariant[p] for p in sorted(invariant) if p in per},
-        "parameters": {p: {"cosine": round(f["cosine"], 6), "relative_error": round(f["relative_error"], 6)}
-                       for p, f in per.items()},
-    }
+    return units, gate_report(per, failing, invariant, min_cosine=gate.min_cosine,
+                              slice="the whole example batch, the model as a whole", rounds=len(changes),
+                              changes=changes, passed=not failing, last_resort=changes[0] if changes else None,
+                              steps=steps[0], projections=len(losses), before=before)
 
 
 def _prefixed_unit(path: str, entry: Dict[str, Any]) -> Dict[str, Any]:

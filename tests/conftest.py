@@ -43,3 +43,16 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+def assert_step_as_eager(om, model, reference, x):
+    """One training step of ``om`` (optimizing ``model``) and of ``reference`` (its eager deep copy): outputs and
+    every parameter's gradient bit-identical, and the bytes autograd keeps equal (memopt.measure)."""
+    import memopt
+
+    out, expected = om(x), reference(x)
+    assert torch.equal(out, expected)
+    out.sum().backward()
+    expected.sum().backward()
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), reference.parameters()))
+    assert memopt.measure(om, x).saved_bytes == memopt.measure(reference, x).saved_bytes
