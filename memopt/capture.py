@@ -13,7 +13,7 @@ import logging
 import os
 import traceback
 from dataclasses import dataclass
-from typing import Any, Dict
+from typing import Any, Dict, List
 
 import torch
 from torch import fx, nn
@@ -298,22 +298,9 @@ def _defaults_left_out(model: nn.Module, args: tuple, kwargs: dict) -> Dict[str,
     return left
 
 
-def capture(model: nn.Module, args: tuple, kwargs: dict) -> Captured:
-    """Capture ``model`` on the example inputs; raise ``TraceError`` when neither path works."""
-    try:
-        # symbolic tracing runs the forward's Python: what it does to real tensors (a buffer counter, an EMA
-        # that no traced value flows into) happens for real, and is undone here
-        tracer = _HookAwareTracer()
-        with preserved_state(model):
-            traced = tracer.trace(model, _defaults_left_out(model, args, kwargs) or None)
-        gm = _rebuild_on_model(model, traced, None, tracer.functions)
-        canonical_batch_norms(gm, model)
-        drop_constant_masks(gm)  # what the eager model passes to attention where a trace builds a mask
-        return Captured(gm, "symbolic_trace")
-    except Exception as fx_error:  # noqa: BLE001 - any tracing failure sends us to the export path
-        fx_msg = f"{type(fx_error).__name__}: {fx_error}"
-        fx_where = user_frame(fx_error)
-    log.info("memopt: symbolic_trace failed for %s (%s); trying torch.export", type(model).__name__, fx_msg)
+def export_capture(model: nn.Module, args: tuple, kwargs: dict) -> Captured:
+    """Capture ``model`` with ``torch.export`` (non-strict) on the example inputs; raises what export raises, and
+    ``TraceError`` for a custom autograd Function export would inline (its own backward would not run)."""
     was_training = model.training
     try:
         applied: Dict[type, str] = {}
@@ -336,11 +323,43 @@ def capture(model: nn.Module, args: tuple, kwargs: dict) -> Captured:
         drop_constant_masks(gm)
         share_repeated_constants(gm, model)  # what eager caches, the trace built per call
         return Captured(gm, "export")
+    finally:
+        model.train(was_training)
+
+
+_OWN_MODULES = ("torch", "memopt", "_operator", "operator", "math", "builtins")
+
+
+def opaque_functions(gm: fx.GraphModule) -> List[str]:
+    """The model's own Python functions a symbolic trace kept whole as leaves (``torch.fx.wrap``: torchvision's
+    Swin attention and patch merging): memopt sees neither the ops inside nor what they keep for backward."""
+    return sorted({f"{node.target.__module__}.{node.target.__qualname__}" for node in gm.graph.nodes
+                   if node.op == "call_function" and inspect.isfunction(node.target)
+                   and node.target not in LEAF_FUNCTIONS
+                   and not (node.target.__module__ or "").split(".")[0] in _OWN_MODULES})
+
+
+def capture(model: nn.Module, args: tuple, kwargs: dict) -> Captured:
+    """Capture ``model`` on the example inputs; raise ``TraceError`` when neither path works."""
+    try:
+        # symbolic tracing runs the forward's Python: what it does to real tensors (a buffer counter, an EMA
+        # that no traced value flows into) happens for real, and is undone here
+        tracer = _HookAwareTracer()
+        with preserved_state(model):
+            traced = tracer.trace(model, _defaults_left_out(model, args, kwargs) or None)
+        gm = _rebuild_on_model(model, traced, None, tracer.functions)
+        canonical_batch_norms(gm, model)
+        drop_constant_masks(gm)  # what the eager model passes to attention where a trace builds a mask
+        return Captured(gm, "symbolic_trace")
+    except Exception as fx_error:  # noqa: BLE001 - any tracing failure sends us to the export path
+        fx_msg = f"{type(fx_error).__name__}: {fx_error}"
+        fx_where = user_frame(fx_error)
+    log.info("memopt: symbolic_trace failed for %s (%s); trying torch.export", type(model).__name__, fx_msg)
+    try:
+        return export_capture(model, args, kwargs)
     except Exception as export_error:  # noqa: BLE001
         export_msg = f"{type(export_error).__name__}: {export_error}"
         export_where = user_frame(export_error)
-    finally:
-        model.train(was_training)
     first = lambda msg: msg.strip().splitlines()[0][:300] if msg.strip() else msg  # noqa: E731
     where = fx_where or export_where
     construct = f"  The construct: {where}\n" if where else ""

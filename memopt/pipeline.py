@@ -13,7 +13,7 @@ from torch import fx, nn
 from torch.utils._pytree import tree_flatten_with_path, keystr
 
 from memopt.cost_model.analysis import Estimate, annotate
-from memopt.capture import capture, check_inputs, flat_inputs
+from memopt.capture import Captured, capture, check_inputs, export_capture, flat_inputs, opaque_functions
 from memopt.config import Config
 from memopt.core.errors import BudgetError, MemoptError
 from memopt.plan import NodePlan, Plan, node_plans
@@ -81,6 +81,28 @@ def validate_budget(budget_mb: Any) -> Optional[int]:
     return int(budget_mb * 1024 * 1024)
 
 
+def _without_opaque_functions(model: nn.Module, args: tuple, kwargs: dict,
+                              captured: Captured) -> Tuple[Captured, Optional[Soundness]]:
+    """A torch.export capture, checked, instead of a symbolic trace that kept some of the model's own Python
+    functions whole (``torch.fx.wrap``: memopt cannot rewrite what they keep for backward; torchvision's Swin keeps
+    its attention so); the symbolic trace when export fails or its check does. (capture, its check or None)."""
+    opaque = opaque_functions(captured.graph_module) if captured.method == "symbolic_trace" else []
+    if not opaque:
+        return captured, None
+    try:
+        exported = export_capture(model, args, kwargs)
+        soundness = check_capture(model, exported.graph_module, "export", args, kwargs,
+                                  recapture=lambda a, k: export_capture(model, a, k).graph_module)
+    except Exception as e:  # noqa: BLE001 - the symbolic trace serves
+        log.info("memopt: %s: symbolic_trace kept %s whole; torch.export, which would see inside, fails (%s: %s): "
+                 "keeping the symbolic trace", type(model).__name__, ", ".join(opaque[:3]), type(e).__name__,
+                 str(e).splitlines()[0][:200] if str(e) else "")
+        return captured, None
+    log.info("memopt: %s: symbolic_trace kept %s whole, hiding what they keep for backward; captured by "
+             "torch.export instead", type(model).__name__, ", ".join(opaque[:3]))
+    return exported, soundness
+
+
 def build(model: nn.Module, args: tuple, kwargs: dict, config: Config, budget_bytes: Optional[int],
           optimizer: Any = None, plan: Optional[Plan] = None, whole: bool = True,
           capture_fn: Callable[[nn.Module, tuple, dict], Any] = capture, checked: Optional[Soundness] = None) -> Built:
@@ -94,6 +116,8 @@ def build(model: nn.Module, args: tuple, kwargs: dict, config: Config, budget_by
     """
     check_inputs(model, args, kwargs)
     captured = capture_fn(model, args, kwargs)
+    if capture_fn is capture and checked is None:
+        captured, checked = _without_opaque_functions(model, args, kwargs, captured)
     gm = captured.graph_module
     if whole:  # a submodule's graph (per-submodule capture) holds only some of the names
         warn_unknown_names(config, {n.name for n in gm.graph.nodes}, type(model).__name__)

@@ -1,0 +1,72 @@
+"""Python functions a symbolic trace keeps whole (``torch.fx.wrap``): torchvision's Swin wraps its attention so,
+and memopt saw neither the ops inside nor what they keep for backward (Swin saved 1.6x where its export graph
+saves 3.7x). Such a model is captured by torch.export instead when that works and passes the capture check."""
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+
+import memopt
+from memopt.capture import capture, opaque_functions
+
+
+def gelu_mlp(x, w1, w2):
+    return F.linear(F.gelu(F.linear(x, w1)), w2)
+
+
+class Double(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return 2 * x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return 2 * grad
+
+
+def with_function(x, w1, w2):
+    # a custom autograd Function: torch.export would inline it (its own backward would not run) and is refused
+    return F.linear(F.gelu(Double.apply(F.linear(x, w1))), w2)
+
+
+fx.wrap("gelu_mlp")
+fx.wrap("with_function")
+
+
+class Wrapped(nn.Module):
+    def __init__(self, function):
+        super().__init__()
+        self.w1, self.w2 = nn.Parameter(torch.randn(64, 16) / 4), nn.Parameter(torch.randn(16, 64) / 8)
+        self.function = function
+
+    def forward(self, x):
+        return x + (gelu_mlp if self.function == "gelu_mlp" else with_function)(x, self.w1, self.w2)
+
+
+def test_the_symbolic_trace_names_the_functions_it_kept_whole():
+    model, x = Wrapped("gelu_mlp"), torch.randn(32, 16)
+    assert opaque_functions(capture(model, (x,), {}).graph_module) == [f"{__name__}.gelu_mlp"]
+
+
+def test_a_model_with_a_wrapped_function_is_captured_by_export_and_rewritten_inside(caplog):
+    torch.manual_seed(0)
+    model, x = Wrapped("gelu_mlp").train(), torch.randn(32, 16)
+    with caplog.at_level(logging.INFO, logger="memopt"):
+        om = memopt.optimize(model, example_inputs=x)
+    assert om.plan.capture == "export"
+    assert any(n.technique == "fewbit" for n in om.plan.nodes)  # the GELU inside is reached
+    assert any(f"symbolic_trace kept {__name__}.gelu_mlp whole" in r.getMessage() and "torch.export instead"
+               in r.getMessage() for r in caplog.records)
+    assert torch.equal(om(x), model(x))
+
+
+def test_where_export_is_refused_the_symbolic_trace_serves(caplog):
+    torch.manual_seed(0)
+    model, x = Wrapped("with_function").train(), torch.randn(32, 16)
+    with caplog.at_level(logging.INFO, logger="memopt"):
+        om = memopt.optimize(model, example_inputs=x)
+    assert om.plan.capture == "symbolic_trace"
+    assert any("keeping the symbolic trace" in r.getMessage() and "custom autograd Function Double" in r.getMessage()
+               for r in caplog.records)
+    assert torch.equal(om(x), model(x))
