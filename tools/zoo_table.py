@@ -22,14 +22,18 @@ from tabulate import tabulate
 from tools.bench.common import RESULTS
 
 # (family as shown, sweep file, the rows' family field or None for all): the bf16 sweep holds several families
-SWEEPS = [("torchvision", "fidelity_sweep_torchvision_partial_ed86d90", None),
-          ("torchvision", "fidelity_sweep_torchvision_partial", None),
-          ("torchvision", "fidelity_sweep_torchvision", None),
+SWEEPS = [("torchvision", "fidelity_sweep_torchvision_f76933a", None),
+          ("torchvision, below 1.5x re-run", "fidelity_sweep_torchvision_rerun_969b8b6", None),
+          ("torchvision, EfficientNet-B2 re-run", "fidelity_sweep_torchvision_rerun_e96e15e", None),
           ("timm", "fidelity_sweep_timm", None), ("timm, its gate failures re-run", "fidelity_sweep_timm_rerun", None),
+          ("timm, below 1.5x re-run", "fidelity_sweep_timm_rerun_e96e15e", None),
           ("Hugging Face", "fidelity_sweep_hf", None),
+          ("Hugging Face, re-run at 4c2073c", "fidelity_sweep_hf_rerun_4c2073c", None),
+          ("Hugging Face, re-run at e96e15e", "fidelity_sweep_hf_rerun_e96e15e", None),
           ("timm, bf16 autocast", "fidelity_sweep_bf16_0a888e0", "timm"),
           ("timm, bf16, its gate failures re-run", "fidelity_sweep_bf16_timm_rerun", None),
-          ("Hugging Face, bf16 autocast", "fidelity_sweep_bf16", "hf")]
+          ("Hugging Face, bf16 autocast", "fidelity_sweep_bf16", "hf"),
+          ("Hugging Face, bf16, re-run at 4c2073c", "fidelity_sweep_bf16_hf_rerun_4c2073c", None)]
 KINDS = {"bn_act_stash": "BN-act chains", "conv_from_stash": "convs after chains", "linear_from_stash":
          "linears after chains", "generic_encode": "generic codes", "linear_from_codes": "linear inputs",
          "conv_from_codes": "conv inputs", "weight_op_from_rebuild": "rebuilt after norms",
