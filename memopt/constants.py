@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import logging
 import operator
-from typing import Any, Dict, List, Optional, Set
+from typing import Dict, List, Optional, Set
 
 import torch
 from torch import fx, nn
 
-from memopt.masks import _RANDOM
+from memopt.masks import _RANDOM, attribute
 
 log = logging.getLogger("memopt")
 
@@ -64,7 +64,7 @@ class _Analysis:
     def _visit(self, gm: fx.GraphModule, node: fx.Node, model_state: Set[str]) -> None:
         inputs = node.all_input_nodes
         if node.op == "get_attr":
-            value = _attribute(gm, node.target)
+            value = attribute(gm, node.target)
             varies = node.target in model_state or isinstance(value, nn.Parameter) or (
                 isinstance(value, torch.Tensor) and value.requires_grad)
         elif node.op == "call_function" and (getattr(node.target, "_schema", None) is not None
@@ -88,13 +88,6 @@ class _Analysis:
 
     def is_varying(self, node: fx.Node) -> bool:
         return node in self.varying or self.root_of(node) in self.varying
-
-
-def _attribute(gm: fx.GraphModule, target: str) -> Any:
-    value: Any = gm
-    for part in target.split("."):
-        value = getattr(value, part, None)
-    return value
 
 
 def _evaluate(gm: fx.GraphModule, analysis: _Analysis, wanted: Set[fx.Node]) -> Optional[Dict[fx.Node, torch.Tensor]]:

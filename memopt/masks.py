@@ -60,10 +60,16 @@ def _ancestors(node: fx.Node) -> Optional[List[fx.Node]]:
     return sorted(seen, key=order.__getitem__)
 
 
-def _requires_grad(root: Any, target: str) -> bool:
+def attribute(root: Any, target: str) -> Any:
+    """The value of a get_attr ``target`` (a dotted path) on ``root``; None where the path breaks."""
     value = root
     for part in target.split("."):
         value = getattr(value, part, None)
+    return value
+
+
+def _requires_grad(root: Any, target: str) -> bool:
+    value = attribute(root, target)
     return not isinstance(value, torch.Tensor) or isinstance(value, torch.nn.Parameter) or value.requires_grad
 
 
