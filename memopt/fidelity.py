@@ -226,6 +226,25 @@ def shortest_passing(count: int, passes: Callable[[int], bool]) -> int:
     return high
 
 
+def coupled(decision: Decision, couplings: List[Tuple[str, str]],
+            weights: Optional[Dict[Tuple[str, str], float]] = None) -> List[str]:
+    """Make exact, in place, every unit of ``decision`` whose needed unit (``couplings``: (needing, needed)
+    "technique:unit" keys, ``Plan.units``' "couplings") is not rewritten: coupled units move together, so a repair
+    that turns one exact cannot leave the other breaking its gradients. Says what it changed."""
+    notes, changed = [], True
+    while changed:
+        changed = False
+        for needing, needed in couplings:
+            (technique, _, unit), (other, _, partner) = needing.partition(":"), needed.partition(":")
+            if unit in decision.get(technique, {}) and partner not in decision.get(other, {}):
+                del decision[technique][unit]
+                if weights is not None:
+                    weights.pop((technique, unit), None)
+                notes.append(f"{technique} {unit} -> exact (coupled: it needs {other} {partner}, now exact)")
+                changed = True
+    return notes
+
+
 def _key(decision: Decision) -> tuple:
     return tuple(sorted((t, tuple(sorted(us.items(), key=lambda kv: kv[0]))) for t, us in decision.items()))
 
@@ -281,13 +300,18 @@ def fidelity_gate(model: nn.Module, args: tuple, kwargs: dict, config: Config, d
         return grads
 
     exacts = [exact_step(losses[0])]
-    lossy_nodes = {(u["chosen"]["technique"], u["chosen"]["unit"]): set(u["nodes"]) for u in units if _lossy(u)}
-    weights = {(u["chosen"]["technique"], u["chosen"]["unit"]): float(u["chosen"]["fidelity"]) for u in units
-               if _lossy(u)}
+    # a joint option's parts share their group's nodes (coupled units are neighbours)
+    parts = [(part, u["nodes"]) for u in units for part in (u["chosen"].get("parts") or [u["chosen"]]) if _lossy(part)]
+    lossy_nodes = {(part["technique"], part["unit"]): set(nodes) for part, nodes in parts}
+    weights = {(part["technique"], part["unit"]): float(part["fidelity"]) for part, _ in parts}
+    couplings = sorted({tuple(c) for u in units for c in u.get("couplings", ())})
 
     def evaluate(trial: Decision) -> Tuple[Dict[str, Dict[str, Any]], List[str]]:
-        """(per-parameter fidelity, the failing parameters, worst first) of the plan ``trial``: per parameter the
-        worst over the projections in use (each trial's step under each projection runs once)."""
+        """(per-parameter fidelity, the failing parameters, worst first) of the plan ``trial`` (its couplings kept:
+        what is measured is what could ship): per parameter the worst over the projections in use (each trial's
+        step under each projection runs once)."""
+        trial = {t: dict(us) for t, us in trial.items()}
+        coupled(trial, couplings)
         key = _key(trial)
         done = cache.setdefault(key, [])
         if len(done) < len(losses):
@@ -306,6 +330,7 @@ def fidelity_gate(model: nn.Module, args: tuple, kwargs: dict, config: Config, d
     radius = 4
     before = None
     for round_ in range(gate.max_rounds + 1):
+        changes.extend(coupled(decision, couplings, weights))
         per_parameter, failing = evaluate(decision)
         while not failing and len(losses) < MAX_PROJECTIONS and (
                 len(losses) < PROJECTIONS or per_min(per_parameter) < gate.min_cosine + MARGIN):
@@ -357,12 +382,13 @@ def fidelity_gate(model: nn.Module, args: tuple, kwargs: dict, config: Config, d
             for technique, unit in keys:
                 del decision[technique][unit]
                 weights.pop((technique, unit), None)
+            extra = coupled(decision, couplings, weights)
             shown = ", ".join(f"{t} {u}" for t, u in keys[:4]) + (f" and {len(keys) - 4} more" * (len(keys) > 4))
             worst_missed = min(missed, key=missed.get)
             last_resort = (f"last resort after {round_} round{'s' * (round_ != 1)}: {len(keys)} of the {candidates} "
                            f"lossy units {scope} -> exact ({shown}; the rounds left {len(missed)} parameters below "
                            f"{gate.min_cosine}, worst {worst_missed} {missed[worst_missed]:.4f})")
-            changes.append(last_resort)
+            changes.extend([last_resort] + extra)
             per_parameter, failing = evaluate(decision)
             if not failing:
                 break
@@ -414,10 +440,11 @@ def per_min(per_parameter: Dict[str, Dict[str, Any]]) -> float:
     return min((f["cosine"] for f in per_parameter.values() if not f["excluded"]), default=1.0)
 
 
-def _lossy(unit: Dict[str, Any]) -> bool:
-    """Whether a ``Plan.units`` entry's chosen option approximates a gradient (a fidelity proxy above zero)."""
-    return unit["chosen"]["technique"] != "exact" and unit["chosen"]["fidelity"] > 0
+def _lossy(option: Dict[str, Any]) -> bool:
+    """Whether an option (a ``Plan.units`` entry's chosen one, or a part of it) approximates a gradient (a fidelity
+    proxy above zero)."""
+    return option["technique"] != "exact" and option["fidelity"] > 0
 
 
 def has_lossy_units(units: List[Dict[str, Any]]) -> bool:
-    return any(_lossy(u) for u in units)
+    return any(_lossy(u["chosen"]) for u in units)

@@ -295,9 +295,15 @@ def gate_whole(model: nn.Module, args: tuple, kwargs: dict, config: Config,
 
 def _prefixed_unit(path: str, entry: Dict[str, Any]) -> Dict[str, Any]:
     def option(o):
-        return dict(o, unit=f"{path}/{o['unit']}") if o.get("unit") else dict(o)
+        o = dict(o, parts=[option(p) for p in o.get("parts", ())])
+        return dict(o, unit=f"{path}/{o['unit']}") if o.get("unit") else o
+
+    def key(k):
+        technique, _, unit = k.partition(":")
+        return f"{technique}:{path}/{unit}"
     return dict(entry, name=f"{path}/{entry['name']}", nodes=[f"{path}/{n}" for n in entry["nodes"]],
-                chosen=option(entry["chosen"]), alternatives=[option(o) for o in entry["alternatives"]])
+                chosen=option(entry["chosen"]), alternatives=[option(o) for o in entry["alternatives"]],
+                couplings=[[key(a), key(b)] for a, b in entry.get("couplings", ())])
 
 
 def _require_real_inputs(model: nn.Module, args: tuple, kwargs: dict, whole_error: TraceError, caller: str) -> None:

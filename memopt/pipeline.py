@@ -16,7 +16,7 @@ from memopt.cost_model.analysis import Estimate, annotate
 from memopt.capture import Captured, capture, check_inputs, export_capture, flat_inputs, opaque_functions
 from memopt.config import Config
 from memopt.core.errors import BudgetError, MemoptError
-from memopt.plan import NodePlan, Plan, node_plans
+from memopt.plan import NodePlan, Plan, node_plans, option_label
 from memopt.fidelity import fidelity_gate, has_lossy_units
 from memopt.soundness import Soundness, check_capture
 from memopt.passes.candidates import copy_graph_module
@@ -313,7 +313,7 @@ def _explain_exact(decisions: Dict[str, Dict[str, Any]], units: List[Dict[str, A
             reason = (f"planner: part of this unit lies in the recomputed block {', '.join(blocks)}, so the "
                       f"rest stays exact")
         else:
-            alternatives = ", ".join(f"{o['technique']}@{o['bits']} frees {fmt_bytes(o['freed_bytes'])}"
+            alternatives = ", ".join(f"{option_label(o)} frees {fmt_bytes(o['freed_bytes'])}"
                                      for o in entry["alternatives"][1:4])
             reason = f"planner: the budget is met without it ({alternatives})"
         for name in entry["nodes"]:

@@ -5,7 +5,7 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 from memopt.core.meta import DECISION_KEY
 from memopt.cost_model.analysis import Estimate, NodeCost
@@ -76,9 +76,8 @@ class Plan:
         """{technique: {unit: bits}} of every rewritten unit."""
         out: Dict[str, Dict[str, int]] = {}
         for entry in self.units:
-            chosen = entry["chosen"]
-            if chosen["technique"] != "exact":
-                out.setdefault(chosen["technique"], {})[chosen["unit"]] = chosen["bits"]
+            for technique, unit, bits in option_decisions(entry["chosen"]):
+                out.setdefault(technique, {})[unit] = bits
         return out
 
     def to_dict(self) -> Dict[str, Any]:
@@ -157,3 +156,21 @@ class PartialPlan(Plan):
 
 _REQUIRED = [f.name for f in dataclasses.fields(Plan) if f.default is dataclasses.MISSING
              and f.default_factory is dataclasses.MISSING]
+
+
+def option_decisions(option: Dict[str, Any]) -> List[Tuple[str, str, Optional[int]]]:
+    """(technique, unit, bits) of every unit a ``Plan.units`` option rewrites: none for exact, each part of a joint
+    option of coupled units (technique "joint")."""
+    if option.get("parts"):
+        return [d for part in option["parts"] for d in option_decisions(part)]
+    return [] if option["technique"] == "exact" else [(option["technique"], option["unit"], option["bits"])]
+
+
+def option_label(option: Dict[str, Any], unit: bool = False) -> str:
+    """"stash@4" ("stash@4 bn1" with ``unit``, as in a group of several units), "exact", or a joint option's parts:
+    "stash@4 bn1 + stash@8 bn2"."""
+    if option.get("parts"):
+        return " + ".join(option_label(p, unit=True) for p in option["parts"])
+    if option["technique"] == "exact":
+        return "exact"
+    return f"{option['technique']}@{option['bits']}" + (f" {option['unit']}" if unit else "")

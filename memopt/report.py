@@ -7,7 +7,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from tabulate import tabulate
 
 from memopt.core.units import MiB, fmt_bytes
-from memopt.plan import NodePlan, PartialPlan, Plan
+from memopt.plan import NodePlan, PartialPlan, Plan, option_label
 
 def _group_key(n: NodePlan) -> Tuple:
     # repeated blocks differ only in the numbers of their names (layer1_0_conv1, layer1_1_conv1)
@@ -53,17 +53,16 @@ def render(plan: Plan, *, top: Optional[int] = None, group: bool = True, fmt: st
     return "\n".join(lines)
 
 
-def _option(o: Dict) -> str:
-    label = "exact" if o["technique"] == "exact" else f"{o['technique']}@{o['bits']}"
-    return f"{label} {fmt_bytes(o['freed_bytes'])}/{o['fidelity']:.3g}"
+def _option(o: Dict, unit: bool = False) -> str:
+    return f"{option_label(o, unit)} {fmt_bytes(o['freed_bytes'])}/{o['fidelity']:.3g}"
 
 
 def _planner_table(plan: Plan, top: Optional[int], fmt: str) -> str:
     """Per unit: the choice and the alternatives considered (bytes freed / fidelity cost)."""
     units = sorted(plan.units, key=lambda u: -u["chosen"]["freed_bytes"])
     shown = units if top is None else units[:top]
-    table = [[u["name"], _option(u["chosen"]), "; ".join(_option(o) for o in u["alternatives"] if o != u["chosen"])]
-             for u in shown]
+    table = [[u["name"], _option(u["chosen"], "+" in u["name"]),
+              "; ".join(_option(o, "+" in u["name"]) for o in u["alternatives"] if o != u["chosen"])] for u in shown]
     p = plan.planner
     head = (f"planner: budget {fmt_bytes(plan.budget_bytes)}, estimated peak {fmt_bytes(plan.estimated_peak_bytes)} "
             f"({plan.estimated_peak_bytes / plan.budget_bytes:.0%} of it); freed {fmt_bytes(p['estimated_freed_bytes'])} "

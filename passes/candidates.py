@@ -12,12 +12,16 @@ it is covered by the unit (a ReLU output that the next conv also keeps frees not
 unit covers the conv too), minus the storages the unit's new nodes keep.
 
 Units that cover a common baseline node (a ReLU that is both a few-bit unit and the end of a stash
-chain) form one *group* whose options exclude each other: exact, few-bit at b, or stash at K.
+chain) form one *group* whose options exclude each other: exact, few-bit at b, or stash at K. Units
+*coupled* by a pass (``needed_by`` in a node's decision: the chain whose BatchNorm weight gradient the
+scale identity solves from the next chain's) merge their groups into one of joint options, none of which
+rewrites the needing unit without the needed one.
 """
 from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
 import math
 from statistics import NormalDist
 from dataclasses import dataclass
@@ -63,12 +67,27 @@ class Option:
     # the part of freed_bytes that is alive at the baseline's forward/backward peak (what lowers it)
     peak_freed_bytes: int = 0
     flops: float = 0.0
+    # a joint option of coupled units (``technique`` "joint"): the units' own options, taken together
+    parts: Tuple["Option", ...] = ()
 
     def to_dict(self) -> Dict[str, Any]:
-        return dataclasses.asdict(self)
+        """A JSON-ready record (lists, not tuples: it survives a plan's save and load unchanged)."""
+        return {**dataclasses.asdict(self), "parts": [p.to_dict() for p in self.parts]}
+
+    @staticmethod
+    def from_dict(entry: Dict[str, Any]) -> "Option":
+        return Option(**{**entry, "parts": tuple(Option.from_dict(p) for p in entry.get("parts", ()))})
 
     def label(self) -> str:
+        if self.parts:
+            return " + ".join(f"{p.label()} {p.unit}" for p in self.parts)
         return "exact" if self.technique == "exact" else f"{self.technique}@{self.bits}"
+
+    def decisions(self) -> List[Tuple[str, str, Optional[int]]]:
+        """(technique, unit, bits) of every unit this option rewrites (none for exact)."""
+        if self.parts:
+            return [d for p in self.parts for d in p.decisions()]
+        return [] if self.technique == "exact" else [(self.technique, self.unit, self.bits)]
 
 
 @dataclass
@@ -79,6 +98,8 @@ class Group:
     units: Tuple[str, ...]
     nodes: Tuple[str, ...]
     options: List[Option]
+    # (needing, needed) "technique:unit" keys: an option that rewrites the first rewrites the second too
+    couplings: Tuple[Tuple[str, str], ...] = ()
 
 
 def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
@@ -110,6 +131,7 @@ def candidates(gm: fx.GraphModule, args: tuple, kwargs: dict, config: Any, basel
     ctx = PassContext(args, kwargs, config.device) if ctx is None else ctx
     per_unit: Dict[str, List[Option]] = {}
     covered: Dict[str, Set[str]] = {}
+    couplings: Set[Tuple[str, str]] = set()
     for technique, cfg in technique_passes(config, last_resort):
         for bits in technique.planner.levels(cfg):
             variant = copy_graph_module(gm)
@@ -123,7 +145,20 @@ def candidates(gm: fx.GraphModule, args: tuple, kwargs: dict, config: Any, basel
                 option = make_option(technique, unit, nodes, new_nodes, baseline, after)
                 if option not in per_unit.setdefault(key, []):
                     per_unit[key].append(option)
-    return _group(per_unit, covered)
+            couplings.update(unit_couplings(variant, technique.name))
+    return couple(_group(per_unit, covered), couplings)
+
+
+def unit_couplings(gm: fx.GraphModule, technique: str) -> Set[Tuple[str, str]]:
+    """(needing, needed) unit keys of a rewritten graph: a unit whose node says it is ``needed_by`` another unit
+    of its technique (a chain whose BatchNorm weight gradient the scale identity solves from the next chain's: that
+    chain stashed, this one must be too)."""
+    found = set()
+    for node in gm.graph.nodes:
+        decision = node.meta.get(DECISION_KEY) or {}
+        if decision.get("technique") == technique and decision.get("needed_by") and "unit" in decision:
+            found.add((f"{technique}:{decision['needed_by']}", f"{technique}:{decision['unit']}"))
+    return found
 
 
 def make_option(technique: Handler, unit: str, nodes: Set[str], new_nodes: Sequence[fx.Node], baseline: Estimate,
@@ -228,3 +263,71 @@ def _group(per_unit: Dict[str, List[Option]], covered: Dict[str, Set[str]]) -> L
         units = tuple(k.split(":", 1)[1] for k in keys)
         groups.append(Group("+".join(keys), units, tuple(nodes), options))
     return sorted(groups, key=lambda g: g.name)
+
+
+# A joint group of coupled units takes every combination of its members' options that respects the couplings;
+# past this many the members keep only their exact option and their own options taken alone or all at one level.
+MAX_JOINT_OPTIONS = 512
+
+
+def couple(groups: List[Group], couplings: Set[Tuple[str, str]]) -> List[Group]:
+    """``groups`` with those holding the two units of a coupling merged into one group of joint options, none of
+    which rewrites the needing unit without the needed one (units are planned together, not found broken by the
+    fidelity gate: a depthwise block's BatchNorm stashed while the expand chain before it stays exact gives the
+    expand BatchNorm's weight a gradient of cosine 0.2-0.6)."""
+    owner = {key: i for i, g in enumerate(groups) for key in g.name.split("+")}
+    parent = list(range(len(groups)))
+
+    def find(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    kept = sorted(c for c in couplings if c[0] in owner and c[1] in owner)
+    for needing, needed in kept:
+        parent[find(owner[needing])] = find(owner[needed])
+    members: Dict[int, List[int]] = {}
+    for i in range(len(groups)):
+        members.setdefault(find(i), []).append(i)
+    out = []
+    for ids in members.values():
+        if len(ids) == 1:
+            out.append(groups[ids[0]])
+            continue
+        parts = [groups[i] for i in ids]
+        keys = [k for g in parts for k in g.name.split("+")]
+        rules = tuple(c for c in kept if c[0] in keys)
+        out.append(Group("+".join(keys), tuple(u for g in parts for u in g.units),
+                         tuple(sorted(set().union(*(g.nodes for g in parts)))), _joint_options(parts, rules), rules))
+    return sorted(out, key=lambda g: g.name)
+
+
+def _joint_options(parts: List[Group], rules: Tuple[Tuple[str, str], ...]) -> List[Option]:
+    """Exact first, then every allowed combination of the parts' options (or, past ``MAX_JOINT_OPTIONS``, each part's
+    options alone and all parts at one level), each summed into one joint option."""
+    def allowed(combo: Sequence[Option]) -> bool:
+        taken = {f"{t}:{u}" for o in combo for t, u, _ in o.decisions()}
+        return all(needed in taken for needing, needed in rules if needing in taken)
+
+    if math.prod(len(g.options) for g in parts) <= MAX_JOINT_OPTIONS:
+        combos = itertools.product(*(g.options for g in parts))
+    else:
+        exact = [g.options[0] for g in parts]
+        alone = [exact[:i] + [o] + exact[i + 1:] for i, g in enumerate(parts) for o in g.options[1:]]
+        levels = sorted({(o.technique, o.bits) for g in parts for o in g.options[1:]}, key=str)
+        level = [[next((o for o in g.options if (o.technique, o.bits) == lv), g.options[0]) for g in parts]
+                 for lv in levels]
+        combos = [exact] + alone + level
+    options = [Option("exact", None, "", 0, 0.0, 0.0)]
+    for combo in combos:
+        chosen = tuple(o for o in combo if o.technique != "exact")
+        if not chosen or not allowed(chosen):
+            continue
+        option = chosen[0] if len(chosen) == 1 else Option(
+            "joint", None, "+".join(o.unit for o in chosen), sum(o.freed_bytes for o in chosen),
+            sum(o.fidelity for o in chosen), sum(o.time for o in chosen), sum(o.peak_freed_bytes for o in chosen),
+            sum(o.flops for o in chosen), chosen)
+        if option not in options:
+            options.append(option)
+    return options

@@ -23,7 +23,8 @@ from memopt.cost_model.analysis import Estimate, annotate
 from memopt.core.errors import MemoptError
 from memopt.techniques import TECHNIQUES
 from memopt.passes.base import Decision, PassContext, registered_pass
-from memopt.passes.candidates import (Group, candidates, copy_graph_module, make_option, rewritten_units)
+from memopt.passes.candidates import (Group, candidates, copy_graph_module, make_option, rewritten_units,
+                                     unit_couplings)
 from memopt.passes.knapsack import (BALANCED, Policy, Solution, _solution, max_nested, max_saving, nesting,
                                     policy_for, solve_nested_or_max, solve_or_max, weighted)
 from memopt.passes.manager import passes_for, run_passes
@@ -37,9 +38,8 @@ def chosen_decision(groups: Sequence[Group], choice: Sequence[int]) -> Decision:
     """{technique: {unit: bits}} of the options ``choice`` picks (exact options rewrite nothing)."""
     chosen: Decision = {}
     for group, i in zip(groups, choice):
-        option = group.options[i]
-        if option.technique != "exact":
-            chosen.setdefault(option.technique, {})[option.unit] = option.bits
+        for technique, unit, bits in group.options[i].decisions():
+            chosen.setdefault(technique, {})[unit] = bits
     return chosen
 
 
@@ -223,10 +223,17 @@ def fit_decision(gm: fx.GraphModule, ctx: PassContext, args: tuple, kwargs: dict
 
 def _option_index(group: Group, decision: Decision) -> int:
     """The option of ``group`` that ``decision`` chose (0, exact, when it chose none of them)."""
+    taken = {(t, u) for t, us in decision.items() for u in us}
+    best, most = 0, 0
     for i, option in enumerate(group.options):
-        if option.technique != "exact" and decision.get(option.technique, {}).get(option.unit, False) == option.bits:
-            return i
-    return 0
+        parts = option.decisions()
+        if parts and all(decision.get(t, {}).get(u, False) == b for t, u, b in parts) and len(parts) > most:
+            best, most = i, len(parts)  # of a joint group: the option covering the most of the units chosen
+    mine = {(t, u) for option in group.options for t, u, _ in option.decisions()}
+    if most and len(mine & taken) > most:
+        raise MemoptError(f"the decision {sorted(mine & taken)} for the coupled units of {group.name} is none of their "
+                          f"joint options (a unit rewritten without one it needs); plan again")
+    return best
 
 
 def _applied(gm, ctx: PassContext, args, kwargs, config, groups, solution, optimizer, required, rounds,
@@ -244,15 +251,17 @@ def plan_units(gm: fx.GraphModule, baseline: Estimate, estimate: Estimate,
     passes rewrote (no alternatives were considered)."""
     if planned is not None:
         return [{"name": g.name, "nodes": list(g.nodes), "chosen": g.options[i].to_dict(),
-                 "alternatives": [o.to_dict() for o in g.options]}
+                 "alternatives": [o.to_dict() for o in g.options], "couplings": [list(c) for c in g.couplings]}
                 for g, i in zip(planned.groups, planned.solution.choice)]
     entries = []
     for entry in TECHNIQUES:
         technique = registered_pass(entry.config_type)
         if technique is None or technique.planner is None:
             continue
+        couplings = unit_couplings(gm, technique.name)
         for unit, (nodes, new) in sorted(rewritten_units(gm, technique.name).items()):
             option = make_option(technique, unit, nodes, new, baseline, estimate)
-            entries.append({"name": f"{technique.name}:{unit}", "nodes": sorted(nodes), "chosen": option.to_dict(),
-                            "alternatives": []})
+            key = f"{technique.name}:{unit}"
+            entries.append({"name": key, "nodes": sorted(nodes), "chosen": option.to_dict(), "alternatives": [],
+                            "couplings": [list(c) for c in sorted(couplings) if c[0] == key]})
     return entries

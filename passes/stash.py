@@ -385,6 +385,10 @@ def _link(gm: fx.GraphModule, modules, first: fx.Node, conv: fx.Node, following:
         form.erase(graph)  # with the export form's counter: bn_exact_link counts the batch
     note = f"BN weight gradient solved by the scale identity from {source}"
     first.meta[DECISION_KEY] = {**first.meta[DECISION_KEY], "reason": f"{first.meta[DECISION_KEY]['reason']}; {note}"}
+    if following.target is bn_act_stash:
+        # B's codes make dL/dz approximate; A's BatchNorm weight, nearly scale-invariant through the depthwise conv
+        # and B, is then only faithful through this link: B stashed needs A stashed (the planner's coupling)
+        first.meta[DECISION_KEY]["needed_by"] = source
 
 
 def _rewrite(gm: fx.GraphModule, modules, form: BNForm, add: Optional[fx.Node], act: fx.Node, kind: str,

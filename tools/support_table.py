@@ -20,6 +20,7 @@ from tabulate import tabulate
 
 import memopt
 from memopt.core.units import fmt_bytes
+from memopt.plan import option_decisions
 
 
 def _models() -> Dict[str, Tuple[str, Callable[[], torch.nn.Module], Callable[[], object]]]:
@@ -87,7 +88,7 @@ def try_model(make, inputs) -> Dict[str, str]:
     equal = torch.equal(out, _first(call(reference)))
     out.float().pow(2).mean().backward()
     measured = memopt.measure(om, x, optimizer="adamw").saved_bytes
-    techniques = sorted({u["chosen"]["technique"] for u in om.plan.units} - {"exact"})
+    techniques = sorted({t for u in om.plan.units for t, _, _ in option_decisions(u["chosen"])})
     return {"capture": om.plan.capture, "forward identical": "yes" if equal else "NO",
             "saved before": fmt_bytes(om.plan.baseline_saved_bytes),
             "saved after": fmt_bytes(om.plan.estimated_saved_bytes),

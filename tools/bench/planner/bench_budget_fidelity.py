@@ -37,6 +37,7 @@ import memopt
 from memopt.core.inputs import normalize_inputs
 from memopt.core.units import fmt_bytes
 from memopt.fidelity import RandomProjection, parameter_fidelity
+from memopt.plan import option_decisions
 from memopt.passes.knapsack import FLOPS_PER_PASS
 from memopt.testing.zoo import TinyViT
 from memopt.timing import step_time_ratio
@@ -86,8 +87,7 @@ def _worst(model: nn.Module, reference: List[torch.Tensor], got: List[torch.Tens
 
 
 def _chosen(om) -> str:
-    counts = collections.Counter((u["chosen"]["technique"], u["chosen"]["bits"]) for u in om.plan.units
-                                 if u["chosen"]["technique"] != "exact")
+    counts = collections.Counter((t, b) for u in om.plan.units for t, _, b in option_decisions(u["chosen"]))
     return ", ".join(f"{t}{'' if b is None else '@' + str(b)} {n}" for (t, b), n in sorted(counts.items(), key=str)) \
         or "nothing"
 
