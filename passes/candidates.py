@@ -185,7 +185,10 @@ def _time(technique: str, unit: str, nodes: Set[str], baseline: Estimate) -> flo
     if technique in ("recompute", "reversible"):  # one extra forward of the block / of each H
         costs = [baseline.nodes[n] for n in nodes if n in baseline.nodes]
         return float(sum(c.flops for c in costs) + sum(math.prod(s) for c in costs for s in c.shapes))
-    return _EXTRA_PASSES[technique] * node_numel(baseline, unit)
+    # a coded call's unit is named after its node ("<node>_coded"); else its storage's producer or its chain's BN
+    numel = node_numel(baseline, unit) or node_numel(baseline, unit.removesuffix("_coded")) or \
+        max((node_numel(baseline, n) for n in nodes), default=0)
+    return _EXTRA_PASSES[technique] * numel
 
 
 def _flops(technique: str, nodes: Set[str], baseline: Estimate) -> float:

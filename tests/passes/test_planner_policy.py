@@ -164,3 +164,19 @@ def test_fidelity_recomputes_a_vit_block_instead_of_coding_it():
 
 def test_the_config_and_the_planner_name_the_same_policies():
     assert tuple(POLICIES) == PREFER
+
+
+def test_every_lossy_option_costs_time_coded_calls_too():
+    """A coded call's unit is named "<node>_coded", not a node: its time proxy was 0, so the "speed" policy saw its
+    extra passes as free. Now it counts the passes over its node's output."""
+    from memopt.capture import capture
+    from memopt.cost_model.analysis import annotate
+    from memopt.passes.base import PassContext
+    from memopt.passes.candidates import candidates
+    model, x = build("vit")
+    gm = capture(model, (x,), {}).graph_module
+    baseline = annotate(gm, (x,), {}, device="cpu")
+    groups = candidates(gm, (x,), {}, memopt.Config(), baseline, ctx=PassContext((x,), {}, "cpu"))
+    coded = [o for g in groups for o in g.options if o.unit.endswith("_coded")]
+    assert coded  # layer norms and attention are coded calls
+    assert all(o.time > 0 for g in groups for o in g.options if o.technique in ("stash", "fewbit"))
