@@ -24,6 +24,7 @@ from memopt.core.errors import TraceError
 from memopt.core.leaf import LEAF_FUNCTIONS
 from memopt.core.state import preserved_state
 from memopt.constants import share_repeated_constants
+from memopt.functions import as_operator, function_of
 from memopt.masks import drop_constant_masks
 
 log = logging.getLogger("memopt")
@@ -255,14 +256,44 @@ class _HookAwareTracer(fx.Tracer):
         return self.create_proxy("call_module", name, args, kwargs)
 
 
-def _recorder(applied: Dict[type, str]):
-    """A ``_patched_apply`` hook that records each custom autograd Function applied (and where) and lets it run."""
-    def hook(cls: type, args: tuple, kwargs: dict) -> None:
-        if not cls.__module__.startswith("memopt."):
-            applied.setdefault(cls, _caller())
-        return None
+def _as_operators(applied: Dict[type, str]):
+    """A ``_patched_apply`` hook for export: each custom autograd Function becomes one opaque operator call
+    (``memopt.functions``), replaced by its ``FunctionCall`` after export; one the operator cannot describe is
+    recorded in ``applied`` (with where and why) and left to export, which inlines it."""
+    def hook(cls: type, args: tuple, kwargs: dict) -> Any:
+        if cls.__module__.startswith("memopt."):
+            return None
+        out, why = as_operator(cls, args, kwargs)
+        if why is not None:
+            applied.setdefault(cls, f"{_caller()}; {why}")
+        return out
 
     return hook
+
+
+def _function_calls(graph: fx.Graph) -> Dict[str, FunctionCall]:
+    """Replace each opaque operator call standing for a custom autograd Function with a call of its
+    ``FunctionCall`` (the modules to attach, by name)."""
+    functions: Dict[str, FunctionCall] = {}
+    for node in list(graph.nodes):
+        cls = function_of(node.target) if node.op == "call_function" else None
+        if cls is None:
+            continue
+        base = "memopt_function_" + "".join(c if c.isalnum() else "_" for c in cls.__qualname__)
+        name, i = base, 0
+        while name in functions and functions[name].function is not cls:
+            i += 1
+            name = f"{base}_{i}"
+        if name not in functions:
+            functions[name] = FunctionCall(cls)
+            if graph.owning_module is not None:  # the export module until the graph moves onto the model
+                graph.owning_module.add_submodule(name, functions[name])
+        with graph.inserting_before(node):
+            call = graph.call_module(name, node.args, dict(node.kwargs))
+        call.meta = dict(node.meta)
+        node.replace_all_uses_with(call)
+        graph.erase_node(node)
+    return functions
 
 
 def _caller() -> str:
@@ -273,7 +304,8 @@ def _caller() -> str:
 
 def _model_frames(frames) -> list:
     """The frames of the model's own code: neither torch's nor memopt's, nor generated (``<...>``)."""
-    skip = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(os.path.dirname(__file__)) + os.sep)
+    # memopt's own package, not its parent: installed, that is site-packages, where the model's library lives too
+    skip = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(os.path.abspath(__file__)) + os.sep)
     return [f for f in frames if not f.filename.startswith(skip) and not f.filename.startswith("<")]
 
 
@@ -306,7 +338,7 @@ def export_capture(model: nn.Module, args: tuple, kwargs: dict) -> Captured:
         applied: Dict[type, str] = {}
         snapshot = _attribute_snapshot(model)  # export runs the forward's Python too
         try:
-            with _quiet("torch.fx.experimental.symbolic_shapes"), _patched_apply(_recorder(applied)):
+            with _quiet("torch.fx.experimental.symbolic_shapes"), _patched_apply(_as_operators(applied)):
                 # (a failure is reported by us, with its construct)
                 exported = torch.export.export(model, args, kwargs=kwargs, strict=False)
         finally:
@@ -318,8 +350,9 @@ def export_capture(model: nn.Module, args: tuple, kwargs: dict) -> Captured:
         ep_module = exported.module()
         graph = ep_module.graph
         _drop_export_guards(graph)
+        functions = _function_calls(graph)
         graph.lint()
-        gm = _rebuild_on_model(model, graph, ep_module)
+        gm = _rebuild_on_model(model, graph, ep_module, functions)
         drop_constant_masks(gm)
         share_repeated_constants(gm, model)  # what eager caches, the trace built per call
         return Captured(gm, "export")

@@ -33,7 +33,8 @@ from torch.export import Dim, ShapesCollection
 from torch.utils._pytree import keystr, tree_flatten_with_path
 
 from memopt.capture import (Captured, _attribute_snapshot, _drop_export_guards, _patched_apply, _quiet,
-                            _rebuild_on_model, _recorder, _restore_attributes, capture, flat_inputs)
+                            _rebuild_on_model, _as_operators, _function_calls, _restore_attributes, capture,
+                            flat_inputs)
 from memopt.config import Config
 from memopt.core.errors import TraceError
 from memopt.core.meta import DECISION_KEY
@@ -118,7 +119,7 @@ class DynamicExport:
         applied: Dict[type, str] = {}
         snapshot, was_training = _attribute_snapshot(model), model.training
         try:
-            with _quiet("torch.fx.experimental.symbolic_shapes"), _patched_apply(_recorder(applied)):
+            with _quiet("torch.fx.experimental.symbolic_shapes"), _patched_apply(_as_operators(applied)):
                 exported = torch.export.export(model, args, kwargs=kwargs, strict=False,
                                                dynamic_shapes=shapes.dynamic_shapes(model, args, kwargs))
         finally:
@@ -133,8 +134,9 @@ class DynamicExport:
             raise TraceError("torch.export made no shape guards for its graph, so no other size can be checked",
                              "no shape guards")
         _drop_export_guards(ep_module.graph)
+        functions = _function_calls(ep_module.graph)
         ep_module.graph.lint()
-        return _rebuild_on_model(model, ep_module.graph, ep_module), guards
+        return _rebuild_on_model(model, ep_module.graph, ep_module, functions), guards
 
 
 class Recaptured:

@@ -15,19 +15,21 @@ def gelu_mlp(x, w1, w2):
     return F.linear(F.gelu(F.linear(x, w1)), w2)
 
 
-class Double(torch.autograd.Function):
+class Scaled(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x):
-        return 2 * x
+    def forward(ctx, x, options):
+        ctx.factor = options["factor"]
+        return ctx.factor * x
 
     @staticmethod
     def backward(ctx, grad):
-        return 2 * grad
+        return ctx.factor * grad, None
 
 
 def with_function(x, w1, w2):
-    # a custom autograd Function: torch.export would inline it (its own backward would not run) and is refused
-    return F.linear(F.gelu(Double.apply(F.linear(x, w1))), w2)
+    # a custom autograd Function taking a dict: torch.export cannot keep it whole as an operator, would inline it
+    # (its own backward would not run) and is refused
+    return F.linear(F.gelu(Scaled.apply(F.linear(x, w1), {"factor": 2.0})), w2)
 
 
 fx.wrap("gelu_mlp")
@@ -67,6 +69,6 @@ def test_where_export_is_refused_the_symbolic_trace_serves(caplog):
     with caplog.at_level(logging.INFO, logger="memopt"):
         om = memopt.optimize(model, example_inputs=x)
     assert om.plan.capture == "symbolic_trace"
-    assert any("keeping the symbolic trace" in r.getMessage() and "custom autograd Function Double" in r.getMessage()
+    assert any("keeping the symbolic trace" in r.getMessage() and "custom autograd Function Scaled" in r.getMessage()
                for r in caplog.records)
     assert torch.equal(om(x), model(x))

@@ -155,18 +155,87 @@ def test_a_memory_saving_function_keeps_what_it_saves_under_every_config():
         assert memopt.measure(om, x).saved_bytes <= stock
 
 
-def test_export_refuses_to_inline_a_custom_function():
-    class ShapeBranch(FunctionNet):  # not fx-traceable (control flow on a shape), so torch.export is tried
+class ShapeBranch(FunctionNet):  # not fx-traceable (control flow on a shape), so torch.export captures it
+    def forward(self, x):
+        h = self.function.apply(self.a(x))
+        if x.shape[0] > 2:
+            h = h * 2
+        return self.b(h)
+
+
+@pytest.mark.parametrize("function", [STE, GradReverse, SignReLU])
+def test_export_keeps_a_custom_function_whole(function):
+    """Export would trace the Function's forward (STE's gradient would be zero, GradReverse's of the wrong sign):
+    it is one opaque operator while export traces, then a FunctionCall running the Function's own backward."""
+    captured = capture(ShapeBranch(function), (torch.randn(4, 8),), {})
+    assert captured.method == "export"
+    calls = [m for m in captured.graph_module.modules() if isinstance(m, FunctionCall)]
+    assert [c.function for c in calls] == [function]
+    torch.manual_seed(0)
+    model, x = ShapeBranch(function), torch.randn(4, 8)
+    om, reference = _three_steps(model, x)  # bit-identical outputs, gradients and buffers, three steps
+    assert om.plan.capture == "export"
+    assert memopt.measure(om, x).saved_bytes <= memopt.measure(reference, x).saved_bytes
+
+
+class ScaledPair(torch.autograd.Function):
+    """Two outputs, a float and an int argument, a hand-written backward that differs from autograd's."""
+
+    @staticmethod
+    def forward(ctx, x, scale, power):
+        ctx.save_for_backward(x)
+        ctx.scale, ctx.power = scale, power
+        return x * scale, x.pow(power)
+
+    @staticmethod
+    def backward(ctx, g1, g2):
+        (x,) = ctx.saved_tensors
+        return g1 * ctx.scale + g2 * 0.5, None, None
+
+
+class PairNet(ShapeBranch):
+    def __init__(self):
+        super().__init__(ScaledPair)
+
+    def forward(self, x):
+        h, p = ScaledPair.apply(self.a(x), 0.5, 2)
+        if x.shape[0] > 2:
+            h = h + p
+        return self.b(h)
+
+
+def test_export_keeps_a_function_with_two_outputs_and_number_arguments_whole():
+    torch.manual_seed(0)
+    model, x = PairNet(), torch.randn(4, 8)
+    om, _ = _three_steps(model, x)
+    assert om.plan.capture == "export"
+    assert [m.function for m in om.graph_module.modules() if isinstance(m, FunctionCall)] == [ScaledPair]
+
+
+class Configured(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, options):
+        ctx.negate = options["negate"]
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return -g if ctx.negate else g, None
+
+
+def test_export_refuses_a_custom_function_it_cannot_keep_whole_and_says_why():
+    class OptionsBranch(ShapeBranch):
         def forward(self, x):
-            h = self.function.apply(self.a(x))
+            h = Configured.apply(self.a(x), {"negate": True})
             if x.shape[0] > 2:
                 h = h * 2
             return self.b(h)
 
-    with pytest.raises(memopt.TraceError, match=r"torch.export inlines the custom autograd Function STE .*its own "
-                                                r"backward would not run"):
-        capture(ShapeBranch(STE), (torch.randn(4, 8),), {})
-    model, x = ShapeBranch(STE), torch.randn(4, 8)
+    with pytest.raises(memopt.TraceError, match=r"torch.export inlines the custom autograd Function Configured "
+                                                r"\(.*test_soundness.py:\d+; its argument 1 \(dict\) cannot be an "
+                                                r"operator argument\): its own backward would not run"):
+        capture(OptionsBranch(STE), (torch.randn(4, 8),), {})
+    model, x = OptionsBranch(STE), torch.randn(4, 8)
     om, _ = _three_steps(model, x)  # falls back per submodule: the Function runs in the model's own forward
     assert om.plan.capture == "per-submodule"
 

@@ -29,7 +29,7 @@ LAYERS = [
     ("memopt.fewbit", 2), ("memopt.stash", 2), ("memopt.reversible", 2), ("memopt.recompute", 2),
     ("memopt.optim", 2),
     ("memopt.techniques", 3), ("memopt.config", 3),
-    ("memopt.capture", 4), ("memopt.canonical", 4), ("memopt.masks", 4), ("memopt.constants", 4), ("memopt.cost_model", 4), ("memopt.plan", 4),
+    ("memopt.capture", 4), ("memopt.functions", 4), ("memopt.canonical", 4), ("memopt.masks", 4), ("memopt.constants", 4), ("memopt.cost_model", 4), ("memopt.plan", 4),
     ("memopt.passes.candidates", 6), ("memopt.passes.planner", 6), ("memopt.passes.knapsack", 6),
     ("memopt.passes", 5),
     ("memopt.report", 7), ("memopt.export", 7), ("memopt.measure", 7), ("memopt.timing", 7),
