@@ -172,3 +172,41 @@ def test_a_budget_plan_is_reused_only_where_it_is_needed_and_fits(one_thread, ca
     assert ("capturing and planning again: the baseline fits the budget at these sizes: the plan's rewrites are not "
             "needed") in caplog.text
     assert om.shape_stats["planned"] == 2 and om.plan.chosen_units() == {}
+
+
+class _HalfGradient(torch.autograd.Function):
+    """Identity forward, half the gradient backward: inlined by export, its gradient would be autograd's (1x)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 0.5
+
+
+class _Tokens(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = _HalfGradient.apply(torch.relu(self.a(x)))
+        if x.shape[0] > 1:  # Python control flow on a size: symbolic_trace fails, torch.export captures it
+            h = h * 2
+        return self.b(h)
+
+
+def test_a_custom_function_stays_whole_in_the_dynamic_export(one_thread):
+    torch.manual_seed(0)
+    model = _Tokens().train()
+    reference = copy.deepcopy(model)
+    om = memopt.optimize(model, example_inputs=torch.randn(2, 16, 8), config=memopt.Config.exact())
+    for n in (16, 24, 40, 17):
+        x = torch.randn(2, n, 8)
+        assert torch.equal(_step(om, x), _step(reference, x))
+        assert all(map(_same, _grads(model), _grads(reference)))
+    assert om.plan.capture == "export" and om.shape_stats["planned"] == 2 and om.shape_stats["reused"] == 2
+    functions = [m.function for m in om.graph_module.modules() if type(m).__name__ == "FunctionCall"]
+    assert functions == [_HalfGradient]
