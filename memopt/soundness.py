@@ -13,7 +13,10 @@ Fake or meta inputs cannot run: the check is skipped and says so.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
+import random
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -100,6 +103,18 @@ def _fresh_inputs(args: tuple, kwargs: dict) -> Tuple[tuple, dict, List[torch.Te
     return copied_args, copied_kwargs, leaves
 
 
+def seed_host_rngs(rng: torch.Tensor) -> None:
+    """Seed Python's ``random`` and numpy's global RNG from torch's state ``rng``: the steps memopt compares draw
+    the same there too (HF Wav2Vec2 picks its SpecAugment spans with numpy), and from a state no trace ran with,
+    so a draw a trace baked into its graph as a constant shows as a difference instead of matching by chance.
+    (``preserved_state`` puts the user's streams back afterwards.)"""
+    seed = int.from_bytes(hashlib.blake2b(bytes(rng.flatten().tolist()), digest_size=4).digest(), "little")
+    random.seed(seed)
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed(seed)
+
+
 def training_step(fn, model: nn.Module, args: tuple, kwargs: dict, rng: torch.Tensor, loss_fn=None) -> StepResult:
     params = list(model.parameters())
     state = {storage_key(t) for t in params + list(model.buffers())}
@@ -107,6 +122,7 @@ def training_step(fn, model: nn.Module, args: tuple, kwargs: dict, rng: torch.Te
     with preserved_state(model):
         model.train(True)
         torch.set_rng_state(rng)
+        seed_host_rngs(rng)
         for p in params:
             p.grad = None
         with SavedTensorRecorder() as recorder:
@@ -138,7 +154,8 @@ def _differences(model: nn.Module, eager: StepResult, captured: StepResult, meth
     buffer_names = [n for n, _ in model.named_buffers()]
     found = []
     if len(eager.output) != len(captured.output) or not all(map(_same, eager.output, captured.output)):
-        found.append("the training forward's outputs differ")
+        found.append("the training forward's outputs differ (a value the trace fixed as a constant: a draw from "
+                     "Python's or numpy's RNG, or a tensor's value read in Python?)")
     bad = [n for n, a, b in zip(buffer_names, eager.buffers, captured.buffers) if not _same(a, b)]
     if bad:
         found.append(f"buffers after the step differ: {', '.join(bad[:4])}{' ...' if len(bad) > 4 else ''} (an "

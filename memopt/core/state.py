@@ -1,12 +1,19 @@
 """Run real forwards without leaving a trace: parameters, buffers, grads, RNG and mode restored."""
 from __future__ import annotations
 
+import random
+import sys
+
 import torch
 from torch import nn
 
 
 class preserved_state:
-    """Context manager: snapshot of parameters, buffers, grads, RNG state and train/eval mode."""
+    """Context manager: snapshot of parameters, buffers, grads, RNG state and train/eval mode. The RNGs are torch's
+    (CPU and CUDA) and also Python's ``random`` and numpy's global one, which model code draws from too (Hugging Face
+    Wav2Vec2 / HuBERT pick SpecAugment's masked spans with numpy in training mode): every real forward memopt runs
+    starts from the same draws, so two steps it compares differ only by what it compares, and the user's streams
+    are left where they were."""
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
@@ -16,6 +23,9 @@ class preserved_state:
         self.grads = [(p, p.grad) for p in self.model.parameters()]
         self.rng = torch.get_rng_state()
         self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+        self.python_rng = random.getstate()
+        numpy = sys.modules.get("numpy")  # only when the process uses numpy already
+        self.numpy_rng = (numpy, numpy.random.get_state()) if numpy is not None else None
         self.training = self.model.training
         return self
 
@@ -32,6 +42,9 @@ class preserved_state:
         torch.set_rng_state(self.rng)
         if self.cuda_rng is not None:
             torch.cuda.set_rng_state_all(self.cuda_rng)
+        random.setstate(self.python_rng)
+        if self.numpy_rng is not None:
+            self.numpy_rng[0].random.set_state(self.numpy_rng[1])
         self.model.train(self.training)
 
 

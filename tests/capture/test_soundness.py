@@ -3,7 +3,9 @@ outputs, buffers after each step, every gradient — and keeps no more bytes; wh
 model, memopt keeps the construct, falls back per submodule, or refuses, and says why."""
 import copy
 import logging
+import random
 
+import numpy as np
 import pytest
 import torch
 import torch.utils.checkpoint as cp
@@ -386,3 +388,43 @@ def test_a_submodule_captured_alone_never_codes_an_input_the_code_around_it_keep
     # the gated unit silu(g) * u runs as one coded op that keeps g and u as they are (inputs of the submodule)
     reasons = [n.reason for n in om.plan.nodes if n.reason.startswith("coded gated")]
     assert reasons and all("keeps its inputs as they are" in r for r in reasons)
+
+
+class NumpyDropout(nn.Module):
+    """Drops hidden features picked with numpy's global RNG in training, as HF Wav2Vec2 / HuBERT pick SpecAugment's
+    masked spans."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Sequential(nn.Linear(8, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU()), nn.Linear(64, 4)
+
+    def forward(self, x):
+        h = self.a(x)
+        if self.training:
+            h = h * torch.from_numpy(np.random.rand(64) > 0.3).to(h.dtype)
+        return self.b(h)
+
+
+def test_draws_from_numpy_are_neither_baked_into_the_graph_nor_taken_from_the_user(caplog):
+    """The symbolic trace fixes numpy's draw as a constant: the capture check, whose steps draw from their own seed,
+    sees the outputs differ and captures per submodule (the model's forward draws for real). The steps memopt
+    compares draw alike (the whole-model fidelity gate passes; it failed on every draw before), and the user's
+    numpy and Python streams are where they were."""
+    torch.manual_seed(0)
+    model, x = NumpyDropout().train(), torch.randn(32, 8)
+    reference = copy.deepcopy(model)
+    np.random.seed(5)
+    random.seed(5)
+    states = np.random.get_state()[1].copy(), random.getstate()
+    with caplog.at_level(logging.INFO, logger="memopt"):
+        om = memopt.optimize(model, example_inputs=x)
+    assert (np.random.get_state()[1] == states[0]).all() and random.getstate() == states[1]
+    assert om.plan.capture == "per-submodule"
+    assert "the training forward's outputs differ (a value the trace fixed as a constant: a draw from Python's " \
+           "or numpy's RNG" in caplog.text
+    assert om.plan.fidelity["passed"]
+    for step in range(2):
+        np.random.seed(step)
+        out = om(x)
+        np.random.seed(step)
+        assert torch.equal(out, reference(x))
