@@ -24,10 +24,12 @@ from torch import fx, nn
 from memopt.canonical import proxy_name
 from memopt.capture import capture, flat_inputs
 from memopt.config import Config
+from memopt.core.errors import MemoptError
 from memopt.core.meta import HISTOGRAM_KEY, META_KEY
 from memopt.invariance import invariant_parameters
 from memopt.cost_model.step import default_loss, output_tensors
 from memopt.passes.base import Decision, PassContext
+from memopt.passes.candidates import copy_graph_module, rewritten_units
 from memopt.passes.planner import apply_decision
 from memopt.reversible.check import real_examples
 from memopt.soundness import batch_slice, training_step
@@ -267,20 +269,40 @@ def _raise_all(decision: Decision, config: Config, technique: str, lossy: Set[Tu
     return raised, ", ".join(f"{n} unit{'s' * (n > 1)} {move}" for move, n in sorted(moves.items())), followed
 
 
+def gate_graph(model: nn.Module, planned: fx.GraphModule, args: tuple, kwargs: dict,
+               recapture: Optional[Callable[[tuple, dict], fx.GraphModule]]) -> Tuple[fx.GraphModule, tuple, dict, str]:
+    """(the graph the gate rewrites and runs, its inputs, which inputs): the planned graph itself on the whole batch
+    when the slice is the whole batch; else the model captured again on the slice *the way the plan's graph was*
+    (``recapture``: torch.export again for an export graph, which is specialised to the batch size), with the
+    planned graph's analysis carried over by node name, so the slice's graph is rewritten exactly as the plan says
+    and only runs on fewer samples. A recapture whose nodes are not the planned graph's would make the decision
+    name nodes it lacks, rewrite nothing and pass unchecked (an export-planned EfficientNet gated on a symbolic
+    trace did): then the gate runs the planned graph on the whole batch, and says so in the log."""
+    sliced_args, sliced_kwargs, which = batch_slice(args, kwargs)
+    if which != "the whole example batch":
+        recapture = recapture or (lambda a, k: capture(model, a, k).graph_module)
+        base = recapture(sliced_args, sliced_kwargs)
+        if [n.name for n in base.graph.nodes] == [n.name for n in planned.graph.nodes]:
+            analysis = {n.name: {k: n.meta[k] for k in (META_KEY, HISTOGRAM_KEY) if k in n.meta}
+                        for n in planned.graph.nodes}
+            for node in base.graph.nodes:
+                node.meta.update(analysis.get(node.name, {}))
+            return base, sliced_args, sliced_kwargs, which
+        log.info("memopt: %s captured on the first samples is not the planned graph; the fidelity gate runs on the "
+                 "whole example batch", type(model).__name__)
+    return copy_graph_module(planned), args, kwargs, "the whole example batch"
+
+
 def fidelity_gate(model: nn.Module, args: tuple, kwargs: dict, config: Config, decision: Decision,
-                  units: List[Dict[str, Any]], planned: fx.GraphModule,
-                  verify_only: bool = False) -> Tuple[Decision, Dict[str, Any]]:
+                  units: List[Dict[str, Any]], planned: fx.GraphModule, verify_only: bool = False,
+                  recapture: Optional[Callable[[tuple, dict], fx.GraphModule]] = None
+                  ) -> Tuple[Decision, Dict[str, Any]]:
     """(the repaired decision, the report) for ``decision`` on ``model`` (``units``: ``Plan.units``; ``planned``:
-    the annotated, not yet rewritten graph the plan was made on; ``verify_only``: measure, repair nothing)."""
+    the annotated, not yet rewritten graph the plan was made on; ``verify_only``: measure, repair nothing;
+    ``recapture(args, kwargs)``: the model captured on other inputs as ``planned`` was, see ``gate_graph``)."""
     gate = config.fidelity
     start = time.perf_counter()
-    sliced_args, sliced_kwargs, which = batch_slice(args, kwargs)
-    base = capture(model, sliced_args, sliced_kwargs).graph_module
-    # the passes decide from the planned graph's analysis (shapes, elements per channel, histograms): carried
-    # over by node name, the slice's graph is rewritten exactly as the plan says, and only runs on fewer samples
-    analysis = {n.name: {k: n.meta[k] for k in (META_KEY, HISTOGRAM_KEY) if k in n.meta} for n in planned.graph.nodes}
-    for node in base.graph.nodes:
-        node.meta.update(analysis.get(node.name, {}))
+    base, sliced_args, sliced_kwargs, which = gate_graph(model, planned, args, kwargs, recapture)
     ctx = PassContext(sliced_args, sliced_kwargs, config.device, real_examples(flat_inputs(base, sliced_args,
                                                                                          sliced_kwargs)))
     names = [n for n, _ in model.named_parameters()]
@@ -321,6 +343,12 @@ def fidelity_gate(model: nn.Module, args: tuple, kwargs: dict, config: Config, d
         done = cache.setdefault(key, [])
         if len(done) < len(losses):
             rewritten, _ = apply_decision(base, config, trial, ctx)
+            missing = [f"{t} {u}" for t, us in trial.items() if us for u in sorted(set(us) -
+                       set(rewritten_units(rewritten, t)))]
+            if missing:  # measuring a graph the plan does not rewrite would pass it unchecked
+                raise MemoptError(f"the fidelity gate's graph of {type(model).__name__} has no node for "
+                                  f"{', '.join(missing[:3])} of the plan ({len(missing)} units): a memopt bug; "
+                                  f"Config(fidelity=None) skips the gate")
             for loss, exact in list(zip(losses, exacts))[len(done):]:
                 approx = training_step(rewritten, model, sliced_args, sliced_kwargs, rng, loss).grads
                 steps[0] += 1

@@ -134,8 +134,12 @@ def build(model: nn.Module, args: tuple, kwargs: dict, config: Config, budget_by
     built = _rewrite(model, captured, args, kwargs, config, budget_bytes, optimizer, plan, baseline, ctx)
     initial = decision_set(built.graph_module)
     if gated and has_lossy_units(built.plan.units):
+        # the gate's slice is captured as this graph was (an export graph is specialised to the batch size)
+        recapture = (lambda a, k: capture_fn(model, a, k).graph_module) if capture_fn is not capture else \
+            (lambda a, k: export_capture(model, a, k).graph_module) if captured.method == "export" else \
+            (lambda a, k: capture(model, a, k).graph_module)
         built = _gate(model, captured.method, args, kwargs, config, budget_bytes, optimizer, baseline, pristine, ctx,
-                      built)
+                      built, recapture)
     built.plan.soundness = soundness.to_dict()
     built.captured, built.method, built.initial = pristine, captured.method, initial
     return built
@@ -172,12 +176,13 @@ def warn_unknown_names(config: Config, names: set, model: str) -> None:
 
 
 def _gate(model: nn.Module, method: str, args: tuple, kwargs: dict, config: Config, budget_bytes: Optional[int],
-          optimizer: Any, baseline: Estimate, pristine: fx.GraphModule, ctx: PassContext, built: Built) -> Built:
+          optimizer: Any, baseline: Estimate, pristine: fx.GraphModule, ctx: PassContext, built: Built,
+          recapture: Optional[Callable[[tuple, dict], fx.GraphModule]] = None) -> Built:
     """Run the fidelity gate on ``built``'s plan; re-apply the repaired decision when it changed anything. Under a
     budget, the bytes the repair gives back are found again by exact recomputation (the planner's last resort);
     a budget that cannot be met at the gate's cosine raises ``BudgetError`` with the least peak that can."""
     decision, report = fidelity_gate(model, args, kwargs, config, built.plan.chosen_units(), built.plan.units,
-                                     pristine)
+                                     pristine, recapture=recapture)
     if report["changes"]:
         log.info("memopt: the fidelity gate changed %d units of %s: %s", len(report["changes"]),
                  type(model).__name__, "; ".join(report["changes"][:3]))
@@ -191,7 +196,7 @@ def _gate(model: nn.Module, method: str, args: tuple, kwargs: dict, config: Conf
             built = Built(gm, plan, baseline, estimate)
         else:
             built = _refit(model, method, args, kwargs, config, budget_bytes, optimizer, baseline, pristine, ctx,
-                           built, decision, report)
+                           built, decision, report, recapture)
     if not report["passed"]:
         log.warning("memopt: %s: the fidelity gate could not bring every parameter to cosine %s in %d rounds: %s",
                     type(model).__name__, report["min_cosine"], report["rounds"], ", ".join(report["below"][:4]))
@@ -201,7 +206,8 @@ def _gate(model: nn.Module, method: str, args: tuple, kwargs: dict, config: Conf
 
 def _refit(model: nn.Module, method: str, args: tuple, kwargs: dict, config: Config, budget_bytes: int,
            optimizer: Any, baseline: Estimate, pristine: fx.GraphModule, ctx: PassContext, built: Built,
-           decision: Dict[str, Dict[str, Any]], report: Dict[str, Any]) -> Built:
+           decision: Dict[str, Dict[str, Any]], report: Dict[str, Any],
+           recapture: Optional[Callable[[tuple, dict], fx.GraphModule]] = None) -> Built:
     """The gate's repaired decision under the budget: recomputed blocks on top where it no longer fits."""
     target = budget_bytes - config.workspace_bytes(baseline.device)
     found, best = fit_decision(pristine, ctx, args, kwargs, config, baseline, target, optimizer, built.planned,
@@ -226,7 +232,8 @@ def _refit(model: nn.Module, method: str, args: tuple, kwargs: dict, config: Con
                                  f"bits gave back, within the budget")
         # the figures of the plan that runs: recomputed blocks replaced some lossy units by exact ones
         _, final = fidelity_gate(model, args, kwargs, dataclasses.replace(config, fidelity=dataclasses.replace(
-            config.fidelity, max_rounds=1)), plan.chosen_units(), plan.units, pristine, verify_only=True)
+            config.fidelity, max_rounds=1)), plan.chosen_units(), plan.units, pristine, verify_only=True,
+            recapture=recapture)
         report.update({k: final[k] for k in ("passed", "worst", "below", "parameters")})
         report["steps"] += final["steps"]
     return Built(found.graph_module, plan, baseline, found.estimate, found)

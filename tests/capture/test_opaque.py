@@ -72,3 +72,17 @@ def test_where_export_is_refused_the_symbolic_trace_serves(caplog):
     assert any("keeping the symbolic trace" in r.getMessage() and "custom autograd Function Scaled" in r.getMessage()
                for r in caplog.records)
     assert torch.equal(om(x), model(x))
+
+
+def test_the_fidelity_gate_measures_the_export_graph_the_plan_rewrites():
+    """The gate ran its steps on a symbolic trace of the slice while the plan named the export graph's nodes: no
+    unit was rewritten there, every gradient matched, and a 1-bit GELU plan passed unchecked."""
+    crushed = memopt.Config(fewbit=memopt.FewBitConfig(bits=1), stash=None, reversible=None)
+    for batch in (32, 4):  # a slice the gate captures again by export, and a batch it runs whole
+        torch.manual_seed(0)
+        model, x = Wrapped("gelu_mlp").train(), torch.randn(batch, 16)
+        om = memopt.optimize(model, example_inputs=x, config=crushed)
+        assert om.plan.capture == "export"
+        report = om.plan.fidelity
+        assert report["changes"] and report["changes"][0].startswith("fewbit")  # the 1-bit GELU missed
+        assert report["passed"] and report["worst"]["cosine"] < 1.0  # measured on a rewritten graph
