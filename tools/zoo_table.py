@@ -23,14 +23,11 @@ from tools.bench.common import RESULTS
 
 # (family as shown, sweep file, the rows' family field or None for all): the bf16 sweep holds several families
 SWEEPS = [("torchvision", "fidelity_sweep_torchvision_f76933a", None),
-          ("torchvision, below 1.5x re-run", "fidelity_sweep_torchvision_rerun_969b8b6", None),
-          ("torchvision, EfficientNet-B2 re-run", "fidelity_sweep_torchvision_rerun_e96e15e", None),
-          ("timm", "fidelity_sweep_timm", None), ("timm, its gate failures re-run", "fidelity_sweep_timm_rerun", None),
-          ("timm, below 1.5x re-run", "fidelity_sweep_timm_rerun_e96e15e", None),
-          ("timm, TinyViT re-run", "fidelity_sweep_timm_rerun_0944eec", None),
-          ("Hugging Face", "fidelity_sweep_hf", None),
-          ("Hugging Face, re-run at 4c2073c", "fidelity_sweep_hf_rerun_4c2073c", None),
-          ("Hugging Face, re-run at e96e15e", "fidelity_sweep_hf_rerun_e96e15e", None),
+          ("torchvision, captured by export since, re-run", "fidelity_sweep_torchvision_rerun_a2eb48f", None),
+          ("torchvision, Swin V2 re-run", "fidelity_sweep_torchvision_rerun_f1c9010", None),
+          ("timm", "fidelity_sweep_timm_5f0a6d7", None),
+          ("Hugging Face", "fidelity_sweep_hf_5b84306", None),
+          ("Hugging Face, Wav2Vec2 / HuBERT / BLOOM re-run", "fidelity_sweep_hf_rerun_f1c9010", None),
           ("timm, bf16 autocast", "fidelity_sweep_bf16_0a888e0", "timm"),
           ("timm, bf16, its gate failures re-run", "fidelity_sweep_bf16_timm_rerun", None),
           ("Hugging Face, bf16 autocast", "fidelity_sweep_bf16", "hf"),
@@ -60,7 +57,8 @@ def summarise(family: str, name: str, rows: List[Dict[str, Any]]) -> List[Any]:
             for op in ops:
                 kinds[f"{technique}: {KINDS.get(op, op)}"] += 1
     below = [r["model"] for r in rows if r.get("worst") is not None and r["worst"] < 0.98]
-    failed = [r["model"] for r in rows if str(r.get("gate", "")).startswith("FAILED")]
+    failed = [r["model"] for r in rows if "FAILED" in str(r.get("gate", ""))]  # a model's own or its whole-model gate
+    failed += [f"{r['model']} (error)" for r in rows if r.get("status") == "error"]
     least = min(((_ratio(r), r["model"]) for r in rows if _ratio(r)), default=(0.0, "-"))
     return [family, f"{len(rows)} ({name})",
             ", ".join(f"{c} {n}" for c, n in captures.most_common()) or "-",
