@@ -25,6 +25,8 @@ from tools.bench.common import RESULTS
 SWEEPS = [("torchvision", "fidelity_sweep_torchvision_f76933a", None),
           ("torchvision, captured by export since, re-run", "fidelity_sweep_torchvision_rerun_a2eb48f", None),
           ("torchvision, Swin V2 re-run", "fidelity_sweep_torchvision_rerun_f1c9010", None),
+          ("torchvision, the larger ones captured by export since, re-run", "fidelity_sweep_torchvision_rerun_7d69347",
+           None),
           ("timm", "fidelity_sweep_timm_5f0a6d7", None),
           ("Hugging Face", "fidelity_sweep_hf_5b84306", None),
           ("Hugging Face, Wav2Vec2 / HuBERT / BLOOM re-run", "fidelity_sweep_hf_rerun_f1c9010", None),
