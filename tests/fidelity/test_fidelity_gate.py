@@ -251,3 +251,27 @@ def test_a_widespread_raise_goes_by_bits_before_it_makes_units_exact():
     raised, moves, _ = fidelity._raise_all(decision, config, "stash", lossy, weights)
     assert raised["stash"] == {"chain": 8, "mask": None} and moves == "1 unit 4 -> 8 bits, 1 unit 8 bits -> exact"
     assert decision == {"stash": {"chain": 4, "code": 8, "mask": None}, "fewbit": {"gelu": 8}}  # a copy was raised
+
+
+def test_the_gate_runs_the_planned_graph_when_the_slice_captures_another(caplog):
+    """A slice's capture whose nodes are not the planned graph's would make the plan name nodes it lacks: the gate
+    then runs the planned graph itself on the whole batch (and logs why) rather than measure an unrewritten one."""
+    import logging
+
+    from memopt.capture import capture
+    torch.manual_seed(0)
+    model, x = GeluMLP(), torch.randn(16, 64)
+    planned = capture(model, (x,), {}).graph_module
+
+    def other(args, kwargs):
+        gm = capture(model, args, kwargs).graph_module
+        next(n for n in gm.graph.nodes if n.op == "call_function").name = "renamed"
+        return gm
+
+    with caplog.at_level(logging.INFO, logger="memopt"):
+        base, args, _, which = fidelity.gate_graph(model, planned, (x,), {}, other)
+    assert which == "the whole example batch" and args[0] is x
+    assert [n.name for n in base.graph.nodes] == [n.name for n in planned.graph.nodes] and base is not planned
+    assert "captured on the first samples is not the planned graph" in caplog.text
+    base, args, _, which = fidelity.gate_graph(model, planned, (x,), {}, lambda a, k: capture(model, a, k).graph_module)
+    assert which == "the first 4 of 16 samples" and args[0].shape[0] == 4
