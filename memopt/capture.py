@@ -330,34 +330,43 @@ def _defaults_left_out(model: nn.Module, args: tuple, kwargs: dict) -> Dict[str,
     return left
 
 
-def export_capture(model: nn.Module, args: tuple, kwargs: dict) -> Captured:
-    """Capture ``model`` with ``torch.export`` (non-strict) on the example inputs; raises what export raises, and
-    ``TraceError`` for a custom autograd Function export would inline (its own backward would not run)."""
+def export_module(model: nn.Module, args: tuple, kwargs: dict, dynamic_shapes: Any = None) -> fx.GraphModule:
+    """``torch.export`` (non-strict) of ``model``: its module, each custom autograd Function kept as one operator
+    (``memopt.functions``); raises what export raises, and ``TraceError`` for a Function export would inline (its
+    own backward would not run). The model's attributes and mode are restored."""
     was_training = model.training
+    applied: Dict[type, str] = {}
+    snapshot = _attribute_snapshot(model)  # export runs the forward's Python too
     try:
-        applied: Dict[type, str] = {}
-        snapshot = _attribute_snapshot(model)  # export runs the forward's Python too
-        try:
-            with _quiet("torch.fx.experimental.symbolic_shapes"), _patched_apply(_as_operators(applied)):
-                # (a failure is reported by us, with its construct)
-                exported = torch.export.export(model, args, kwargs=kwargs, strict=False)
-        finally:
-            _restore_attributes(*snapshot)
-        if applied:
-            names = ", ".join(f"{cls.__qualname__} ({where})" for cls, where in list(applied.items())[:3])
-            raise TraceError(f"torch.export inlines the custom autograd Function {names}: its own backward would "
-                             f"not run.", f"custom autograd Function {names}")
-        ep_module = exported.module()
-        graph = ep_module.graph
-        _drop_export_guards(graph)
-        functions = _function_calls(graph)
-        graph.lint()
-        gm = _rebuild_on_model(model, graph, ep_module, functions)
-        drop_constant_masks(gm)
-        share_repeated_constants(gm, model)  # what eager caches, the trace built per call
-        return Captured(gm, "export")
+        with _quiet("torch.fx.experimental.symbolic_shapes"), _patched_apply(_as_operators(applied)):
+            # (a failure is reported by us, with its construct)
+            exported = torch.export.export(model, args, kwargs=kwargs, strict=False, dynamic_shapes=dynamic_shapes)
     finally:
+        _restore_attributes(*snapshot)
         model.train(was_training)
+    if applied:
+        names = ", ".join(f"{cls.__qualname__} ({where})" for cls, where in list(applied.items())[:3])
+        raise TraceError(f"torch.export inlines the custom autograd Function {names}: its own backward would "
+                         f"not run.", f"custom autograd Function {names}")
+    return exported.module()
+
+
+def on_model(model: nn.Module, ep_module: fx.GraphModule) -> fx.GraphModule:
+    """The graph of an exported module on ``model``'s own objects, its Functions as ``FunctionCall``s."""
+    graph = ep_module.graph
+    _drop_export_guards(graph)
+    functions = _function_calls(graph)
+    graph.lint()
+    return _rebuild_on_model(model, graph, ep_module, functions)
+
+
+def export_capture(model: nn.Module, args: tuple, kwargs: dict) -> Captured:
+    """Capture ``model`` with ``torch.export`` (``export_module``), with what a trace builds that eager does not
+    replaced by what eager runs."""
+    gm = on_model(model, export_module(model, args, kwargs))
+    drop_constant_masks(gm)
+    share_repeated_constants(gm, model)  # what eager caches, the trace built per call
+    return Captured(gm, "export")
 
 
 _OWN_MODULES = ("torch", "memopt", "_operator", "operator", "math", "builtins")

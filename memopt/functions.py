@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import itertools
 import threading
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
@@ -118,7 +118,3 @@ def function_of(target: Any) -> Optional[type]:
     if isinstance(target, torch._ops.OpOverload) and target.namespace == NAMESPACE:
         return FUNCTIONS.get(target._schema.name.split("::", 1)[1])
     return None
-
-
-def operator_names() -> List[str]:
-    return sorted(FUNCTIONS)

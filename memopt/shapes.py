@@ -32,9 +32,7 @@ from torch import fx, nn
 from torch.export import Dim, ShapesCollection
 from torch.utils._pytree import keystr, tree_flatten_with_path
 
-from memopt.capture import (Captured, _attribute_snapshot, _drop_export_guards, _patched_apply, _quiet,
-                            _rebuild_on_model, _as_operators, _function_calls, _restore_attributes, capture,
-                            flat_inputs)
+from memopt.capture import Captured, capture, export_module, flat_inputs, on_model
 from memopt.config import Config
 from memopt.core.errors import TraceError
 from memopt.core.meta import DECISION_KEY
@@ -116,27 +114,12 @@ class DynamicExport:
             dims = {i: Dim.AUTO for p, i in self.dims if p == keystr(path)}
             if isinstance(leaf, torch.Tensor) and dims:
                 shapes[leaf] = dims
-        applied: Dict[type, str] = {}
-        snapshot, was_training = _attribute_snapshot(model), model.training
-        try:
-            with _quiet("torch.fx.experimental.symbolic_shapes"), _patched_apply(_as_operators(applied)):
-                exported = torch.export.export(model, args, kwargs=kwargs, strict=False,
-                                               dynamic_shapes=shapes.dynamic_shapes(model, args, kwargs))
-        finally:
-            _restore_attributes(*snapshot)
-            model.train(was_training)
-        if applied:
-            names = sorted(c.__qualname__ for c in applied)
-            raise TraceError(f"torch.export inlines the custom autograd Functions {names}", "custom autograd Function")
-        ep_module = exported.module()
+        ep_module = export_module(model, args, kwargs, shapes.dynamic_shapes(model, args, kwargs))
         guards = getattr(ep_module, "_guards_fn", None)
         if guards is None:
             raise TraceError("torch.export made no shape guards for its graph, so no other size can be checked",
                              "no shape guards")
-        _drop_export_guards(ep_module.graph)
-        functions = _function_calls(ep_module.graph)
-        ep_module.graph.lint()
-        return _rebuild_on_model(model, ep_module.graph, ep_module, functions), guards
+        return on_model(model, ep_module), guards
 
 
 class Recaptured:

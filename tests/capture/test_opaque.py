@@ -51,27 +51,28 @@ def test_the_symbolic_trace_names_the_functions_it_kept_whole():
     assert opaque_functions(capture(model, (x,), {}).graph_module) == [f"{__name__}.gelu_mlp"]
 
 
-def test_a_model_with_a_wrapped_function_is_captured_by_export_and_rewritten_inside(caplog):
+def _optimized(function: str, caplog):
+    """(om, the log messages) of the default plan of ``Wrapped(function)``, whose forward matches eager's."""
     torch.manual_seed(0)
-    model, x = Wrapped("gelu_mlp").train(), torch.randn(32, 16)
+    model, x = Wrapped(function).train(), torch.randn(32, 16)
     with caplog.at_level(logging.INFO, logger="memopt"):
         om = memopt.optimize(model, example_inputs=x)
+    assert torch.equal(om(x), model(x))
+    return om, [r.getMessage() for r in caplog.records]
+
+
+def test_a_model_with_a_wrapped_function_is_captured_by_export_and_rewritten_inside(caplog):
+    om, messages = _optimized("gelu_mlp", caplog)
     assert om.plan.capture == "export"
     assert any(n.technique == "fewbit" for n in om.plan.nodes)  # the GELU inside is reached
-    assert any(f"symbolic_trace kept {__name__}.gelu_mlp whole" in r.getMessage() and "torch.export instead"
-               in r.getMessage() for r in caplog.records)
-    assert torch.equal(om(x), model(x))
+    assert any(f"symbolic_trace kept {__name__}.gelu_mlp whole" in m and "torch.export instead" in m
+               for m in messages)
 
 
 def test_where_export_is_refused_the_symbolic_trace_serves(caplog):
-    torch.manual_seed(0)
-    model, x = Wrapped("with_function").train(), torch.randn(32, 16)
-    with caplog.at_level(logging.INFO, logger="memopt"):
-        om = memopt.optimize(model, example_inputs=x)
+    om, messages = _optimized("with_function", caplog)
     assert om.plan.capture == "symbolic_trace"
-    assert any("keeping the symbolic trace" in r.getMessage() and "custom autograd Function Scaled" in r.getMessage()
-               for r in caplog.records)
-    assert torch.equal(om(x), model(x))
+    assert any("keeping the symbolic trace" in m and "custom autograd Function Scaled" in m for m in messages)
 
 
 def test_the_fidelity_gate_measures_the_export_graph_the_plan_rewrites():
