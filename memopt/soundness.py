@@ -115,6 +115,14 @@ def seed_host_rngs(rng: torch.Tensor) -> None:
         numpy.random.seed(seed)
 
 
+def unseen_rng_state() -> torch.Tensor:
+    """A CPU RNG state derived from the current one but not equal to it. Capture traces at the current state and
+    puts it back, so a draw the trace baked into its graph as a constant (``torch.randn(8, 8)`` with no tensor
+    argument) would equal the eager step's draw from that same state: compared from another state, it differs."""
+    seed = int.from_bytes(hashlib.blake2b(bytes(torch.get_rng_state().tolist()), digest_size=8).digest(), "little")
+    return torch.Generator().manual_seed(seed ^ 0x5EED).get_state()
+
+
 def training_step(fn, model: nn.Module, args: tuple, kwargs: dict, rng: torch.Tensor, loss_fn=None) -> StepResult:
     params = list(model.parameters())
     state = {storage_key(t) for t in params + list(model.buffers())}
@@ -155,7 +163,8 @@ def _differences(model: nn.Module, eager: StepResult, captured: StepResult, meth
     found = []
     if len(eager.output) != len(captured.output) or not all(map(_same, eager.output, captured.output)):
         found.append("the training forward's outputs differ (a value the trace fixed as a constant: a draw from "
-                     "Python's or numpy's RNG, or a tensor's value read in Python?)")
+                     "torch with no tensor argument (torch.randn(8, 8)), from Python's or numpy's RNG, or a tensor's "
+                     "value read in Python?)")
     bad = [n for n, a, b in zip(buffer_names, eager.buffers, captured.buffers) if not _same(a, b)]
     if bad:
         found.append(f"buffers after the step differ: {', '.join(bad[:4])}{' ...' if len(bad) > 4 else ''} (an "
@@ -234,7 +243,7 @@ def check_capture(model: nn.Module, gm: fx.GraphModule, method: str, args: tuple
     graph = gm
     if method == "export" and which != "the whole example batch" and recapture is not None:
         graph = recapture(sliced_args, sliced_kwargs)  # export graphs are specialised to their input shapes
-    rng = torch.get_rng_state()
+    rng = unseen_rng_state()
     fingerprint = attribute_fingerprint(model)
     try:
         eager = training_step(model, model, sliced_args, sliced_kwargs, rng)

@@ -43,7 +43,9 @@ from memopt.core.meta import DECISION_KEY
 from memopt.cost_model.analysis import Estimate
 from memopt.stash.config import StashConfig
 from memopt.passes.base import PassContext, PassResult, PlannerHooks, node_numel, register_pass
-from memopt.passes.stash_generic import compact_extras, generic_stash
+from memopt.passes.stash_extras import compact_extras
+from memopt.passes.stash_generic import generic_stash
+from memopt.passes.stash_weights import recompute_weights
 from memopt.passes.stash_forms import (BNForm, bn_form, consumer, consumer_reason, in_place_add, max_pool,
                                        rebuild_kind, trainable_weight)
 
@@ -323,6 +325,8 @@ def stash_pass(gm: fx.GraphModule, cfg: StashConfig, ctx: PassContext) -> PassRe
         modified |= generic_stash(gm, cfg, ctx)
     if cfg.compact_extras:
         modified |= compact_extras(gm, cfg)
+    if cfg.recompute_weights:  # the consumers the generic stash left with their input exact
+        modified |= recompute_weights(gm)
     return PassResult(gm, modified)
 
 

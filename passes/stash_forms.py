@@ -27,7 +27,8 @@ from torch import fx, nn
 
 from memopt.capture import has_hooks
 from memopt.core.meta import META_KEY
-from memopt.passes.stash_generic import _arg, _max_pool_args, _parameter
+from memopt.passes.stash_extras import _max_pool_args
+from memopt.passes.stash_generic import _arg, _parameter
 
 aten = torch.ops.aten
 BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)

@@ -1,4 +1,4 @@
-"""The stash pass, second part: a generic K-bit stash for weight-op inputs and compact exact extras.
+"""The stash pass, second part: a generic K-bit stash for weight-op inputs.
 
 Generic stash (``StashConfig(generic=True)``): the inputs of conv, linear and matmul-with-a-parameter
 nodes that no BatchNorm chain covers (transformer projections, LayerNorm outputs, first layers) are
@@ -10,11 +10,9 @@ it. An activation whose exact gradient is a 1-bit mask and that keeps the same t
 output, the next conv its input) joins the unit and keeps its mask instead (``passes.fewbit.exact_masks``):
 alone, neither the few-bit pass nor the stash would free that storage. Where every consumer reads the output
 of a coded norm that codes its own input (a pre-norm block's q / k / v), the consumers keep no codes: they rebuild
-their input as the norm of those codes (``memopt.stash.rebuild``). Only weight gradients become approximate.
-
-Compact extras (``StashConfig(compact_extras=True)``, exact): training dropout keeps a 1-bit mask,
-``torch.where`` a 1-bit condition, where the node alone keeps that tensor; a 2-d max pool keeps its window
-offsets instead of its input and int64 indices.
+their input as the norm of those codes (``memopt.stash.rebuild``); where a consumer's weight is computed from
+parameters alone, it is recomputed in backward too (``passes/stash_weights.py``). Only weight gradients become
+approximate. The exact extras (1-bit dropout masks, max-pool offsets) are ``passes/stash_extras.py``.
 """
 from __future__ import annotations
 
@@ -29,14 +27,15 @@ from memopt.core.meta import META_KEY, STATE_CATEGORIES
 from memopt.cost_model.op_registry import op_kind
 from memopt.capture import has_hooks
 from memopt.runtime.bitpack import packed_nbytes
-from memopt.stash.generic import (conv_from_codes, dropout_1bit, generic_encode, linear_from_codes, row_group,
-                                      matmul_from_codes, where_1bit)
+from memopt.stash.generic import (conv_from_codes, generic_encode, linear_from_codes, row_group,
+                                      matmul_from_codes)
 from memopt.core.meta import DECISION_KEY
 from memopt.stash.config import StashConfig
-from memopt.stash.pool import max_pool2d_indices_only
 from memopt.stash.rebuild import RebuildSpec, weight_op_from_rebuild
 from memopt.passes.base import PassContext
 from memopt.passes.fewbit import exact_masks, replace_with_mask
+from memopt.passes.stash_weights import Recipe, parameter_only, recipe_of, rewrite_with_recipe
+from memopt.stash.weights import WeightOpSpec
 from memopt.passes.stash_coded import (NORMS, Call, call_unit, find_call, live, members, norm_rows, rewrite_call,
                                        savers_by_storage, settle)
 
@@ -87,14 +86,40 @@ def _consumer(gm: fx.GraphModule, node: fx.Node, modules, kinds: Tuple[str, ...]
             F.linear, aten.linear.default, F.conv1d, F.conv2d, F.conv3d, aten.conv1d.default, aten.conv2d.default,
             aten.conv3d.default, torch.matmul, operator.matmul, aten.matmul.default, aten.mm.default):
         return kind, f"{node.target} has no generic stash form"
-    weight = _parameter(gm, _arg(node, 1, "weight", _arg(node, 1, "other")))
-    if weight is None:
-        return kind, "its weight is computed in the graph, not a parameter (both operands are activations)"
+    weight_node = _arg(node, 1, "weight", _arg(node, 1, "other"))
+    weight = _parameter(gm, weight_node)
+    shape = tuple(weight.shape) if weight is not None else _from_parameters(weight_node)
+    if shape is None:
+        return kind, "its weight is computed in the graph from the model's inputs (both operands are activations)"
     if kind == "conv" and isinstance(_arg(node, 4, "padding", 0), str):
         return kind, f"padding {_arg(node, 4, 'padding')!r} (numeric only)"
-    if kind == "matmul" and weight.dim() != 2:
-        return kind, f"a matmul with a {weight.dim()}-D parameter (2-D only)"
+    if kind == "matmul" and len(shape) != 2:
+        return kind, f"a matmul with a {len(shape)}-D parameter (2-D only)"
     return kind, ""
+
+
+def _from_parameters(node) -> Optional[tuple]:
+    """The shape of a weight the graph computes from parameters and constants alone (timm's weight-standardised
+    convs, a reparameterised kernel), else None. Such a weight has no batch dimension and no gradient path back
+    into the activations: the rewrite keeps it exactly as the op did, so only parameter gradients see the codes."""
+    if not isinstance(node, fx.Node):
+        return None
+    seen, stack = set(), [node]
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "placeholder":
+            return None
+        stack.extend(n.all_input_nodes)
+    cost = node.meta.get(META_KEY)
+    return tuple(cost.shapes[0]) if cost is not None and len(cost.shapes) == 1 else None
+
+
+def _storage(node) -> Optional[int]:
+    cost = node.meta.get(META_KEY) if isinstance(node, fx.Node) else None
+    return cost.storages[0][0] if cost is not None and len(cost.storages) == 1 else None
 
 
 def _describe(node: fx.Node, kind: str, gm: fx.GraphModule, modules) -> Consumer:
@@ -131,8 +156,10 @@ def generic_stash(gm: fx.GraphModule, cfg: StashConfig, ctx: PassContext) -> boo
     # x @ parameter is a weight op (its unit rewrites it); a matmul of two activations stays a coded call
     weight_ops = {c for _, _, consumers, _ in units.values() for c in consumers
                   if len(c.args) > 1 and _parameter(gm, c.args[1]) is not None}
+    weights = parameter_only(gm)  # a weight's recipe (kept whole: recomputed, or kept as eager keeps it)
     for node in list(gm.graph.nodes):
-        call = find_call(node, modules, cfg.coded_ops, cfg.min_per_channel) if cfg.coded_ops else None
+        call = find_call(node, modules, cfg.coded_ops, cfg.min_per_channel) \
+            if cfg.coded_ops and node not in weights else None
         if call is None or node in weight_ops:
             continue
         reason = _excluded(ctx, cfg, call_unit(node)) or (f"the node {node.name} is excluded by StashConfig deny"
@@ -184,7 +211,7 @@ def generic_stash(gm: fx.GraphModule, cfg: StashConfig, ctx: PassContext) -> boo
             _rewrite_rebuilt(gm, modules, unit, consumers, *source, bits, encode, replaced)
             continue
         _rewrite_unit(gm, modules, unit, consumers, ctx.bits("stash", unit, cfg.generic_bits_for(unit)), encode,
-                      replaced)
+                      replaced, cfg.recompute_weights)
     for name, call in calls.items():
         if name not in rewritten:
             _decide(call.node, f"coded {call.kind}: it would free no more than its codes cost (what it keeps is "
@@ -241,7 +268,9 @@ def _weight_units(gm: fx.GraphModule, cfg: StashConfig, modules) -> Dict[object,
             why = f"its input's dtype {_dtype(data)} is not one of {list(_FLOATS)}"
         # what it keeps besides copies it made itself (autocast's low-precision copies of its input and weight,
         # a transposed input made contiguous): those the rewrite drops, keeping the codes and the weight instead
-        own = [r for r in kept if r.category != "extra"]
+        # and the weight when the graph computes it (it stays kept as it is)
+        weight = _storage(_arg(node, 1, "weight", _arg(node, 1, "other"))) if node.op == "call_function" else None
+        own = [r for r in kept if r.category != "extra" and (r.key != weight or weight is None)]
         if not why and len(own) > 1:
             why = "it keeps more than its input"
         if not why and own and own[0].category == "input":
@@ -292,13 +321,24 @@ class _Encoder:
 
 
 def _rewrite_unit(gm: fx.GraphModule, modules, unit: str, consumers: List[fx.Node], bits: int,
-                  encode: _Encoder, replaced: Dict[fx.Node, fx.Node]) -> None:
+                  encode: _Encoder, replaced: Dict[fx.Node, fx.Node], reweight: bool) -> None:
     graph = gm.graph
     for node in consumers:
         c = _describe(node, op_kind(node, modules), gm, modules)
         packed, params = encode(c.data, bits, unit)
         group = encode.group(c.data)
         label = node.format_node()
+        recipe = recipe_of(gm, node, modules) if reweight and c.kind != "matmul" and node.op == "call_function" \
+            else None
+        if isinstance(recipe, Recipe):  # a weight computed from parameters: recomputed, not kept
+            new = rewrite_with_recipe(gm, node, recipe, WeightOpSpec(c.kind, c.conv, bits, group, label), c.data,
+                                      c.bias, packed, params)
+            new.meta[DECISION_KEY] = {
+                "technique": "stash", "bits": bits, "replaces": [node.name], "unit": unit,
+                "reason": f"input rebuilt from the generic stash of {unit} for the weight gradient; its weight, "
+                          f"computed from parameters, recomputed in backward; the input gradient stays exact"}
+            replaced[node] = new
+            continue
         with graph.inserting_before(node):
             if c.kind == "linear":
                 new = graph.create_node("call_function", linear_from_codes,
@@ -387,104 +427,6 @@ def stash_nbytes(numel: int, bits: int, group: int) -> int:
     return packed_nbytes(numel, bits) + 8 * -(-numel // group)
 
 
-def _dropout_args(node: fx.Node, modules) -> Optional[Tuple[float, bool, bool]]:
-    """(p, training, inplace) of a plain element-wise dropout node, else None."""
-    if node.op == "call_module":
-        module = modules[node.target]
-        if type(module) is not nn.Dropout or has_hooks(module):
-            return None
-        return float(module.p), module.training, module.inplace
-    if node.target is F.dropout:
-        return float(_arg(node, 1, "p", 0.5)), _arg(node, 2, "training", True), _arg(node, 3, "inplace", False)
-    if node.target is aten.dropout.default:
-        return float(_arg(node, 1, "p")), _arg(node, 2, "train"), False
-    return None
-
-
-def _max_pool_args(node: fx.Node, modules) -> Optional[Tuple]:
-    """(kernel_size, stride, padding, dilation, ceil_mode) of a 2-d max pool of a 4-d input that returns no
-    indices (a module, ``F.max_pool2d`` or ``aten.max_pool2d``), else None."""
-    inp = _arg(node, 0, "input")
-    cost = inp.meta.get(META_KEY) if isinstance(inp, fx.Node) else None
-    if cost is None or len(cost.shapes) != 1 or len(cost.shapes[0]) != 4:
-        return None
-    if node.op == "call_module":
-        m = modules[node.target]
-        if type(m) is not nn.MaxPool2d or m.return_indices or has_hooks(m):
-            return None
-        return m.kernel_size, m.stride, m.padding, m.dilation, m.ceil_mode
-    names = ("kernel_size", "stride", "padding", "dilation", "ceil_mode")
-    if node.target is F.max_pool2d:
-        if _arg(node, 6, "return_indices", False):
-            return None
-        values = [_arg(node, i + 1, n, d) for i, (n, d) in enumerate(zip(names, (None, None, 0, 1, False)))]
-    elif node.target is aten.max_pool2d.default:
-        values = [_arg(node, i + 1, n, d) for i, (n, d) in enumerate(zip(names, (None, [], 0, 1, False)))]
-    else:
-        return None
-    if any(isinstance(v, fx.Node) for v in values) or values[0] is None:
-        return None
-    values[1] = values[1] or values[0]  # no stride: the kernel size
-    return tuple(values)
-
-
 def _dtype(node) -> Optional[str]:
     cost = node.meta.get(META_KEY) if isinstance(node, fx.Node) else None
     return cost.dtypes[0] if cost is not None and cost.dtypes else None
-
-
-def compact_extras(gm: fx.GraphModule, cfg: StashConfig) -> bool:
-    """Dropout masks and ``torch.where`` conditions kept as 1 bit, max pools keeping window offsets (all
-    exact); True when anything changed."""
-    modules = dict(gm.named_modules())
-    graph = gm.graph
-    modified = False
-    masks = None  # exact_masks, found once at the first max pool
-    for node in list(graph.nodes):
-        kind = op_kind(node, modules)
-        kept = _kept(node)
-        if not kept or node.name in cfg.deny:
-            continue
-        pool = _max_pool_args(node, modules) if kind == "max_pool" else None
-        if pool is not None and any(set(s.savers) == {node.name} for s in kept):
-            # its int64 indices are its own: ceil(log2(kh*kw)) bits per output free them; a ReLU that keeps
-            # the same input (its output) keeps its 1-bit mask instead, and the input is freed too
-            masks = exact_masks(gm, modules) if masks is None else masks
-            for s in kept:
-                others = [n for n in s.savers if n != node.name]
-                take = _keeping_only(s.key, others, masks)
-                if others and len(take) == len(others):
-                    for m in take:
-                        replace_with_mask(gm, *m, None, f"with it {node.name} frees this output (its input)")
-                        del masks[m[0].name]
-            with graph.inserting_before(node):
-                new = graph.create_node("call_function", max_pool2d_indices_only, (_arg(node, 0, "input"), *pool),
-                                        name=f"{node.name}_indices")
-            note = "keeps only where each maximum sat in its window (exact), not its input and int64 indices"
-            new.meta[DECISION_KEY] = {"technique": "stash", "bits": None, "replaces": [node.name], "reason": note}
-            node.replace_all_uses_with(new)
-            graph.erase_node(node)
-            modified = True
-            continue
-        if any(set(s.savers) != {node.name} for s in kept):
-            continue  # shares what it keeps: a compact copy would free nothing
-        if kind == "dropout":
-            found = _dropout_args(node, modules)
-            if found is None or found[1] is not True or found[2] or not 0.0 < found[0] < 1.0:
-                continue
-            with graph.inserting_before(node):
-                new = graph.create_node("call_function", dropout_1bit, (_arg(node, 0, "input"), found[0]),
-                                        name=f"{node.name}_1bit")
-            note = "dropout mask kept as 1 bit per element (exact)"
-        elif node.target in (torch.where, aten.where.self) and len(node.args) == 3 and not node.kwargs \
-                and _dtype(node.args[0]) == "bool":
-            with graph.inserting_before(node):
-                new = graph.create_node("call_function", where_1bit, node.args, name=f"{node.name}_1bit")
-            note = "boolean condition kept as 1 bit per element (exact)"
-        else:
-            continue
-        new.meta[DECISION_KEY] = {"technique": "stash", "bits": 1, "replaces": [node.name], "reason": note}
-        node.replace_all_uses_with(new)
-        graph.erase_node(node)
-        modified = True
-    return modified

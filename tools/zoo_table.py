@@ -37,6 +37,7 @@ SWEEPS = [("torchvision", "fidelity_sweep_torchvision_f76933a", None),
 KINDS = {"bn_act_stash": "BN-act chains", "conv_from_stash": "convs after chains", "linear_from_stash":
          "linears after chains", "generic_encode": "generic codes", "linear_from_codes": "linear inputs",
          "conv_from_codes": "conv inputs", "weight_op_from_rebuild": "rebuilt after norms",
+         "weight_op_recomputed": "recomputed weights",
          "coded_call": "coded ops (norms, attention, products)", "fewbit_activation": "activations",
          "dropout_1bit": "dropout masks", "max_pool2d_indices_only": "max-pool offsets"}
 

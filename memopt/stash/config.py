@@ -85,6 +85,10 @@ class StashConfig:
         compact_extras: keep training-dropout masks and ``torch.where`` boolean conditions as 1 bit
             per element (default True: exact, same ops and random draws, bit-identical outputs
             and gradients; CPU dropout otherwise keeps a float32 noise tensor).
+        recompute_weights: a conv or linear whose weight the graph computes from parameters alone (timm's
+            weight-standardised convs, weight norm) keeps the parameters it reads and recomputes the weight in
+            backward, instead of keeping a weight-sized copy per op (default True: exact, the same ops on the
+            same parameters; one more pass over the weight per step; ``memopt/stash/weights.py``).
     """
 
     bits: int = 4
@@ -100,6 +104,7 @@ class StashConfig:
     stochastic: bool = False
     consumers: Tuple[str, ...] = CONSUMERS
     compact_extras: bool = True
+    recompute_weights: bool = True
     scale_identity: bool = True
     identity_extra_bit: bool = True
     bin_means: bool = True
@@ -110,8 +115,8 @@ class StashConfig:
         if not isinstance(self.coded_ops, (tuple, list)) or not set(self.coded_ops) <= set(CODED_OPS):
             raise ValueError(f"StashConfig.coded_ops must be a tuple drawn from {CODED_OPS}, got {self.coded_ops!r}")
         object.__setattr__(self, "coded_ops", tuple(self.coded_ops))
-        for name in ("generic", "stochastic", "compact_extras", "scale_identity", "identity_extra_bit",
-                     "bin_means"):
+        for name in ("generic", "stochastic", "compact_extras", "recompute_weights", "scale_identity",
+                     "identity_extra_bit", "bin_means"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"StashConfig.{name} must be True or False, got {getattr(self, name)!r}")
         if not isinstance(self.group_size, int) or isinstance(self.group_size, bool) or self.group_size < 1:

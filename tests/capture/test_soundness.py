@@ -420,11 +420,40 @@ def test_draws_from_numpy_are_neither_baked_into_the_graph_nor_taken_from_the_us
         om = memopt.optimize(model, example_inputs=x)
     assert (np.random.get_state()[1] == states[0]).all() and random.getstate() == states[1]
     assert om.plan.capture == "per-submodule"
-    assert "the training forward's outputs differ (a value the trace fixed as a constant: a draw from Python's " \
-           "or numpy's RNG" in caplog.text
+    assert "the training forward's outputs differ (a value the trace fixed as a constant: a draw from torch " \
+           "with no tensor argument (torch.randn(8, 8)), from Python's or numpy's RNG" in caplog.text
     assert om.plan.fidelity["passed"]
     for step in range(2):
         np.random.seed(step)
         out = om(x)
         np.random.seed(step)
+        assert torch.equal(out, reference(x))
+
+
+class TorchNoise(nn.Module):
+    """Adds noise drawn by torch from a shape alone: the symbolic trace evaluates the draw once, as a constant."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.b(self.a(x) + 0.1 * torch.randn(16))
+
+
+def test_a_torch_draw_the_trace_baked_in_is_caught_though_the_trace_drew_from_the_same_state(caplog):
+    """Capture puts torch's RNG back after tracing, so the baked constant equals what an eager step from that state
+    draws: the check compares from another state and sees the difference (before, the model ran on its first draw
+    for every step)."""
+    torch.manual_seed(0)
+    model, x = TorchNoise().train(), torch.randn(4, 8)
+    reference = copy.deepcopy(model)
+    with caplog.at_level(logging.INFO, logger="memopt"):
+        om = memopt.optimize(model, example_inputs=x)
+    assert "a draw from torch with no tensor argument" in caplog.text
+    assert om.plan.capture == "per-submodule"
+    for step in range(2):
+        torch.manual_seed(step)
+        out = om(x)
+        torch.manual_seed(step)
         assert torch.equal(out, reference(x))
