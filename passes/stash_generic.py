@@ -17,6 +17,7 @@ approximate. The exact extras (1-bit dropout masks, max-pool offsets) are ``pass
 from __future__ import annotations
 
 import operator
+import warnings
 from typing import Dict, List, NamedTuple, Optional, Set, Tuple
 
 import torch
@@ -126,7 +127,9 @@ def _describe(node: fx.Node, kind: str, gm: fx.GraphModule, modules) -> Consumer
     module = modules.get(node.target) if node.op == "call_module" else None
     graph = gm.graph
     if module is not None:
-        with graph.inserting_before(node):
+        with graph.inserting_before(node), warnings.catch_warnings():
+            # a parametrised weight is a property, which fx reads at run time but warns about
+            warnings.filterwarnings("ignore", "Attempted to insert a get_attr Node with no underlying reference")
             weight = graph.get_attr(f"{node.target}.weight")
             bias = graph.get_attr(f"{node.target}.bias") if module.bias is not None else None
         conv = (module.stride, module.padding, module.dilation, module.groups) if kind == "conv" else ()
@@ -328,9 +331,10 @@ def _rewrite_unit(gm: fx.GraphModule, modules, unit: str, consumers: List[fx.Nod
         packed, params = encode(c.data, bits, unit)
         group = encode.group(c.data)
         label = node.format_node()
-        recipe = recipe_of(gm, node, modules) if reweight and c.kind != "matmul" and node.op == "call_function" \
-            else None
+        recipe = recipe_of(gm, node, modules) if reweight and c.kind != "matmul" else None
         if isinstance(recipe, Recipe):  # a weight computed from parameters: recomputed, not kept
+            if not c.weight.users and c.weight is not _arg(node, 1, "weight"):
+                graph.erase_node(c.weight)  # the module's weight read _describe made
             new = rewrite_with_recipe(gm, node, recipe, WeightOpSpec(c.kind, c.conv, bits, group, label), c.data,
                                       c.bias, packed, params)
             new.meta[DECISION_KEY] = {

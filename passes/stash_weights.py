@@ -10,11 +10,15 @@ rewrites the consumers left with their input exact.
 """
 from __future__ import annotations
 
-from typing import List, NamedTuple, Set, Union
+from typing import List, NamedTuple, Optional, Set, Tuple, Union
 
 import torch
 import torch.nn.functional as F
-from torch import fx
+from torch import fx, nn
+from torch.func import functional_call
+from torch.nn.utils import parametrize
+
+from memopt.capture import has_hooks
 
 from memopt.core.meta import DECISION_KEY, META_KEY, STATE_CATEGORIES
 from memopt.cost_model.op_registry import op_kind
@@ -29,8 +33,39 @@ _RANDOM = ("normal", "multinomial", "poisson")  # the out-of-place draws not nam
 
 
 class Recipe(NamedTuple):
-    nodes: List[fx.Node]  # graph order, the weight last
+    nodes: List[fx.Node]  # graph order, the weight last (none for a parametrised module's weight)
     leaves: List[fx.Node]  # the get_attr nodes it reads (parameters, buffers, constants)
+    module: Optional[nn.Module] = None  # the recipe when it is not made of the graph's nodes
+
+
+class ParametrizedWeight(nn.Module):
+    """A module's parametrised weight (``torch.nn.utils.parametrize``: weight norm, spectral norm without its
+    power iteration's buffers...) as a function of the parametrisation's original tensors."""
+
+    def __init__(self, parametrizations: nn.Module, names: Tuple[str, ...]) -> None:
+        super().__init__()
+        self.parametrizations, self.names = parametrizations, names
+
+    def forward(self, *originals: torch.Tensor) -> torch.Tensor:
+        return functional_call(self.parametrizations, dict(zip(self.names, originals)), ())
+
+
+def _module_recipe(gm: fx.GraphModule, node: fx.Node, module: nn.Module) -> Union[Recipe, str, None]:
+    """The recipe of a conv / linear module's parametrised weight (inserting get_attr nodes for its originals), a
+    reason it cannot be recomputed, or None when its weight is a plain parameter."""
+    if not parametrize.is_parametrized(module, "weight"):
+        return None
+    if parametrize.is_parametrized(module, "bias"):
+        return "its bias is parametrised too"
+    plist = module.parametrizations["weight"]
+    if any(True for _ in plist.buffers()):
+        return f"the parametrisation of {node.target}.weight holds buffers (a power iteration's state)"
+    names = tuple(name for name, _ in plist.named_parameters())
+    if any("." in name for name in names):
+        return f"the parametrisation of {node.target}.weight holds parameters of its own"
+    with gm.graph.inserting_before(node):
+        leaves = [gm.graph.get_attr(f"{node.target}.parametrizations.weight.{name}") for name in names]
+    return Recipe([], leaves, ParametrizedWeight(plist, names))
 
 
 def _name(node: fx.Node) -> str:
@@ -67,6 +102,8 @@ def parameter_only(gm: fx.GraphModule) -> Set[fx.Node]:
 def recipe_of(gm: fx.GraphModule, consumer: fx.Node, modules) -> Union[Recipe, str, None]:
     """The recipe of ``consumer``'s weight (a conv / linear call), a string saying why it cannot be recomputed,
     or None when there is nothing to recompute (a parameter, a view of one, or a weight read from the inputs)."""
+    if consumer.op == "call_module":
+        return _module_recipe(gm, consumer, modules[consumer.target])
     weight = _arg(consumer, 1, "weight")
     if not isinstance(weight, fx.Node) or weight.op != "call_function" and weight.op != "call_method" \
             and weight.op != "call_module":
@@ -106,13 +143,16 @@ def rewrite_with_recipe(gm: fx.GraphModule, consumer: fx.Node, recipe: Recipe, s
                         packed=None, params=None) -> fx.Node:
     """Replace ``consumer`` by ``weight_op_recomputed`` (its weight's recipe as a submodule); the recipe's nodes
     leave the graph. Returns the new node (its decision is the caller's)."""
-    sub = fx.Graph()
-    env = {leaf: sub.placeholder(f"leaf_{i}") for i, leaf in enumerate(recipe.leaves)}
-    for node in recipe.nodes:
-        env[node] = sub.node_copy(node, lambda n: env[n])
-    sub.output(env[recipe.nodes[-1]])
     attr = f"memopt_weight_{consumer.name}"
-    gm.add_submodule(attr, fx.GraphModule(gm, sub, class_name=f"WeightOf_{consumer.name}"))
+    if recipe.module is not None:
+        gm.add_submodule(attr, recipe.module)
+    else:
+        sub = fx.Graph()
+        env = {leaf: sub.placeholder(f"leaf_{i}") for i, leaf in enumerate(recipe.leaves)}
+        for node in recipe.nodes:
+            env[node] = sub.node_copy(node, lambda n: env[n])
+        sub.output(env[recipe.nodes[-1]])
+        gm.add_submodule(attr, fx.GraphModule(gm, sub, class_name=f"WeightOf_{consumer.name}"))
     graph = gm.graph
     with graph.inserting_before(consumer):
         module_node = graph.get_attr(attr)
@@ -137,8 +177,10 @@ def recompute_weights(gm: fx.GraphModule) -> bool:
     modules = dict(gm.named_modules())
     modified = False
     for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target not in _CONVS + _LINEARS:
+        found = _plain(node, modules)
+        if found is None:
             continue
+        kind, conv, bias = found
         found = recipe_of(gm, node, modules)
         if found is None:
             continue
@@ -146,14 +188,34 @@ def recompute_weights(gm: fx.GraphModule) -> bool:
             node.meta.setdefault(DECISION_KEY, {"technique": "exact",
                                                 "reason": f"stash: its computed weight is kept: {found}"})
             continue
-        conv = node.target in _CONVS
-        if conv and isinstance(conv_args(node)[1], str):
-            continue  # padding="same": F.conv2d's own rule, not reproduced by conv_grads
-        spec = WeightOpSpec("conv" if conv else "linear", conv_args(node) if conv else (), None, 0,
-                            node.format_node())
-        new = rewrite_with_recipe(gm, node, found, spec, _arg(node, 0, "input"), _arg(node, 2, "bias"))
+        if node.op == "call_module" and bias is not None:
+            with gm.graph.inserting_before(node):
+                bias = gm.graph.get_attr(bias)
+        spec = WeightOpSpec(kind, conv, None, 0, node.format_node())
+        new = rewrite_with_recipe(gm, node, found, spec, _arg(node, 0, "input"), bias)
+        how = "its parametrisation" if found.module is not None else f"{len(found.nodes)} op(s)"
         new.meta[DECISION_KEY] = {"technique": "stash", "bits": None, "replaces": [node.name],
-                                  "reason": f"its weight, computed from parameters by {len(found.nodes)} "
-                                            f"op(s), recomputed in backward instead of kept (exact)"}
+                                  "reason": f"its weight, computed from parameters by {how}, recomputed in "
+                                            f"backward instead of kept (exact)"}
         modified = True
     return modified
+
+
+def _plain(node: fx.Node, modules) -> Optional[Tuple[str, tuple, object]]:
+    """(kind, conv arguments, bias: a node, or a module's bias attribute path) of a conv / linear call whose
+    backward ``weight_op_recomputed`` reproduces, else None."""
+    if node.op == "call_function" and node.target in _CONVS + _LINEARS:
+        conv = node.target in _CONVS
+        if conv and isinstance(conv_args(node)[1], str):
+            return None  # padding="same": F.conv2d's own rule, not reproduced by conv_grads
+        return ("conv", conv_args(node), _arg(node, 2, "bias")) if conv else ("linear", (), _arg(node, 2, "bias"))
+    module = modules.get(node.target) if node.op == "call_module" else None
+    cls = type(module).__bases__[0] if module is not None and parametrize.is_parametrized(module) else type(module)
+    if cls not in (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d) or has_hooks(module):
+        return None
+    bias = f"{node.target}.bias" if module.bias is not None else None
+    if isinstance(module, nn.Linear):
+        return "linear", (), bias
+    if module.padding_mode != "zeros" or isinstance(module.padding, str):
+        return None
+    return "conv", (module.stride, module.padding, module.dilation, module.groups), bias

@@ -3,6 +3,7 @@ generic stash, the weight itself recomputed in backward instead of kept (``passe
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -155,3 +156,39 @@ def test_recipes_read_twice_or_random_are_kept_and_the_report_says_why():
     assert reasons["linear"] == reasons["linear_1"] == \
         "stash: its computed weight is kept: truediv, a step of its weight's recipe, is also read by linear", reasons
     assert reasons["linear_2"] == "stash: its computed weight is kept: randn_like draws random numbers", reasons
+
+
+class WeightNormed(nn.Module):
+    """Weight norm by ``nn.utils.parametrizations`` (HF Wav2Vec2's positional conv, HiFi-GAN, EnCodec)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.utils.parametrizations.weight_norm(nn.Conv1d(16, 16, 9, padding=4, groups=4), dim=2)
+        self.fc = nn.utils.parametrizations.weight_norm(nn.Linear(16, 16))
+
+    def forward(self, x):
+        x = x * 2.0
+        return self.fc(F.gelu(self.conv(x)).transpose(1, 2)) + x.transpose(1, 2)
+
+
+@pytest.mark.parametrize("generic", [False, True])
+def test_parametrized_modules_recompute_their_weight(generic):
+    torch.manual_seed(0)
+    model, x = WeightNormed().train(), torch.randn(4, 16, 40, requires_grad=True)
+    reference = copy.deepcopy(model)
+    config = memopt.Config(stash=memopt.StashConfig(generic=generic, coded_ops=()), fewbit=None)
+    om = memopt.optimize(model, example_inputs=x, config=config)
+    assert [n.op for n in om.plan.nodes if "recomputed in backward" in n.reason] == ["weight_op_recomputed"] * 2
+    x2 = x.detach().clone().requires_grad_()
+    assert torch.equal(_step(om, x), _step(reference, x2))
+    assert torch.equal(x.grad, x2.grad)  # input gradients never see the codes
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        if generic:
+            assert F.cosine_similarity(p.grad.flatten(), q.grad.flatten(), 0) > 0.99, name
+        else:
+            assert torch.equal(p.grad, q.grad), name
+    kept = memopt.measure(om, x).saved_bytes
+    off = memopt.optimize(copy.deepcopy(reference), example_inputs=x, config=dataclasses.replace(
+        config, stash=dataclasses.replace(config.stash, recompute_weights=False)))
+    weights = (model.conv.weight.numel() + model.fc.weight.numel()) * 4
+    assert memopt.measure(off, x).saved_bytes - kept >= weights
