@@ -22,6 +22,7 @@ from memopt.techniques import TECHNIQUES
 _DEVICES = ("cpu", "cuda", "meta")
 # Config.prefer's named exchange rates (memopt.passes.knapsack.POLICIES holds what each one means to the planner)
 PREFER = ("balanced", "fidelity", "speed", "memory")
+SHAPE_CHECKS = ("range", "every")
 # the layout of Config.to_dict(); 1: dicts written before the key existed (same layout)
 CONFIG_SCHEMA_VERSION = 1
 
@@ -95,6 +96,12 @@ class Config:
             "memory" included, is repaired until each parameter's gradient reaches
             ``FidelityConfig.min_cosine`` (within the budget, by recomputation); to keep approximate gradients,
             lower ``min_cosine`` or set ``fidelity=None``.
+        shape_checks: how a new input size that only changes sizes reuses a plan without a budget
+            (``memopt/shapes.py``): "range" (default) checks a size on fake tensors (the plan's decisions applied
+            there, the rewritten graph compared) only when some dimension lies outside the sizes already checked
+            to run the plan's very graph; inside that range the graph runs unchecked (the passes' size rules are
+            thresholds, and the graph was the same program at both ends). "every" checks each new size (costs
+            about one fake-tensor pass over the graph per size). Under a budget every new size is checked.
     """
 
     reversible: Optional[ReversibleConfig] = ReversibleConfig()
@@ -105,6 +112,7 @@ class Config:
     workspace_mb: Optional[float] = None
     fidelity: Optional[FidelityConfig] = FidelityConfig()
     prefer: Union[str, float] = "balanced"
+    shape_checks: str = "range"
 
     def __post_init__(self) -> None:
         for name, cls in _TECHNIQUES.items():
@@ -122,6 +130,9 @@ class Config:
         w = self.workspace_mb
         if w is not None and (isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w < 0):
             raise ValueError(f"Config.workspace_mb must be None or a finite number of MiB >= 0, got {w!r}")
+        if self.shape_checks not in SHAPE_CHECKS:
+            raise ValueError(f"Config.shape_checks={self.shape_checks!r} is not supported; use one of "
+                             f"{list(SHAPE_CHECKS)}")
         p = self.prefer
         if isinstance(p, bool) or not (p in PREFER if isinstance(p, str) else
                                        isinstance(p, (int, float)) and math.isfinite(p) and p >= 0):

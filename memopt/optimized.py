@@ -39,7 +39,7 @@ from memopt.core.state import share_module_state
 from memopt.partial import build_partial
 from memopt.report import render
 from memopt.shapes import (MAX_REFERENCES, DynamicExport, Recaptured, Reference, ShapeStats, changed_dims, describe,
-                           distance, input_shapes, replan_key, reuse, shape_free_signature, timed)
+                           distance, input_shapes, reapplied, replan_key, reuse, shape_free_signature, timed)
 from memopt.soundness import Soundness, attribute_fingerprint, changed_attributes
 from memopt.export import export_directory, export_partial
 
@@ -170,7 +170,8 @@ class OptimizedModule(nn.Module):
                     references.insert(0, reference)
                     self._memopt_shape_stats.reused += 1
                     self._memopt_shape_stats.remembered += getattr(result, "remembered", True)  # True: the reference
-                    self._log_reuse(signature, reference)
+                    self._memopt_shape_stats.inside += getattr(result, "inside", False)
+                    self._log_reuse(signature, reference, getattr(result, "inside", False))
                     return result, None, None
                 if served is None:  # its graph serves these sizes: its decisions are the cause that matters
                     served, causes = reference, [result] + causes
@@ -197,7 +198,13 @@ class OptimizedModule(nn.Module):
                          describe(dims))
         plan = self._memopt_plan
         given = plan is not None and list(signature) == plan.input_signature
-        built, seconds = timed(self._build_new, signature, args, kwargs, capture_fn, checked)
+        built, seconds = None, 0.0
+        if isinstance(capture_fn, DynamicExport) and self._memopt_budget is None and not exported.given_plan:
+            built, seconds = timed(reapplied, exported, self._memopt_model, args, kwargs, self._memopt_config,
+                                   self._memopt_optimizer, capture_fn)
+        if built is None:
+            built, more = timed(self._build_new, signature, args, kwargs, capture_fn, checked)
+            seconds += more
         stats = self._memopt_shape_stats
         stats.planned, stats.plan_seconds = stats.planned + 1, stats.plan_seconds + seconds
         if cause is not None:
@@ -222,13 +229,18 @@ class OptimizedModule(nn.Module):
         log.log(level, "memopt: new input signature %s for %s; capturing and planning again: %s", list(signature),
                 type(self._memopt_model).__name__, cause)
 
-    def _log_reuse(self, signature: tuple, reference) -> None:
-        """The first reuse is a warning (the sizes change: the user may want to know what it costs), later ones INFO."""
-        first = "reuse" not in self._memopt_logged
-        self._memopt_logged.add("reuse")
+    def _log_reuse(self, signature: tuple, reference, inside: bool) -> None:
+        """The first reuse of each kind is a warning (the sizes change: the user may want to know what it costs),
+        later ones INFO."""
+        kind = "reuse inside" if inside else "reuse"
+        first = kind not in self._memopt_logged
+        self._memopt_logged.add(kind)
+        how = ("these sizes lie inside the sizes it was checked to run, " + ", ".join(
+            f"{path} dim {i}: {lo}..{hi}" for (path, i), (lo, hi) in sorted(reference.spans.items())) +
+            " (Config.shape_checks='range'; 'every' checks each new size)") if inside else \
+            "its captured graph serves these sizes and the plan's decisions apply to them"
         log.log(logging.WARNING if first else logging.INFO, "memopt: new input signature %s for %s; reusing the plan "
-                "made for %s: its captured graph serves these sizes and the rewrite decisions are the same%s",
-                list(signature), type(self._memopt_model).__name__, reference.signature,
+                "made for %s: %s%s", list(signature), type(self._memopt_model).__name__, reference.signature, how,
                 " (later reuses are logged at INFO; om.shape_stats counts them)" if first else "")
 
     @property

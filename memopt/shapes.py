@@ -9,10 +9,13 @@ that differ only in their sizes (the same ranks, dtypes, devices, ``requires_gra
   A ``torch.export`` graph is specialised to the sizes it was exported at: the first new size of a
   dimension exports again with the dimensions that changed dynamic (``Dim.AUTO``, as torch.compile's
   automatic dynamic shapes), and that graph serves later sizes only where export's own shape guards hold.
-- The rewrite decisions must be the same. The passes decide on sizes (the stash's ``min_per_channel``,
-  few-bit's rule that a tensor too small to matter stays exact, ...), so the new sizes are annotated on
-  fake tensors and the passes run again on the captured graph; every (technique, unit, bits) must equal
-  the reference build's, before its fidelity gate. The gate's own repairs are then applied as they are.
+- The plan's decisions must apply. The passes decide on sizes (the stash's ``min_per_channel``, few-bit's
+  rule that a tensor too small to matter stays exact, ...), so the new sizes are annotated on fake tensors and
+  the plan's decisions (the fidelity gate's repairs included) are applied to the captured graph, as
+  ``optimize(plan=...)`` applies a plan: every (technique, unit, bits) must be rewritten there. A unit a fresh
+  plan would add or leave out by a planning rule alone (few-bit's "too small to matter" flips for a tensor of
+  fixed size as the largest one grows with the sequence) does not force a re-plan; a plan that rewrites nothing
+  is re-planned where the passes would now rewrite something.
 - Under a budget, the rewrites must still be needed (the baseline does not fit) and the estimated peak of
   the rewritten graph at the new sizes must fit.
 
@@ -32,16 +35,16 @@ from torch import fx, nn
 from torch.export import Dim, ShapesCollection
 from torch.utils._pytree import keystr, tree_flatten_with_path
 
-from memopt.capture import Captured, capture, export_module, flat_inputs, on_model
+from memopt.capture import Captured, capture, export_capture, export_module, flat_inputs, on_model
 from memopt.config import Config
-from memopt.core.errors import TraceError
+from memopt.core.errors import MemoptError, TraceError
 from memopt.core.meta import DECISION_KEY
 from memopt.cost_model.analysis import annotate
 from memopt.passes.base import PassContext
 from memopt.passes.candidates import copy_graph_module
 from memopt.passes.manager import passes_for, run_passes
 from memopt.passes.planner import apply_decision
-from memopt.pipeline import Built, autocast_state, decision_set, make_plan
+from memopt.pipeline import Built, autocast_state, build, decision_set, make_plan
 from memopt.reversible.check import real_examples
 
 log = logging.getLogger("memopt")
@@ -130,7 +133,12 @@ class Recaptured:
         self.dims, self.guards, self.reference = reference.dynamic, reference.guards, reference
 
     def __call__(self, model: nn.Module, args: tuple, kwargs: dict) -> Captured:
-        return Captured(copy_graph_module(self.reference.built.captured), self.reference.built.method)
+        reference = self.reference
+        if reference.serves(args, kwargs, input_shapes(args, kwargs)) is None:
+            return Captured(copy_graph_module(reference.built.captured), reference.built.method)
+        # other sizes than its graph serves (the fidelity gate's slice of the batch): captured afresh, as it was
+        return export_capture(model, args, kwargs) if reference.built.method == "export" else \
+            capture(model, args, kwargs)
 
 
 @dataclass
@@ -146,6 +154,19 @@ class Reference:
     given_plan: bool = False  # built from the Plan passed to optimize(plan=...)
     # input signatures checked to run this very graph (no budget): {signature: pass records}
     checked: Dict[tuple, list] = field(default_factory=dict)
+    # per dimension that changed: the least and greatest size checked to run this very graph (its own included)
+    spans: Dict[Tuple[str, int], Tuple[int, int]] = field(default_factory=dict)
+
+    def record(self, shapes: Dict[str, Tuple[int, ...]]) -> None:
+        """Sizes ``shapes`` were checked to run this very graph: widen the spans of the dimensions they change."""
+        for path, i in changed_dims(self.shapes, shapes):
+            lo, hi = self.spans.get((path, i), (self.shapes[path][i],) * 2)
+            self.spans[(path, i)] = (min(lo, shapes[path][i]), max(hi, shapes[path][i]))
+
+    def within(self, shapes: Dict[str, Tuple[int, ...]]) -> bool:
+        """Whether every dimension of ``shapes`` is its own size or lies inside the sizes checked for it."""
+        return all((path, i) in self.spans and self.spans[(path, i)][0] <= shapes[path][i] <= self.spans[(path, i)][1]
+                   for path, i in changed_dims(self.shapes, shapes))
 
     def __getstate__(self) -> dict:
         return dict(self.__dict__, guards=None)  # generated code: not picklable; a loaded one plans anew
@@ -174,11 +195,12 @@ class ShapeStats:
     plan_seconds: float = 0.0
     reuse_seconds: float = 0.0  # the checks, those that failed included
     remembered: int = 0  # of the reused: seen before (then dropped from the cache), served with no check
+    inside: int = 0  # of the reused: new, inside the sizes checked (Config.shape_checks="range"), no check
     replans: Dict[str, int] = field(default_factory=dict)  # cause -> count
 
     def to_dict(self) -> Dict[str, Any]:
         return {"planned": self.planned, "reused": self.reused, "remembered": self.remembered,
-                "plan_seconds": round(self.plan_seconds, 4),
+                "inside": self.inside, "plan_seconds": round(self.plan_seconds, 4),
                 "reuse_seconds": round(self.reuse_seconds, 4), "replans": dict(self.replans)}
 
     def line(self) -> str:
@@ -199,7 +221,8 @@ class Reused(Built):
         self._context = (records, signature, model, config, budget_bytes, optimizer)
         self._estimates = estimates
         self._plan = None
-        self.remembered = False
+        self.remembered = False  # served with no check: these very inputs were checked before
+        self.inside = False  # served with no check: inside the sizes checked (Config.shape_checks="range")
 
     def _complete(self) -> None:
         records, signature, model, config, budget_bytes, optimizer = self._context
@@ -258,6 +281,12 @@ def reuse(reference: Reference, model: nn.Module, args: tuple, kwargs: dict, sig
                         kwargs, config, budget_bytes, optimizer)
         result.remembered = True
         return result
+    shapes = input_shapes(args, kwargs)
+    if not budget and config.shape_checks == "range" and reference.checked and reference.within(shapes):
+        result = Reused(built.graph_module, built, next(iter(reference.checked.values())), signature, model, args,
+                        kwargs, config, budget_bytes, optimizer)
+        result.inside = True
+        return result
     base = copy_graph_module(built.captured)
     baseline = annotate(base, args, kwargs, device=config.device, optimizer=optimizer, simulate=budget)
     meta = any(isinstance(t, torch.Tensor) and t.is_meta for t in torch.utils._pytree.tree_leaves((args, kwargs)))
@@ -267,18 +296,14 @@ def reuse(reference: Reference, model: nn.Module, args: tuple, kwargs: dict, sig
     if budget and (baseline.peak_bytes <= target) != (not final):
         return ("the baseline fits the budget at these sizes: the plan's rewrites are not needed" if final else
                 "the baseline no longer fits the budget at these sizes")
-    if budget:
-        gm, records = apply_decision(base, config, built.plan.chosen_units(), ctx) if final else (base, [])
-        found, expected = decision_set(gm), final
-    else:  # what a fresh plan's passes decide, before its fidelity gate (copies: ``base`` keeps the baseline)
-        gm, records = run_passes(copy_graph_module(base), passes_for(config), ctx)
-        found, expected = decision_set(gm), built.initial
-    if found != expected:
-        return _difference(expected, found, gm)
-    if not budget and final != built.initial:  # the gate repaired some units: apply its choice
+    if final:  # the plan's decisions (after its fidelity gate's repairs), applied at these sizes: each must apply
         gm, records = apply_decision(base, config, built.plan.chosen_units(), ctx)
-        if decision_set(gm) != final:
-            return _difference(final, decision_set(gm), gm)
+    elif budget:
+        gm, records = base, []
+    else:  # a plan that rewrites nothing: would the passes rewrite something at these sizes?
+        gm, records = run_passes(copy_graph_module(base), passes_for(config), ctx)
+    if decision_set(gm) != final:
+        return _difference(final, decision_set(gm), gm)
     estimates = None
     if budget:
         modified = any(r.modified for r in records)
@@ -291,9 +316,30 @@ def reuse(reference: Reference, model: nn.Module, args: tuple, kwargs: dict, sig
         gm = built.graph_module
         if not budget:
             reference.checked[tuple(signature)] = records
+            reference.record(shapes)
             while len(reference.checked) > MAX_CHECKED:
                 reference.checked.pop(next(iter(reference.checked)))
     return Reused(gm, built, records, signature, model, args, kwargs, config, budget_bytes, optimizer, estimates)
+
+
+def reapplied(reference: Reference, model: nn.Module, args: tuple, kwargs: dict, config: Config, optimizer: Any,
+              capture_fn: "DynamicExport") -> Optional[Built]:
+    """``reference``'s plan applied to the graph ``capture_fn`` exports again with the changed dimensions dynamic:
+    the capture and its soundness check run, the planner and the fidelity gate do not (the graph computes what the
+    reference's did, whose decisions the gate checked). None, after a log line, when the export falls back to these
+    sizes only or a decision does not apply to the new graph: the caller then plans anew."""
+    try:
+        built = build(model, args, kwargs, config, None, optimizer, reference.built.plan, capture_fn=capture_fn)
+    except MemoptError as e:
+        log.info("memopt: the plan made for %s does not apply to %s exported with %s dynamic (%s); planning anew",
+                 reference.signature, type(model).__name__, describe(capture_fn.dims), str(e)[:200])
+        return None
+    if capture_fn.guards is None or decision_set(built.graph_module) != decision_set(reference.built.graph_module):
+        return None
+    built.plan.fidelity = reference.built.plan.fidelity
+    log.info("memopt: %s exported again with %s dynamic; the plan made for %s applied to it (no planner, no gate)",
+             type(model).__name__, describe(capture_fn.dims), reference.signature)
+    return built
 
 
 def same_program(a: fx.GraphModule, b: fx.GraphModule) -> bool:

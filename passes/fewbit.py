@@ -123,7 +123,9 @@ def _why_not(node: fx.Node, kind: str, module: Optional[nn.Module], cfg: FewBitC
         return (f"the tensor it keeps is also kept by {', '.join(others[:3])}, so few-bit alone frees nothing "
                 f"(the conv stash can free the pair)")
     nbytes = sum(s.nbytes for s in kept)
-    if not ACTIVATIONS[kind].exact and nbytes < NEGLIGIBLE * largest:
+    # a decision applies what it names: the rule picks candidates when planning (a plan re-applied at other sizes,
+    # where this tensor's share of the largest kept one moved, keeps its units: memopt/shapes.py)
+    if not ACTIVATIONS[kind].exact and nbytes < NEGLIGIBLE * largest and chosen is not True:
         return (f"it keeps {nbytes} bytes, under 1/{round(1 / NEGLIGIBLE)} of the graph's largest kept tensor "
                 f"({largest} bytes): a table frees next to nothing there, and over so few elements (e.g. a "
                 f"squeeze-excitation gate) its error does not average out")

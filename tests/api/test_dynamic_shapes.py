@@ -141,20 +141,28 @@ def test_bert_sequence_lengths_share_one_dynamic_export(one_thread, gates, caplo
     om = memopt.optimize(model, example_inputs=tokens(16),
                          config=memopt.Config.exact() if config == "exact" else memopt.Config())
     with caplog.at_level("INFO", logger="memopt"):
-        for n in (16, 24, 40, 17, 64):
+        for n in (16, 24, 40, 17, 64, 32):
             x = tokens(n)
             assert torch.equal(_step(om, x), _step(reference, x))
             mine, theirs = _grads(model), _grads(reference)
             if config == "exact":
                 assert all(map(_same, mine, theirs))
     # torch.export specialises the first graph to 16 tokens; the second length exports it again with the
-    # sequence dimension dynamic, and every later length reuses that graph and its plan
+    # sequence dimension dynamic and applies the first plan to it (no planner, no gate: the graph computes what the
+    # first one did), and every later length reuses that graph and its plan: checked where a length lies outside
+    # the lengths checked before (40, 17, 64), not where it lies inside them (32)
     assert "capturing and planning again: torch.export specialised the graph to the sizes of [1]['input_ids'] " \
            "dim 1" in caplog.text
     assert "exporting BertModel again with [1]['input_ids'] dim 1 dynamic" in caplog.text
-    assert om.shape_stats["planned"] == 2 and om.shape_stats["reused"] == 3
-    assert om.plan.capture == "export" and "int64[2,64]" in om.plan.input_signature[0]
-    assert len(gates) == (0 if config == "exact" else om.shape_stats["planned"])
+    stats = om.shape_stats
+    assert stats["planned"] == 2 and stats["reused"] == 4
+    assert om.plan.capture == "export" and "int64[2,32]" in om.plan.input_signature[0]
+    if config == "default":
+        assert "the plan made for [\"[1]['input_ids']: int64[2,16] cpu\"] applied to it (no planner, no gate)" \
+            in caplog.text
+        assert stats["inside"] == 1 and "these sizes lie inside the sizes it was checked to run, [1]['input_ids'] " \
+            "dim 1: 17..64 (Config.shape_checks='range'" in caplog.text
+    assert len(gates) == (0 if config == "exact" else 1)
 
 
 def test_a_budget_plan_is_reused_only_where_it_is_needed_and_fits(one_thread, caplog):
@@ -210,3 +218,75 @@ def test_a_custom_function_stays_whole_in_the_dynamic_export(one_thread):
     assert om.plan.capture == "export" and om.shape_stats["planned"] == 2 and om.shape_stats["reused"] == 2
     functions = [m.function for m in om.graph_module.modules() if type(m).__name__ == "FunctionCall"]
     assert functions == [_HalfGradient]
+
+
+class Pooled(nn.Module):
+    """A tanh of fixed size (batch x width) beside tensors that grow with the sequence: few-bit's "too small to
+    matter" rule flips for it as the largest kept tensor grows."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.head = nn.Linear(16, 64), nn.Linear(64, 16), nn.Linear(16, 16)
+
+    def forward(self, x):
+        h = self.b(nn.functional.gelu(self.a(x)))
+        return h + torch.tanh(self.head(h.mean(1)))[:, None]
+
+
+def test_a_plan_whose_decisions_still_apply_is_reused_where_a_planning_rule_flips(one_thread, caplog):
+    torch.manual_seed(0)
+    model = Pooled().train()
+    om = memopt.optimize(model, example_inputs=torch.randn(4, 8, 16))
+    assert "tanh" in om.plan.chosen_units().get("fewbit", {})
+    with caplog.at_level("INFO", logger="memopt"):
+        _step(om, torch.randn(4, 256, 16))  # tanh keeps under 1/256 of the largest tensor: a fresh plan skips it
+    assert om.shape_stats["planned"] == 1 and om.shape_stats["reused"] == 1
+    assert "tanh" in om.plan.chosen_units()["fewbit"]
+    fresh = memopt.optimize(copy.deepcopy(model), example_inputs=torch.randn(4, 256, 16))
+    assert "tanh" not in fresh.plan.chosen_units().get("fewbit", {})
+
+
+@pytest.mark.parametrize("checks", ["range", "every"])
+def test_sizes_inside_the_checked_range_run_unchecked_unless_every_size_is_asked(one_thread, checks):
+    om = memopt.optimize(cnn(), example_inputs=torch.randn(4, 3, 16, 16), config=memopt.Config(shape_checks=checks))
+    for side in (24, 12, 20, 14):  # 24 and 12 widen the range; 20 and 14 lie inside it
+        _step(om, torch.randn(4, 3, side, side))
+    stats = om.shape_stats
+    assert stats["planned"] == 1 and stats["reused"] == 4
+    assert stats["inside"] == (2 if checks == "range" else 0)
+    with pytest.raises(ValueError, match=r"Config.shape_checks='some' is not supported; use one of \['range', "
+                                         r"'every'\]"):
+        memopt.Config(shape_checks="some")
+
+
+class Exported(nn.Module):
+    """A BatchNorm1d chain over a sequence, captured by torch.export (its in-place write stops the symbolic trace)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn, self.out = nn.Conv1d(4, 8, 3, padding=1), nn.BatchNorm1d(8), nn.Conv1d(8, 4, 1)
+
+    def forward(self, x):
+        h = torch.relu(self.bn(self.conv(x))).clone()
+        h[:, 0] = 0.0
+        h = h.reshape(x.shape[0], 8, -1)  # export writes the batch size into the graph
+        return self.out(nn.functional.gelu(h))
+
+
+def test_an_export_graph_replanned_at_sizes_it_serves_gates_a_slice_it_does_not_serve(one_thread, caplog):
+    """At 3 steps the chain normalises 24 elements per channel (under StashConfig.min_per_channel): the plan's
+    decision does not apply, so the dynamic export graph, which serves these sizes, is planned again. Its fidelity
+    gate slices the batch, which that graph (dynamic in the sequence only) does not serve: it captures the slice
+    afresh (the gate crashed on a size mismatch before)."""
+    torch.manual_seed(0)
+    model = Exported().train()
+    reference = copy.deepcopy(model)
+    om = memopt.optimize(model, example_inputs=torch.randn(8, 4, 16))
+    assert om.plan.capture == "export" and "batch_norm_coded" in om.plan.chosen_units()["stash"]
+    with caplog.at_level("INFO", logger="memopt"):
+        for n in (24, 3):
+            x = torch.randn(8, 4, n)
+            assert torch.equal(_step(om, x), _step(reference, x))
+    assert "the rewrite decisions differ: stash batch_norm_coded (8 bits) is not rewritten at these sizes" \
+        in caplog.text
+    assert om.shape_stats["planned"] == 3 and om.plan.capture == "export"
