@@ -71,6 +71,8 @@ def main(argv=None) -> None:
     parser.add_argument("--sigma", type=float, default=0.8, help="log-normal sigma of sentence lengths")
     parser.add_argument("--multiple", type=int, default=8, help="pad each batch to a multiple of this")
     parser.add_argument("--config", choices=("default", "exact"), default="default")
+    parser.add_argument("--shape-checks", choices=("range", "every"), default="range",
+                        help="Config.shape_checks: check only sizes outside those checked, or every new size")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=str(OUT))
@@ -80,7 +82,8 @@ def main(argv=None) -> None:
                                                                        and sys.argv[1:] else "")
     sizes = lengths(args.steps, args.batch, args.seed, args.median, args.sigma, args.multiple)
     stock, mine = make_model(args.seed), make_model(args.seed)
-    config = memopt.Config() if args.config == "default" else memopt.Config.exact()
+    config = memopt.Config(shape_checks=args.shape_checks) if args.config == "default" else \
+        memopt.Config.exact(shape_checks=args.shape_checks)
     first = batch_for(0, sizes[0], args.batch, args.seed, 1000)
     start = time.perf_counter()
     om = memopt.optimize(mine, example_inputs=first, config=config, optimizer="adamw")
@@ -111,11 +114,13 @@ def main(argv=None) -> None:
     late = stats["plan_seconds"] + stats["reuse_seconds"] - halfway["plan_seconds"] - halfway["reuse_seconds"]
     late_share = late / sum(mine_times[len(sizes) // 2:]) * 100
     fresh = len(set(sizes[len(sizes) // 2:]) - set(sizes[:len(sizes) // 2]))
+    checked = stats["reused"] - stats["remembered"] - stats["inside"]
     lines = [
         command, "",
         f"# Dynamic shapes: {args.steps} training steps of a tiny BERT on dynamic-padded batches", "",
         f"torch {torch.__version__}, CPU, {torch.get_num_threads()} thread(s); memopt.Config"
-        f"{'()' if args.config == 'default' else '.exact()'}, AdamW, batch {args.batch}.", "",
+        f"{'' if args.config == 'default' else '.exact'}(shape_checks={args.shape_checks!r}), AdamW, batch "
+        f"{args.batch}.", "",
         __doc__.split("\n\n", 2)[2].strip(), "",
         f"Padded lengths: {distinct} distinct values in {min(sizes)}-{max(sizes)} (median "
         f"{int(statistics.median(sizes))}).", "",
@@ -123,10 +128,11 @@ def main(argv=None) -> None:
         f"| training steps | {args.steps} |",
         f"| input signatures planned (full build: capture, check, plan, gate) | {stats['planned']}: the first "
         f"({first_plan:.2f} s) and {stats['planned'] - 1} re-plans ({stats['plan_seconds'] - first_plan:.2f} s) |",
-        f"| input signatures that reused a plan | {stats['reused']}: {stats['reused'] - stats['remembered']} after a "
-        f"check, {stats['remembered']} seen before (evicted from the cache of {MAX_SIGNATURES}), no check |",
+        f"| input signatures that reused a plan | {stats['reused']}: {checked} after a check, {stats['inside']} new "
+        f"but inside the lengths checked (no check), {stats['remembered']} seen before (evicted from the cache of "
+        f"{MAX_SIGNATURES}), no check |",
         f"| time in reuse checks (failed ones included) | {stats['reuse_seconds']:.2f} s, "
-        f"{stats['reuse_seconds'] / max(stats['reused'] - stats['remembered'], 1) * 1000:.0f} ms per checked reuse |",
+        f"{stats['reuse_seconds'] / max(checked, 1) * 1000:.0f} ms per checked reuse |",
         f"| re-plan causes | {'; '.join(f'{k} (x{v})' for k, v in stats['replans'].items()) or 'none'} |",
         f"| planning time | {planning:.2f} s |",
         f"| memopt training time, planning included | {total:.2f} s |",
