@@ -128,9 +128,9 @@ def main(argv=None) -> None:
         f"| training steps | {args.steps} |",
         f"| input signatures planned (full build: capture, check, plan, gate) | {stats['planned']}: the first "
         f"({first_plan:.2f} s) and {stats['planned'] - 1} re-plans ({stats['plan_seconds'] - first_plan:.2f} s) |",
-        f"| input signatures that reused a plan | {stats['reused']}: {checked} after a check, {stats['inside']} new "
-        f"but inside the lengths checked (no check), {stats['remembered']} seen before (evicted from the cache of "
-        f"{MAX_SIGNATURES}), no check |",
+        f"| input signatures that reused a plan | {stats['reused']}: {checked} after a check, {stats['inside']} "
+        f"inside the lengths checked, no check, {stats['remembered']} checked before, no check (a length comes "
+        f"back after the cache of {MAX_SIGNATURES} dropped it) |",
         f"| time in reuse checks (failed ones included) | {stats['reuse_seconds']:.2f} s, "
         f"{stats['reuse_seconds'] / max(checked, 1) * 1000:.0f} ms per checked reuse |",
         f"| re-plan causes | {'; '.join(f'{k} (x{v})' for k, v in stats['replans'].items()) or 'none'} |",
