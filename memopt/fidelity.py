@@ -15,19 +15,18 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections import deque
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import torch
 from torch import fx, nn
 
-from memopt.canonical import proxy_name
 from memopt.capture import capture, flat_inputs
 from memopt.config import Config
 from memopt.core.errors import MemoptError
 from memopt.core.meta import HISTOGRAM_KEY, META_KEY
 from memopt.invariance import invariant_parameters
 from memopt.cost_model.step import default_loss, output_tensors
+from memopt.fidelity_scope import after, responsible, weight_only_units, within_reach
 from memopt.passes.base import Decision, PassContext
 from memopt.passes.candidates import copy_graph_module, rewritten_units
 from memopt.passes.planner import apply_decision
@@ -112,50 +111,6 @@ def autocast_noise(model: nn.Module, args: tuple, kwargs: dict, rng: Any, loss: 
     out.update({p: (f"its float32 gradient is below {tiny:g} of the median (~0): under autocast the eager one is "
                     f"rounding") for p, f in figures.items() if f["tiny"]})
     return out
-
-
-def _consumers(graph: fx.Graph, parameter: str) -> List[fx.Node]:
-    """The nodes that use ``parameter``: its module's calls, or its get_attr (functional and export graphs)."""
-    module, _, attr = parameter.rpartition(".")
-    modules = (module, proxy_name(module))  # a fused norm-act module's BatchNorm runs as its stock twin
-    return [n for n in graph.nodes if (n.op == "call_module" and n.target in modules) or
-            (n.op == "get_attr" and n.target in (parameter, f"{modules[1]}.{attr}"))]
-
-
-def _distances(start: List[fx.Node], radius: int) -> Dict[str, int]:
-    """Forward distance of every node within ``radius`` users of ``start``. A parameter's gradient is computed
-    from the backward of its consumers and of everything after them in the forward: a unit before them (an
-    input's producer) runs its backward later and cannot change that gradient, so only descendants count."""
-    seen = {n.name: 0 for n in start}
-    queue = deque(start)
-    while queue:
-        node = queue.popleft()
-        if seen[node.name] >= radius:
-            continue
-        for other in node.users:
-            if other.name not in seen:
-                seen[other.name] = seen[node.name] + 1
-                queue.append(other)
-    return seen
-
-
-def _responsible(graph: fx.Graph, parameter: str, lossy: Dict[Tuple[str, str], Set[str]],
-                 weights: Dict[Tuple[str, str], float], radius: int) -> List[Tuple[str, str]]:
-    """The lossy unit to raise for ``parameter``: among those within ``radius`` users after its consumers (a
-    unit whose nodes all run before them cannot change its gradient), the one of the largest fidelity proxy
-    (``weights``: the planner's estimate of the squared error it adds, on one scale for every technique), the
-    nearest on a tie. Not the nearest alone: a 4-bit chain three nodes on can outweigh an 8-bit code next to
-    the parameter by orders of magnitude, and raising the code first only spends the gate's rounds."""
-    distances = _distances(_consumers(graph, parameter), radius)
-    scored = [(-weights.get(key, 0.0), min(distances[n] for n in nodes if n in distances), key)
-              for key, nodes in lossy.items() if any(n in distances for n in nodes)]
-    return [min(scored)[2]] if scored else []
-
-
-def _after(graph: fx.Graph, parameter: str, lossy: Dict[Tuple[str, str], Set[str]]) -> List[Tuple[str, str]]:
-    """Every lossy unit with a node anywhere after ``parameter``'s consumers: all that can change its gradient."""
-    distances = _distances(_consumers(graph, parameter), len(graph.nodes))
-    return [key for key, nodes in lossy.items() if any(n in distances for n in nodes)]
 
 
 def _raise(decision: Decision, config: Config, technique: str, unit: str,
@@ -333,6 +288,10 @@ def fidelity_gate(model: nn.Module, args: tuple, kwargs: dict, config: Config, d
     lossy_nodes = {(part["technique"], part["unit"]): set(nodes) for part, nodes in parts}
     weights = {(part["technique"], part["unit"]): float(part["fidelity"]) for part, _ in parts}
     couplings = sorted({tuple(c) for u in units for c in u.get("couplings", ())})
+    only = weight_only_units(apply_decision(base, config, decision, ctx)[0])  # units that reach weights alone
+
+    def reach(lossy: Dict[Tuple[str, str], Set[str]], parameter: str) -> Dict[Tuple[str, str], Set[str]]:
+        return within_reach(lossy, only, parameter)
 
     def evaluate(trial: Decision) -> Tuple[Dict[str, Dict[str, Any]], List[str]]:
         """(per-parameter fidelity, the failing parameters, worst first) of the plan ``trial`` (its couplings kept:
@@ -402,7 +361,7 @@ def fidelity_gate(model: nn.Module, args: tuple, kwargs: dict, config: Config, d
         lossy = {k: v for k, v in lossy_nodes.items() if k[1] in decision.get(k[0], {})}
         touched = set()
         for parameter in failing:
-            for key in _responsible(base.graph, parameter, lossy, weights, radius):
+            for key in responsible(base.graph, parameter, reach(lossy, parameter), weights, radius):
                 if key not in touched:
                     touched.add(key)
                     changes.append(f"{_raise(decision, config, *key, weights)} (for {parameter}, cosine "
@@ -419,7 +378,7 @@ def fidelity_gate(model: nn.Module, args: tuple, kwargs: dict, config: Config, d
         for scope in ("after the failing parameters", "of the plan"):
             lossy = {k: v for k, v in lossy_nodes.items() if k[1] in decision.get(k[0], {})}
             keys = sorted(lossy) if scope == "of the plan" else sorted(
-                {k for p in failing for k in _after(base.graph, p, lossy)})
+                {k for p in failing for k in after(base.graph, p, reach(lossy, p))})
             if not keys:
                 continue
             candidates = len(keys)

@@ -115,7 +115,7 @@ def test_the_gate_blames_only_units_after_the_parameter_and_the_largest_error_fi
     """A parameter's gradient comes from the backward of its consumers and what follows them: a unit before them
     (here ``relu``, conv2's input) cannot change it however lossy; among the units after, the largest fidelity
     proxy is raised first (rexnet_100: a 4-bit chain three nodes on, not the 8-bit code next to the BatchNorm)."""
-    from memopt.fidelity import _responsible
+    from memopt.fidelity_scope import responsible as _responsible
     graph = torch.fx.symbolic_trace(_Chain()).graph
     lossy = {("fewbit", "before"): {"relu"}, ("stash", "near"): {"bn2"}, ("fewbit", "far"): {"relu_1"}}
     weights = {("fewbit", "before"): 1e6, ("stash", "near"): 1.0, ("fewbit", "far"): 100.0}
@@ -275,3 +275,29 @@ def test_the_gate_runs_the_planned_graph_when_the_slice_captures_another(caplog)
     assert "captured on the first samples is not the planned graph" in caplog.text
     base, args, _, which = fidelity.gate_graph(model, planned, (x,), {}, lambda a, k: capture(model, a, k).graph_module)
     assert which == "the first 4 of 16 samples" and args[0].shape[0] == 4
+
+
+class _PreNormMLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm, self.fc1, self.fc2 = nn.LayerNorm(32), nn.Linear(32, 64), nn.Linear(64, 32)
+
+    def forward(self, x):
+        return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.norm(x))))
+
+
+def test_units_that_reach_weight_gradients_alone_are_blamed_for_those_weights_only():
+    """The generic stash's linear inputs change only their linear's weight gradient (the input gradient needs the
+    weight alone): a failing bias or norm parameter never spends a gate round on them (HF MambaOut's fc1.bias did),
+    while the coded norm and the few-bit GELU, whose input gradients are approximate, stay in every scope after
+    them."""
+    from memopt.fidelity_scope import weight_only_units, within_reach
+    torch.manual_seed(0)
+    om = memopt.optimize(_PreNormMLP(), example_inputs=torch.randn(4, 16, 32))
+    only = weight_only_units(om._memopt_last.graph_module)
+    assert only == {("stash", "norm"): {"fc1.weight"}, ("stash", "gelu"): {"fc2.weight"}}
+    lossy = {(u["chosen"]["technique"], u["chosen"]["unit"]): set(u["nodes"]) for u in om.plan.units}
+    assert set(lossy) == {("stash", "norm"), ("stash", "gelu"), ("stash", "norm_coded"), ("fewbit", "gelu")}
+    assert set(within_reach(lossy, only, "fc1.bias")) == {("stash", "norm_coded"), ("fewbit", "gelu")}
+    assert set(within_reach(lossy, only, "fc1.weight")) == set(lossy) - {("stash", "gelu")}
+    assert set(within_reach(lossy, only, "norm.weight")) == {("stash", "norm_coded"), ("fewbit", "gelu")}
