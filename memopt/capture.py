@@ -261,7 +261,10 @@ def _as_operators(applied: Dict[type, str]):
     (``memopt.functions``), replaced by its ``FunctionCall`` after export; one the operator cannot describe is
     recorded in ``applied`` (with where and why) and left to export, which inlines it."""
     def hook(cls: type, args: tuple, kwargs: dict) -> Any:
-        if cls.__module__.startswith("memopt."):
+        # memopt's own ops, and the Function torch.library makes for a custom operator's registered autograd
+        # (its forward calls the operator below autograd: the operator stays one node of the graph, whose
+        # gradient runs that same Function when the graph is differentiated)
+        if cls.__module__.startswith("memopt.") or cls.__module__ == "torch._library.autograd":
             return None
         out, why = as_operator(cls, args, kwargs)
         if why is not None:

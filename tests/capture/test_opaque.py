@@ -1,6 +1,7 @@
 """Python functions a symbolic trace keeps whole (``torch.fx.wrap``): torchvision's Swin wraps its attention so,
 and memopt saw neither the ops inside nor what they keep for backward (Swin saved 1.6x where its export graph
 saves 3.7x). Such a model is captured by torch.export instead when that works and passes the capture check."""
+import copy
 import logging
 
 import torch
@@ -87,3 +88,62 @@ def test_the_fidelity_gate_measures_the_export_graph_the_plan_rewrites():
         report = om.plan.fidelity
         assert report["changes"] and report["changes"][0].startswith("fewbit")  # the 1-bit GELU missed
         assert report["passed"] and report["worst"]["cosine"] < 1.0  # measured on a rewritten graph
+
+
+@torch.library.custom_op("memopt_test::scaled_tanh", mutates_args=())
+def scaled_tanh(x: torch.Tensor, scale: float) -> torch.Tensor:
+    return torch.tanh(x) * scale
+
+
+@scaled_tanh.register_fake
+def _(x, scale):
+    return torch.empty_like(x)
+
+
+def _scaled_tanh_setup(ctx, inputs, output):
+    ctx.save_for_backward(output)
+    ctx.scale = inputs[1]
+
+
+def _scaled_tanh_backward(ctx, grad):
+    (out,) = ctx.saved_tensors
+    return grad * (ctx.scale - out * out / ctx.scale), None
+
+
+scaled_tanh.register_autograd(_scaled_tanh_backward, setup_context=_scaled_tanh_setup)
+
+
+class CustomOpModel(nn.Module):
+    """A torch.library operator with registered autograd (Hugging Face's MoE grouped matmul fallback is one), in a
+    forward the symbolic trace cannot follow (an in-place write): captured by torch.export."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = scaled_tanh(self.a(x), 2.0).clone()
+        h[:, 0] = 0.0
+        return self.b(h)
+
+
+def test_a_custom_operator_with_registered_autograd_stays_one_node_under_export():
+    """torch.library runs such an operator's autograd through a Function it generates; export keeps the operator
+    whole, so that Function is not inlined and the capture must not be refused for it (it was: Mixtral fell back to
+    per-submodule capture)."""
+    torch.manual_seed(0)
+    model, x = CustomOpModel().train(), torch.randn(6, 8)
+    reference = copy.deepcopy(model)
+    om = memopt.optimize(model, example_inputs=x, config=memopt.Config.exact())
+    assert om.plan.capture == "export"
+    graph = om._memopt_last.graph_module.graph
+    op = torch.ops.memopt_test.scaled_tanh.default
+    assert [n.target for n in graph.nodes if "scaled_tanh" in str(n.target)] == [op]
+    for seed in range(2):
+        torch.manual_seed(seed)
+        om(x).square().sum().backward()
+        torch.manual_seed(seed)
+        reference(x).square().sum().backward()
+        for p, q in zip(model.parameters(), reference.parameters()):
+            assert torch.equal(p.grad, q.grad)
+            p.grad = q.grad = None
