@@ -157,8 +157,8 @@ def generic_stash(gm: fx.GraphModule, cfg: StashConfig, ctx: PassContext) -> boo
     units = _weight_units(gm, cfg, modules) if cfg.generic else {}
     calls: Dict[str, Call] = {}
     # x @ parameter is a weight op (its unit rewrites it); a matmul of two activations stays a coded call
-    weight_ops = {c for _, _, consumers, _ in units.values() for c in consumers
-                  if len(c.args) > 1 and _parameter(gm, c.args[1]) is not None}
+    weight_ops = {c for _, _, consumers, _ in units.values() for c in consumers if len(c.args) > 1 and (
+        _parameter(gm, c.args[1]) is not None or _from_parameters(c.args[1]) is not None)}
     weights = parameter_only(gm)  # a weight's recipe (kept whole: recomputed, or kept as eager keeps it)
     for node in list(gm.graph.nodes):
         call = find_call(node, modules, cfg.coded_ops, cfg.min_per_channel) \

@@ -192,3 +192,27 @@ def test_parametrized_modules_recompute_their_weight(generic):
         config, stash=dataclasses.replace(config.stash, recompute_weights=False)))
     weights = (model.conv.weight.numel() + model.fc.weight.numel()) * 4
     assert memopt.measure(off, x).saved_bytes - kept >= weights
+
+
+class MatmulComputed(nn.Module):
+    """``x @ w`` with ``w`` computed from a parameter (Hugging Face Falcon has one): a weight op of the generic
+    stash, which must not be rewritten a second time as a coded product of two activations."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.w = nn.Linear(16, 32), nn.Parameter(torch.randn(32, 24))
+
+    def forward(self, x):
+        return torch.matmul(F.gelu(self.fc(x)), self.w / self.w.norm(dim=0, keepdim=True))
+
+
+def test_a_matmul_with_a_computed_weight_is_rewritten_once():
+    torch.manual_seed(0)
+    model, x = MatmulComputed().train(), torch.randn(4, 10, 16)
+    reference = copy.deepcopy(model)
+    om = memopt.optimize(model, example_inputs=x)
+    ops = [n.op for n in om.plan.nodes if n.technique == "stash"]
+    assert "matmul_from_codes" in ops and "coded_call" not in ops, ops
+    assert torch.equal(_step(om, x), _step(reference, x))
+    for name, g in _grads(reference).items():
+        assert F.cosine_similarity(_grads(model)[name].flatten(), g.flatten(), 0) > 0.99, name
