@@ -261,9 +261,7 @@ def _as_operators(applied: Dict[type, str]):
     (``memopt.functions``), replaced by its ``FunctionCall`` after export; one the operator cannot describe is
     recorded in ``applied`` (with where and why) and left to export, which inlines it."""
     def hook(cls: type, args: tuple, kwargs: dict) -> Any:
-        # memopt's own ops, and the Function torch.library makes for a custom operator's registered autograd
-        # (its forward calls the operator below autograd: the operator stays one node of the graph, whose
-        # gradient runs that same Function when the graph is differentiated)
+        # memopt's own ops; torch.library's Function for a custom operator's autograd (the operator stays one node)
         if cls.__module__.startswith("memopt.") or cls.__module__ == "torch._library.autograd":
             return None
         out, why = as_operator(cls, args, kwargs)
@@ -300,16 +298,12 @@ def _function_calls(graph: fx.Graph) -> Dict[str, FunctionCall]:
 
 
 def _caller() -> str:
-    """``file:line`` of the innermost frame outside torch and memopt (the model code applying a Function)."""
-    frames = _model_frames(traceback.extract_stack())
-    return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "?"
-
-
-def _model_frames(frames) -> list:
-    """The frames of the model's own code: neither torch's nor memopt's, nor generated (``<...>``)."""
-    # memopt's own package, not its parent: installed, that is site-packages, where the model's library lives too
+    """``file:line`` of the innermost frame of the model's own code (the one applying a Function): neither torch's
+    nor memopt's package (not its parent: installed, that is site-packages, where the model's library lives too),
+    nor generated (``<...>``)."""
     skip = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(os.path.abspath(__file__)) + os.sep)
-    return [f for f in frames if not f.filename.startswith(skip) and not f.filename.startswith("<")]
+    frames = [f for f in traceback.extract_stack() if not f.filename.startswith(skip + ("<",))]
+    return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "?"
 
 
 def _defaults_left_out(model: nn.Module, args: tuple, kwargs: dict) -> Dict[str, Any]:
