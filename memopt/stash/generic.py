@@ -26,7 +26,7 @@ from memopt.core.leaf import graph_leaf
 from memopt.runtime import kernels, native_generic, triton_stash_extras
 from memopt.runtime.bitpack import pack_bits, unpack_bits
 from memopt.runtime.layout import memory_order, rebuilt_stride
-from memopt.stash.ops import conv_grads, linear_grads
+from memopt.stash.grads import conv_grads, linear_grads, matmul_grads
 
 _GENERATORS: Dict[str, torch.Generator] = {}
 SEED = 0x5EED
@@ -181,7 +181,8 @@ class LinearFromCodes(torch.autograd.Function):
     def backward(ctx, grad):
         _check_backward(ctx.node)
         packed, params, weight = ctx.saved_tensors
-        grads = linear_grads(grad, _rebuild(ctx, packed, params), weight, ctx.has_bias)
+        grads = linear_grads(grad, lambda: _rebuild(ctx, packed, params), weight, ctx.has_bias,
+                             ctx.needs_input_grad[0])
         return (*grads, None, None, None, None, None)
 
 
@@ -198,7 +199,7 @@ class ConvFromCodes(torch.autograd.Function):
     def backward(ctx, grad):
         _check_backward(ctx.node)
         packed, params, weight = ctx.saved_tensors
-        grads = conv_grads(grad, _rebuild(ctx, packed, params), weight, *ctx.conv)
+        grads = conv_grads(grad, lambda: _rebuild(ctx, packed, params), weight, *ctx.conv, ctx.needs_input_grad[0])
         return (*grads, None, None, None, None, None, None, None, None, None)
 
 
@@ -215,9 +216,8 @@ class MatmulFromCodes(torch.autograd.Function):
     def backward(ctx, grad):
         _check_backward(ctx.node)
         packed, params, weight = ctx.saved_tensors
-        x_hat, weight = _rebuild(ctx, packed, params).to(grad.dtype), weight.to(grad.dtype)  # autocast: see conv_grads
-        grad_w = x_hat.reshape(-1, weight.shape[0]).t().matmul(grad.reshape(-1, weight.shape[1]))
-        return grad.matmul(weight.t()), grad_w, None, None, None, None, None
+        grad_in, grad_w = matmul_grads(grad, lambda: _rebuild(ctx, packed, params), weight, ctx.needs_input_grad[0])
+        return grad_in, grad_w, None, None, None, None, None
 
 
 class Dropout1Bit(torch.autograd.Function):

@@ -52,6 +52,7 @@ from memopt.core.errors import MemoptError
 from memopt.core.leaf import graph_leaf
 from memopt.runtime import kernels, native, triton_stash
 from memopt.runtime.bitpack import pack_bits, unpack_bits
+from memopt.stash.grads import conv_grads, linear_grads
 from memopt.stash.bn import bn_backward as _bn_backward, gamma_invstd as _gamma_invstd
 from memopt.stash.pool import BNReLUMaxPoolStash
 from memopt.stash.identity import link_term, solve_rows, solved_weight_grad
@@ -318,8 +319,9 @@ class ConvFromStash(torch.autograd.Function):
     def backward(ctx, grad):
         packed, mask_packed, affine, zero_code, weight = ctx.saved_tensors
         shape, dtype, bits, act, act_params, stride, padding, dilation, groups, has_bias = ctx.meta
-        y_hat = _Stash.rebuild(packed, mask_packed, affine, zero_code, bits, shape, act, act_params).to(dtype)
-        grad_in, grad_w, grad_b = conv_grads(grad, y_hat, weight, stride, padding, dilation, groups, has_bias)
+        y_hat = lambda: _Stash.rebuild(packed, mask_packed, affine, zero_code, bits, shape, act, act_params).to(dtype)
+        grad_in, grad_w, grad_b = conv_grads(grad, y_hat, weight, stride, padding, dilation, groups, has_bias,
+                                             ctx.needs_input_grad[0])
         return grad_in, grad_w, grad_b, None, None, None, None, None, None, None, None, None, None, None
 
 
@@ -334,32 +336,9 @@ class LinearFromStash(torch.autograd.Function):
     def backward(ctx, grad):
         packed, mask_packed, affine, zero_code, weight = ctx.saved_tensors
         shape, dtype, bits, act, act_params, has_bias = ctx.meta
-        y_hat = _Stash.rebuild(packed, mask_packed, affine, zero_code, bits, shape, act, act_params).to(dtype)
-        return (*linear_grads(grad, y_hat, weight, has_bias), None, None, None, None, None, None, None)
-
-
-def conv_grads(grad, x_hat, weight, stride, padding, dilation, groups, has_bias):
-    """(input, weight, bias) gradients of a conv whose input is rebuilt as ``x_hat``: the input gradient
-    needs the weight only (exact), the weight gradient uses ``x_hat`` (approximate). Under autocast the
-    forward's conv ran in the gradient's dtype (bf16 input and weight copies); so does this."""
-    dims = x_hat.dim() - 2
-    x_hat, weight = x_hat.to(grad.dtype), weight.to(grad.dtype)
-    return torch.ops.aten.convolution_backward(
-        grad, x_hat, weight, [weight.shape[0]] if has_bias else None, _tuple(stride, dims),
-        _tuple(padding, dims), _tuple(dilation, dims), False, [0] * dims, groups, [True, True, has_bias])
-
-
-def linear_grads(grad, x_hat, weight, has_bias):
-    """(input, weight, bias) gradients of ``F.linear`` with its input rebuilt as ``x_hat`` (see conv_grads)."""
-    x_hat, weight = x_hat.to(grad.dtype), weight.to(grad.dtype)
-    grad_in = grad.matmul(weight)
-    grad_w = grad.reshape(-1, grad.shape[-1]).t().matmul(x_hat.reshape(-1, x_hat.shape[-1]))
-    grad_b = grad.reshape(-1, grad.shape[-1]).sum(0) if has_bias else None
-    return grad_in, grad_w, grad_b
-
-
-def _tuple(v, n):
-    return list(v) if isinstance(v, (tuple, list)) else [v] * n
+        y_hat = lambda: _Stash.rebuild(packed, mask_packed, affine, zero_code, bits, shape, act, act_params).to(dtype)
+        grads = linear_grads(grad, y_hat, weight, has_bias, ctx.needs_input_grad[0])
+        return (*grads, None, None, None, None, None, None, None)
 
 
 class ChainSpec(NamedTuple):

@@ -21,7 +21,7 @@ from memopt.core.leaf import graph_leaf
 from memopt.runtime.layout import rebuilt_stride
 from memopt.stash.coded import resolve
 from memopt.stash.generic import _check_backward, group_dequantize, own_output
-from memopt.stash.ops import conv_grads, linear_grads
+from memopt.stash.grads import conv_grads, linear_grads, matmul_grads
 
 KINDS = ("linear", "conv", "matmul")
 _CONVS = {3: F.conv1d, 4: F.conv2d, 5: F.conv3d}
@@ -64,21 +64,22 @@ class WeightOpFromRebuild(torch.autograd.Function):
         _check_backward(spec.node)
         packed, params, weight, *norm_tensors = ctx.saved_tensors
         shape, stride, dtype = ctx.src
-        src = group_dequantize(packed, params, spec.bits, spec.group,
-                               torch.empty_strided(shape, stride, dtype=dtype, device=packed.device))
-        tensors = iter(norm_tensors)
-        args = [src if what == "src" else (next(tensors) if what == "tensor" else value)
-                for what, value in spec.norm_args]
-        x_hat = resolve(spec.norm)(*args).to(ctx.x_dtype)
-        del src, args
+
+        def x_hat():
+            src = group_dequantize(packed, params, spec.bits, spec.group,
+                                   torch.empty_strided(shape, stride, dtype=dtype, device=packed.device))
+            tensors = iter(norm_tensors)
+            args = [src if what == "src" else (next(tensors) if what == "tensor" else value)
+                    for what, value in spec.norm_args]
+            return resolve(spec.norm)(*args).to(ctx.x_dtype)
+
+        need = ctx.needs_input_grad[0]
         if spec.kind == "linear":
-            grads = linear_grads(grad, x_hat, weight, ctx.has_bias)
+            grads = linear_grads(grad, x_hat, weight, ctx.has_bias, need)
         elif spec.kind == "conv":
-            grads = conv_grads(grad, x_hat, weight, *spec.conv, ctx.has_bias)
+            grads = conv_grads(grad, x_hat, weight, *spec.conv, ctx.has_bias, need)
         else:
-            x_hat, w = x_hat.to(grad.dtype), weight.to(grad.dtype)
-            grads = (grad.matmul(w.t()), x_hat.reshape(-1, w.shape[0]).t().matmul(grad.reshape(-1, w.shape[1])),
-                     None)
+            grads = (*matmul_grads(grad, x_hat, weight, need), None)
         return (grads[0], None, grads[1], grads[2], None, None, None, *([None] * len(norm_tensors)))
 
 

@@ -22,7 +22,7 @@ from memopt.core.errors import MemoptError
 from memopt.core.leaf import graph_leaf
 from memopt.runtime.autocast import autocast_state, replayed_autocast
 from memopt.stash.generic import _keep, _rebuild, own_output
-from memopt.stash.ops import conv_grads, linear_grads
+from memopt.stash.grads import conv_grads, linear_grads
 
 _CONVS = {3: F.conv1d, 4: F.conv2d, 5: F.conv3d}
 
@@ -74,14 +74,15 @@ class _RecomputedWeightOp(torch.autograd.Function):
                               f"recompute_weights=False) to take second derivatives")
         saved = ctx.saved_tensors
         leaves = saved[-ctx.n_leaves:] if ctx.n_leaves else ()
-        x = saved[0] if spec.bits is None else _rebuild(ctx, saved[0], saved[1])
+        x = saved[0] if spec.bits is None else (lambda: _rebuild(ctx, saved[0], saved[1]))
         with torch.enable_grad(), replayed_autocast(ctx.autocast):
             inputs = [leaf.detach().requires_grad_(leaf.requires_grad) for leaf in leaves]
             weight = ctx.recipe(*inputs)
         if spec.kind == "conv":
-            grad_x, grad_w, grad_b = conv_grads(grad, x, weight.detach(), *spec.conv, ctx.has_bias)
+            grad_x, grad_w, grad_b = conv_grads(grad, x, weight.detach(), *spec.conv, ctx.has_bias,
+                                                ctx.needs_input_grad[2])
         else:
-            grad_x, grad_w, grad_b = linear_grads(grad, x, weight.detach(), ctx.has_bias)
+            grad_x, grad_w, grad_b = linear_grads(grad, x, weight.detach(), ctx.has_bias, ctx.needs_input_grad[2])
         needed = [i for i, leaf in enumerate(inputs) if leaf.requires_grad]
         grads = [None] * len(inputs)
         if needed and weight.requires_grad:
@@ -89,7 +90,7 @@ class _RecomputedWeightOp(torch.autograd.Function):
                                         allow_unused=True)
             for i, g in zip(needed, found):
                 grads[i] = g
-        return (None, None, grad_x if ctx.needs_input_grad[2] else None, grad_b, None, None, *grads)
+        return (None, None, grad_x, grad_b, None, None, *grads)
 
 
 @graph_leaf
