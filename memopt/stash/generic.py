@@ -114,6 +114,25 @@ def group_quantize(x: torch.Tensor, bits: int, group: int, stochastic: bool) -> 
     return pack_bits(codes, bits), params
 
 
+DECODE_SLICE = 1 << 20  # values per float32 temporary when the rebuilt tensor is not float32
+
+
+def _decode_through_float32(packed: torch.Tensor, params: torch.Tensor, bits: int, group: int, flat: torch.Tensor
+                            ) -> None:
+    """The C decode into ``flat`` (bf16 / fp16: autocast's inputs) through a float32 temporary of at most
+    ``DECODE_SLICE`` values, a slice of whole groups at a time: the same values and the same rounding to ``flat``'s
+    dtype as one full-size float32 temporary, which would be twice the rebuilt tensor's own size."""
+    n = flat.numel()
+    step = max(group * 8, DECODE_SLICE // (group * 8) * group * 8)  # whole groups, whole bytes of codes
+    tmp = torch.empty(min(step, n), dtype=torch.float32, device=flat.device)
+    for a in range(0, n, step):
+        b = min(a + step, n)
+        codes = packed[a * bits // 8:(b * bits + 7) // 8]
+        v = native_generic.group_decode(codes, params[:, a // group:-(-b // group)].contiguous(), bits, group,
+                                        tmp[:b - a])
+        flat[a:b].copy_(v)
+
+
 def group_dequantize(packed: torch.Tensor, params: torch.Tensor, bits: int, group: int, like: torch.Tensor
                      ) -> torch.Tensor:
     """The tensor ``group_quantize`` coded, rebuilt at its levels with the shape, dtype and layout of ``like``
@@ -125,10 +144,10 @@ def group_dequantize(packed: torch.Tensor, params: torch.Tensor, bits: int, grou
     n = out.numel()
     direct = out.dtype == torch.float32  # rebuild in place, else through one float32 temporary
     if native_generic.decodable(packed, params, bits, group, n) and native_generic.applies(dense):
-        v = native_generic.group_decode(packed, params, bits, group, dense.view(-1) if direct else
-                                        torch.empty(n, dtype=torch.float32, device=out.device))
-        if not direct:
-            dense.view(-1).copy_(v)  # the plain path's rounding to out's dtype, the same copy
+        if direct:
+            native_generic.group_decode(packed, params, bits, group, dense.view(-1))
+        else:
+            _decode_through_float32(packed, params, bits, group, dense.view(-1))
         return out
     codes = unpack_bits(packed, bits, n)
     v = dense.view(-1) if direct else torch.empty(n, dtype=torch.float32, device=out.device)

@@ -304,3 +304,26 @@ def test_relus_join_the_units_of_what_keeps_their_output_and_max_pools_keep_offs
     assert torch.equal(xs[0].grad, xs[1].grad)  # masks, offsets and the codes' input gradients are exact
     cos = F.cosine_similarity(om.original_module.c2.weight.grad.flatten(), model.c2.weight.grad.flatten(), 0)
     assert cos > 0.99
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bits,group,n", [(8, 256, 5000), (4, 256, 4096), (3, 100, 3333), (8, 7, 129)])
+def test_low_precision_rebuild_through_float32_slices(monkeypatch, dtype, bits, group, n):
+    """A bf16 / fp16 rebuild decodes through float32 a slice at a time: the same values as one full-size
+    float32 temporary rounded to the dtype, and no temporary as large as the whole tensor."""
+    from memopt.cost_model.storage import LiveStorageTracker
+    from memopt.runtime import native_generic
+    from memopt.stash import generic
+    if not native_generic.applies(torch.zeros(1), float_dtype=True):
+        pytest.skip("the C kernels are not built here")
+    torch.manual_seed(0)
+    x = torch.randn(n).to(dtype)
+    packed, params = generic.group_quantize(x, bits, group, False)
+    want = generic.group_dequantize(packed, params, bits, group, torch.empty(n)).to(dtype)
+    monkeypatch.setattr(generic, "DECODE_SLICE", 64)
+    like = torch.empty(n, dtype=dtype)
+    tracker = LiveStorageTracker(preexisting=[packed, params, like])
+    with tracker:
+        got = generic.group_dequantize(packed, params, bits, group, like)
+    assert torch.equal(got, want)
+    assert tracker.peak < n * got.element_size() + n * 4  # one slice of float32 at a time, not all n values
