@@ -15,25 +15,21 @@ import json
 import statistics
 from collections import Counter
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Tuple
 
 from tabulate import tabulate
 
 from tools.bench.common import RESULTS
 
-# (family as shown, sweep file, the rows' family field or None for all): the bf16 sweep holds several families
-SWEEPS = [("torchvision", "fidelity_sweep_torchvision_f76933a", None),
-          ("torchvision, captured by export since, re-run", "fidelity_sweep_torchvision_rerun_a2eb48f", None),
-          ("torchvision, Swin V2 re-run", "fidelity_sweep_torchvision_rerun_f1c9010", None),
-          ("torchvision, the larger ones captured by export since, re-run", "fidelity_sweep_torchvision_rerun_7d69347",
-           None),
-          ("timm", "fidelity_sweep_timm_5f0a6d7", None),
-          ("timm, weight-standardised and below-1.5x models re-run", "fidelity_sweep_timm_rerun_dfa534d", None),
-          ("Hugging Face", "fidelity_sweep_hf_ca9f7fa", None),
-          ("timm, bf16 autocast", "fidelity_sweep_bf16_0a888e0", "timm"),
-          ("timm, bf16, its gate failures re-run", "fidelity_sweep_bf16_timm_rerun", None),
-          ("Hugging Face, bf16 autocast", "fidelity_sweep_bf16", "hf"),
-          ("Hugging Face, bf16, re-run at 4c2073c", "fidelity_sweep_bf16_hf_rerun_4c2073c", None)]
+# (family as shown, its sweep files oldest first, the rows' family field or None for all): a model re-run in a later
+# file is counted once, with its latest result; the bf16 sweeps hold several families
+TV = "fidelity_sweep_torchvision"
+SWEEPS = [("torchvision", [f"{TV}_f76933a", f"{TV}_rerun_a2eb48f", f"{TV}_rerun_f1c9010", f"{TV}_rerun_7d69347",
+                           f"{TV}_rerun_1c38567"], None),
+          ("timm", ["fidelity_sweep_timm_0f1cf69"], None),
+          ("Hugging Face", ["fidelity_sweep_hf_ca9f7fa"], None),
+          ("timm, bf16 autocast", ["fidelity_sweep_bf16_0a888e0", "fidelity_sweep_bf16_timm_rerun"], "timm"),
+          ("Hugging Face, bf16 autocast", ["fidelity_sweep_bf16", "fidelity_sweep_bf16_hf_rerun_4c2073c"], "hf")]
 KINDS = {"bn_act_stash": "BN-act chains", "conv_from_stash": "convs after chains", "linear_from_stash":
          "linears after chains", "generic_encode": "generic codes", "linear_from_codes": "linear inputs",
          "conv_from_codes": "conv inputs", "weight_op_from_rebuild": "rebuilt after norms",
@@ -49,6 +45,21 @@ def _rows(name: str) -> List[Dict[str, Any]]:
 
 def _ratio(row) -> float:
     return row["stock_saved"] / row["memopt_saved"] if row.get("stock_saved") and row.get("memopt_saved") else 0.0
+
+
+def latest(names: List[str], only) -> Tuple[List[Dict[str, Any]], str]:
+    """Each model's row from the last of ``names`` that ran it, and the files as the table names them: the first,
+    then each re-run with the number of models it ran."""
+    by_model: Dict[Any, Dict[str, Any]] = {}
+    used = []
+    for name in names:
+        rows = [r for r in _rows(name) if only is None or r.get("family") == only]
+        if rows and all("capture" in r or r.get("status") != "ok" for r in rows):  # sweeps of the current tool
+            by_model.update({(r.get("family"), r["model"]): r for r in rows})
+            tail = name.rsplit("_", 1)[-1]
+            commit = tail if len(tail) == 7 and all(c in "0123456789abcdef" for c in tail) else name
+            used.append(name if not used else f"re-run {commit}: {len(rows)}")
+    return list(by_model.values()), "; ".join(used)
 
 
 def summarise(family: str, name: str, rows: List[Dict[str, Any]]) -> List[Any]:
@@ -75,11 +86,11 @@ def main() -> None:
     parser.add_argument("--out", default=str(RESULTS / "zoo_table.md"))
     args = parser.parse_args()
     table = []
-    for family, name, only in SWEEPS:
-        rows = [r for r in _rows(name) if only is None or r.get("family") == only]
-        if rows and all("capture" in r or r.get("status") != "ok" for r in rows):  # sweeps of the current tool
-            table.append(summarise(family, name, rows))
-    headers = ["family", "models (sweep file)", "capture", "median saved ratio", "least ratio",
+    for family, names, only in SWEEPS:
+        rows, files = latest(names, only)
+        if rows:
+            table.append(summarise(family, files, rows))
+    headers = ["family", "models (sweep files)", "capture", "median saved ratio", "least ratio",
                "worst cosine < 0.98", "gate failed", "most common rewrites (models)"]
     text = tabulate(table, headers, tablefmt="github")
     Path(args.out).write_text(f"# Model zoos at the default config\n\nCommand: `python -m tools.zoo_table`. "
