@@ -111,16 +111,16 @@ class CheckpointBlocks(nn.Module):
             block.forward = self._checkpointed(forward)
 
     def _checkpointed(self, forward):
-        def run(*args):
+        def run(*args, **kwargs):  # Hugging Face layers take keyword arguments (attention masks, positions)
             if self.active:
-                return checkpoint(forward, *args, use_reentrant=False)
-            return forward(*args)
+                return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+            return forward(*args, **kwargs)
         return run
 
-    def forward(self, x):
+    def forward(self, *args, **kwargs):
         self.active = True
         try:
-            return self.model(x)
+            return self.model(*args, **kwargs)
         finally:
             self.active = False
 

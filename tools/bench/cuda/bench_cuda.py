@@ -1,64 +1,95 @@
-"""python -m tools.bench.cuda.bench_cuda   (on a machine with a GPU; about 3 minutes on an H200 before the Triton rows)
+"""python -m tools.bench.cuda.bench_cuda   (one prepared run on a lent GPU; it stops starting rows at --budget-s)
 
-Benchmark on a CUDA GPU: saved bytes, peak and step time of memopt vs stock vs torch.utils.checkpoint.
+Benchmark on a CUDA GPU: saved bytes, peak and step time of memopt against stock, torch.utils.checkpoint and
+torch.compile with an activation memory budget, one training step (forward, backward, SGD-momentum step).
 
-For torchvision ResNet-50 (224x224, batches 32 and 128) and a pre-activation ResNet-164 (32x32, batch 128),
-with SGD-momentum: saved activations (``memopt.measure``, asserted equal to the estimate), the step's peak
-from the caching allocator (``torch.cuda.max_memory_allocated`` less other tensors' memory) beside the
-cost model's estimate, and the step time relative to stock (forward + backward, interleaved step by step
-in one process, each step synchronised, median of 10 after 3 warm-ups; cuDNN autotuning on, as users run).
-Then ``memopt.optimize(model, budget_mb=...)`` at half and a quarter of stock's peak: measured peak vs budget.
+Models (random weights): torchvision ResNet-50 at 224x224, batches 32 and 128; a BERT-base encoder
+(Hugging Face ``BertModel``: 12 layers, hidden 768, 12 heads) at batch 32 x 512 tokens; a Llama-style decoder
+(``LlamaForCausalLM``: 8 layers, hidden 1024, 16 heads, intermediate 2816, vocabulary 32000) at 1 x 2048 tokens.
+Each in float32 and under bf16 autocast (``torch.autocast("cuda", torch.bfloat16)`` around optimize, measure
+and the steps), the decoder under bf16 only. Rows per model and precision:
+- stock: the model as it is;
+- ``memopt.Config()``: every default, the fidelity gate on;
+- ``torch.utils.checkpoint`` around every block (non-reentrant);
+- memopt at checkpointing's peak: ``memopt.optimize(model, budget_mb=<checkpointing's measured peak>)``;
+- ``torch.compile`` with ``torch._functorch.config.activation_memory_budget = 0.5`` (its partitioner's
+  recomputation; compile time in the setup column);
+- the first model (ResNet-50 batch 32), float32 only: ``MEMOPT_KERNELS=triton`` (``memopt.runtime.kernels``:
+  few-bit's and the stash's Triton kernels) with a label that says whether one step's gradients are
+  bit-identical to the default kernels' (deterministic mode for that check).
+Saved bytes from ``memopt.measure`` (saved-tensor hooks; asserted equal to the cost model's estimate for memopt's
+rows in float32), measured peak from the caching allocator (``torch.cuda.max_memory_allocated`` during the
+step, less other tensors' memory), step time as a ratio to stock (interleaved step by step in one process, each
+step synchronised, median of 5 after 2 warm-ups; cuDNN autotuning on, as users run).
 
-The default config runs twice: with the default kernels (plain PyTorch on CUDA) and with ``MEMOPT_KERNELS=triton``
-(``memopt.runtime.kernels``: few-bit's and the stash's Triton kernels, opt-in until they have run on a GPU). The
-Triton row's label says whether one step's gradients are bit-identical to the default's (cuDNN and PyTorch in
-deterministic mode for that check; the largest difference otherwise), which is the first check of those kernels
-compiled on a GPU; the first steps include their compilation (warm-ups take it out of the timing).
-
-Writes docs/results/cuda/cuda.md after every row (a run cut short keeps what it measured). Without a GPU,
-``--device cpu --smoke --out /tmp/cuda.md`` checks the script itself (the Triton row under TRITON_INTERPRET=1 only).
+The file is rewritten after every row, so a run cut short keeps what it measured; past ``--budget-s`` seconds
+no new row starts (those left are listed as not run). Without a GPU, ``--device cpu --smoke --out /tmp/cuda.md``
+checks the script itself on small models (the Triton row only under TRITON_INTERPRET=1).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import time
+from typing import Callable, Dict, List, NamedTuple, Tuple
 
 import torch
 from tabulate import tabulate
 
 import memopt
 from memopt.runtime import kernels, triton_fewbit
-from memopt.testing.zoo import PreActResNet
 from memopt.timing import step_time_ratio
 from tools.bench.common import RESULTS, CheckpointBlocks, write_results_file
 
 MiB = 2 ** 20
+HEADERS = ["model", "precision", "config", "saved MiB", "saved smaller", "peak MiB (measured)", "peak MiB (estimated)",
+           "peak smaller", "step time / stock", "setup s"]
 
 
-def _models(smoke: bool):
+class Case(NamedTuple):
+    name: str
+    model: torch.nn.Module
+    inputs: torch.Tensor
+    blocks: List[torch.nn.Module]
+    precisions: Tuple[str, ...]
+
+
+def _resnet50(batch: int, size: int) -> Case:
     import torchvision
 
-    def resnet50(batch, size=224):
-        m = torchvision.models.resnet50()
-        return (f"ResNet-50, {size}x{size}, batch {batch}", m, torch.randn(batch, 3, size, size),
-                [b for layer in (m.layer1, m.layer2, m.layer3, m.layer4) for b in layer])
+    m = torchvision.models.resnet50()
+    return Case(f"ResNet-50, {size}x{size}, batch {batch}", m, torch.randn(batch, 3, size, size),
+                [b for layer in (m.layer1, m.layer2, m.layer3, m.layer4) for b in layer], ("float32", "bf16"))
 
-    def preact(depth, batch):
-        m = PreActResNet(depth)
-        return f"PreAct ResNet-{depth}, 32x32, batch {batch}", m, torch.randn(batch, 3, 32, 32), list(m.blocks)
 
+def _bert(batch: int, seq: int, layers: int, hidden: int, heads: int) -> Case:
+    import transformers as T
+
+    cfg = T.BertConfig(vocab_size=30522, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                       intermediate_size=4 * hidden, max_position_embeddings=max(512, seq), attn_implementation="sdpa")
+    m = T.BertModel(cfg)
+    return Case(f"BERT encoder, {layers} layers, hidden {hidden}, batch {batch} x {seq}", m,
+                torch.randint(0, cfg.vocab_size, (batch, seq)), list(m.encoder.layer), ("float32", "bf16"))
+
+
+def _llama(seq: int, layers: int, hidden: int, heads: int, intermediate: int, vocab: int) -> Case:
+    import transformers as T
+
+    cfg = T.LlamaConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                        num_key_value_heads=heads, intermediate_size=intermediate, max_position_embeddings=seq,
+                        use_cache=False, attn_implementation="sdpa")
+    m = T.LlamaForCausalLM(cfg)
+    return Case(f"Llama decoder, {layers} layers, hidden {hidden}, 1 x {seq}", m,
+                torch.randint(0, vocab, (1, seq)), list(m.model.layers), ("bf16",))
+
+
+def models(smoke: bool) -> Dict[str, Callable[[], Case]]:
     if smoke:  # the script's own check on any device: small and quick
-        return {"resnet50": lambda: resnet50(2, 64), "preact": lambda: preact(20, 8)}
-    return {"resnet50_b32": lambda: resnet50(32), "resnet50_b128": lambda: resnet50(128),
-            "preact164": lambda: preact(164, 128)}
-
-
-# (label, config, MEMOPT_KERNELS for the row: None is the default)
-CONFIGS = [("memopt Config() (default)", memopt.Config(), None),
-           ("memopt Config(), MEMOPT_KERNELS=triton", memopt.Config(), "triton"),
-           ("stash 8-bit + few-bit", memopt.Config(stash=memopt.StashConfig(bits=8)), None),
-           ("stash 2-bit + few-bit", memopt.Config(stash=memopt.StashConfig(bits=2)), None)]
+        return {"resnet50": lambda: _resnet50(2, 64), "bert": lambda: _bert(2, 32, 2, 64, 2),
+                "llama": lambda: _llama(64, 2, 64, 2, 176, 256)}
+    return {"resnet50_b32": lambda: _resnet50(32, 224), "bert_base": lambda: _bert(32, 512, 12, 768, 12),
+            "llama": lambda: _llama(2048, 8, 1024, 16, 2816, 32000), "resnet50_b128": lambda: _resnet50(128, 224)}
 
 
 def _triton_runs(device: str) -> str:
@@ -99,65 +130,126 @@ def _gradients_match(model, x, cfg) -> str:
     return f"gradients DIFFER from the default: max abs difference {worst:.3g}"
 
 
-def _row(name, label, m, stock, est_peak, ratio, plan_s=None):
-    return [name, label, f"{m.saved_bytes / MiB:.1f}", f"{stock.saved_bytes / m.saved_bytes:.2f}x",
+class Bench:
+    """The rows measured so far, the clock, and the file rewritten after every row."""
+
+    def __init__(self, args) -> None:
+        self.args, self.rows, self.start = args, [], time.perf_counter()
+
+    def over(self) -> bool:
+        return time.perf_counter() - self.start > self.args.budget_s
+
+    def add(self, row: List[str]) -> None:
+        self.rows.append(row)
+        print(row, flush=True)
+        self.write()
+
+    def write(self) -> None:
+        args = self.args
+        table = tabulate(self.rows, headers=HEADERS, tablefmt="github")
+        where = torch.cuda.get_device_name() if args.device == "cuda" else "CPU smoke run"
+        command = "python -m tools.bench.cuda.bench_cuda" + (f" --models {args.models}" if args.models else "")
+        text = (f"# memopt on a CUDA GPU\n\nCommand: `{command}` ({where}, torch {torch.__version__}, cuDNN "
+                f"{torch.backends.cudnn.version()}; {time.perf_counter() - self.start:.0f} s so far). "
+                f"{chr(10).join(__doc__.split(chr(10))[2:21])}\n\n{table}\n")
+        write_results_file(args.out, text)
+
+
+def _precision(device: str, precision: str):
+    if precision == "bf16":
+        return torch.autocast(device, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def _row(case, precision, label, m, stock, est_peak, ratio, setup_s=None) -> List[str]:
+    return [case.name, precision, label, f"{m.saved_bytes / MiB:.1f}", f"{stock.saved_bytes / m.saved_bytes:.2f}x",
             f"{m.peak_bytes / MiB:.1f}", "" if est_peak is None else f"{est_peak / MiB:.1f}",
-            f"{stock.peak_bytes / m.peak_bytes:.2f}x", f"{ratio:.2f}x", "" if plan_s is None else f"{plan_s:.1f}"]
+            f"{stock.peak_bytes / m.peak_bytes:.2f}x", f"{ratio:.2f}x", "" if setup_s is None else f"{setup_s:.1f}"]
 
 
-def bench_model(build, rows, budget_rows, device, save):
-    name, model, x, blocks = build()
-    model, x = model.to(device).train(), x.to(device)
-    stock = memopt.measure(model, x, optimizer="sgd")
-    est = memopt.estimate(model, x, optimizer="sgd")
-    assert stock.saved_bytes == est.saved_bytes, (stock.saved_bytes, est.saved_bytes)
-    _, stock_s = step_time_ratio(model, model, x, repeats=3, warmup=2)
-    rows.append(_row(name, f"stock ({stock_s * 1000:.0f} ms/step)", stock, stock, est.peak_bytes, 1.0))
-    print(rows[-1], flush=True)
-    save()
-    for label, cfg, choice in CONFIGS:
-        if choice == "triton":
-            why_not = _triton_runs(device)
-            if why_not:
-                rows.append([name, f"{label} ({why_not})"] + [""] * 7)
-                save()
-                continue
-            label = f"{label} ({_gradients_match(model, x, cfg)})"
-        with kernels.forced(choice):
-            start = time.perf_counter()
-            om = memopt.optimize(model, example_inputs=x, config=cfg, optimizer="sgd")
-            plan_s = time.perf_counter() - start
-            m = memopt.measure(om, x, optimizer="sgd")
-            assert m.saved_bytes == om.plan.estimated_saved_bytes, (label, m.saved_bytes,
-                                                                    om.plan.estimated_saved_bytes)
-            ratio, _ = step_time_ratio(om, model, x, repeats=10, warmup=3)
-        rows.append(_row(name, label, m, stock, om.plan.estimated_peak_bytes, ratio, plan_s))
-        print(rows[-1], flush=True)
-        save()
+def bench_case(case: Case, precision: str, bench: Bench, triton_row: bool) -> None:
+    device = bench.args.device
+    model, x = case.model.to(device).train(), case.inputs.to(device)
+    steps = dict(repeats=bench.args.repeats, warmup=2)
+    labels = ["stock", "memopt Config()", "torch.utils.checkpoint, every block", "memopt at checkpointing's peak",
+              "torch.compile, activation_memory_budget=0.5"] + (["memopt Config(), MEMOPT_KERNELS=triton"]
+                                                                 if triton_row else [])
+
+    def skip_rest(done: int) -> bool:
+        if not bench.over():
+            return False
+        for label in labels[done:]:
+            bench.rows.append([case.name, precision, label, "not run: --budget-s reached"] + [""] * 6)
+        bench.write()
+        return True
+
+    if skip_rest(0):
+        return
+    with _precision(device, precision):
+        stock = memopt.measure(model, x, optimizer="sgd")
+        _, stock_s = step_time_ratio(model, model, x, **steps)
+        bench.add(_row(case, precision, f"stock ({stock_s * 1000:.0f} ms/step)", stock, stock, None, 1.0))
+        if skip_rest(1):
+            return
+        start = time.perf_counter()
+        om = memopt.optimize(model, example_inputs=x, optimizer="sgd")
+        setup = time.perf_counter() - start
+        m = memopt.measure(om, x, optimizer="sgd")
+        if precision == "float32":
+            assert m.saved_bytes == om.plan.estimated_saved_bytes, (m.saved_bytes, om.plan.estimated_saved_bytes)
+        ratio, _ = step_time_ratio(om, model, x, **steps)
+        bench.add(_row(case, precision, labels[1], m, stock, om.plan.estimated_peak_bytes, ratio, setup))
         del om
-    ckpt = CheckpointBlocks(model, blocks)
-    m = memopt.measure(ckpt, x, optimizer="sgd")
-    ratio, _ = step_time_ratio(ckpt, model, x, repeats=10, warmup=3)
-    rows.append(_row(name, "torch.utils.checkpoint, every block", m, stock, None, ratio))
-    print(rows[-1], flush=True)
-    save()
-    ckpt.restore()
-    for frac in (0.5, 0.25):
-        budget = frac * stock.peak_bytes / MiB
+        if skip_rest(2):
+            return
+        ckpt = CheckpointBlocks(model, case.blocks)
+        ckpt_m = memopt.measure(ckpt, x, optimizer="sgd")
+        ratio, _ = step_time_ratio(ckpt, model, x, **steps)
+        ckpt.restore()
+        bench.add(_row(case, precision, labels[2], ckpt_m, stock, None, ratio))
+        if skip_rest(3):
+            return
+        budget = ckpt_m.peak_bytes / MiB
         try:
+            start = time.perf_counter()
             om = memopt.optimize(model, budget_mb=budget, example_inputs=x, optimizer="sgd")
+            setup = time.perf_counter() - start
             m = memopt.measure(om, x, optimizer="sgd")
+            ratio, _ = step_time_ratio(om, model, x, **steps)
+            fits = "fits" if m.peak_bytes <= budget * MiB else "OVER"
+            bench.add(_row(case, precision, f"{labels[3]} ({budget:.0f} MiB: {fits})", m, stock,
+                           om.plan.estimated_peak_bytes, ratio, setup))
+            del om
         except memopt.MemoptError as e:  # refused loudly: say so in the table
-            budget_rows.append([name, f"{budget:.0f} ({frac:.2f} x stock)", "", "", f"refused: {str(e)[:120]}", ""])
-            save()
-            continue
-        ratio, _ = step_time_ratio(om, model, x, repeats=10, warmup=3)
-        budget_rows.append([name, f"{budget:.0f} ({frac:.2f} x stock)", f"{om.plan.estimated_peak_bytes / MiB:.1f}",
-                            f"{m.peak_bytes / MiB:.1f}", "yes" if m.peak_bytes <= budget * MiB else "NO",
-                            f"{ratio:.2f}x"])
-        print(budget_rows[-1], flush=True)
-        save()
-        del om
+            bench.add([case.name, precision, f"{labels[3]} ({budget:.0f} MiB)", f"refused: {str(e)[:160]}"]
+                      + [""] * 6)
+        if skip_rest(4):
+            return
+        import torch._functorch.config as functorch_config
+        with functorch_config.patch(activation_memory_budget=0.5):
+            torch._dynamo.reset()
+            compiled = torch.compile(model)
+            start = time.perf_counter()
+            memopt.measure(compiled, x)  # compiles (forward and backward)
+            setup = time.perf_counter() - start
+            m = memopt.measure(compiled, x, optimizer="sgd")
+            ratio, _ = step_time_ratio(compiled, model, x, **steps)
+        bench.add(_row(case, precision, labels[4], m, stock, None, ratio, setup))
+        del compiled
+        torch._dynamo.reset()
+    if triton_row and not skip_rest(5):
+        why_not = _triton_runs(device)
+        if why_not:
+            bench.add([case.name, precision, f"{labels[5]} ({why_not})"] + [""] * 7)
+        else:
+            label = f"{labels[5]} ({_gradients_match(model, x, memopt.Config())})"
+            with kernels.forced("triton"):
+                start = time.perf_counter()
+                om = memopt.optimize(model, example_inputs=x, optimizer="sgd")
+                setup = time.perf_counter() - start
+                m = memopt.measure(om, x, optimizer="sgd")
+                ratio, _ = step_time_ratio(om, model, x, **steps)
+            bench.add(_row(case, precision, label, m, stock, om.plan.estimated_peak_bytes, ratio, setup))
     del model, x
     if device == "cuda":
         torch.cuda.empty_cache()
@@ -168,38 +260,22 @@ def main() -> None:
     parser.add_argument("--out", default=str(RESULTS / "cuda" / "cuda.md"))
     parser.add_argument("--device", default="cuda", help="cuda (default); cpu only with --smoke")
     parser.add_argument("--smoke", action="store_true", help="small models: checks the script itself")
-    parser.add_argument("--models", default="", help="comma-separated keys: resnet50_b32,resnet50_b128,preact164")
+    parser.add_argument("--models", default="", help="comma-separated keys: resnet50_b32,bert_base,llama,resnet50_b128")
+    parser.add_argument("--budget-s", type=float, default=420.0, help="no row starts after this many seconds")
+    parser.add_argument("--repeats", type=int, default=5, help="timed steps per side")
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("tools.bench.cuda.bench_cuda needs a CUDA GPU (torch.cuda.is_available() is False)")
     torch.backends.cudnn.benchmark = True
-    torch.manual_seed(0)
-    rows, budget_rows = [], []
-    models = _models(args.smoke)
-    for key in (args.models.split(",") if args.models else models):
-        # the file is rewritten after every row: a run cut short keeps what it measured
-        bench_model(models[key], rows, budget_rows, args.device, lambda: _write(args, rows, budget_rows))
-
-
-def _write(args, rows, budget_rows) -> None:
-    table = tabulate(rows, headers=["model", "config", "saved MiB (measured = estimated)", "fewer than stock",
-                                    "peak MiB (measured)", "peak MiB (estimated)", "peak smaller", "step time / stock",
-                                    "optimize() s"], tablefmt="github")
-    budgets = tabulate(budget_rows, headers=["model", "budget MiB", "planned peak MiB", "measured peak MiB",
-                                             "fits", "step time / stock"], tablefmt="github")
-    where = torch.cuda.get_device_name() if args.device == "cuda" else "CPU smoke run"
-    command = "python -m tools.bench.cuda.bench_cuda" + (f" --models {args.models}" if args.models else "")
-    text = (f"# memopt on a CUDA GPU\n\nCommand: `{command}` ({where}, torch {torch.__version__}, cuDNN "
-            f"{torch.backends.cudnn.version()}). One SGD-momentum training step; saved bytes from `memopt.measure` "
-            f"(asserted equal to the cost model's estimate); measured peak from the caching allocator "
-            f"(`torch.cuda.max_memory_allocated` during the step, less other tensors' memory, cuDNN workspaces "
-            f"included); step time forward + backward, interleaved with stock step by step, median of 10, cuDNN "
-            f"autotuning on. The `MEMOPT_KERNELS=triton` row runs few-bit's and the stash's Triton kernels "
-            f"(`memopt.runtime.kernels`); its label says whether one step's gradients match the default's bit for "
-            f"bit (deterministic mode for that check).\n\n{table}\n\n## Budgets\n\n"
-            f"`memopt.optimize(model, budget_mb=B)` with B half and a "
-            f"quarter of stock's measured peak.\n\n{budgets}\n")
-    write_results_file(args.out, text)
+    bench = Bench(args)
+    builders = models(args.smoke)
+    for i, key in enumerate(args.models.split(",") if args.models else builders):
+        if key not in builders:
+            raise SystemExit(f"--models: unknown key {key!r}; choose from {', '.join(builders)}")
+        torch.manual_seed(0)
+        case = builders[key]()
+        for precision in case.precisions:
+            bench_case(case, precision, bench, triton_row=i == 0 and precision == "float32")
 
 
 if __name__ == "__main__":
