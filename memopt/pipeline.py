@@ -204,6 +204,15 @@ def _gate(model: nn.Module, method: str, args: tuple, kwargs: dict, config: Conf
     return built
 
 
+MAX_REPLANS = 3  # plans made again around the gate's repairs before a budget is refused
+
+
+def _lowered(found: Dict[str, Dict[str, Any]], decision: Dict[str, Dict[str, Any]]) -> List[str]:
+    """The lossy units ``found`` runs at other bits than the gate's ``decision`` (recomputed blocks aside)."""
+    return sorted(f"{t} {u}: {decision.get(t, {}).get(u) or 'exact'} -> {b} bits" for t, us in found.items()
+                  if t != "recompute" for u, b in us.items() if b and decision.get(t, {}).get(u) != b)
+
+
 def _refit(model: nn.Module, method: str, args: tuple, kwargs: dict, config: Config, budget_bytes: int,
            optimizer: Any, baseline: Estimate, pristine: fx.GraphModule, ctx: PassContext, built: Built,
            decision: Dict[str, Dict[str, Any]], report: Dict[str, Any],
@@ -212,6 +221,24 @@ def _refit(model: nn.Module, method: str, args: tuple, kwargs: dict, config: Con
     target = budget_bytes - config.workspace_bytes(baseline.device)
     found, best = fit_decision(pristine, ctx, args, kwargs, config, baseline, target, optimizer, built.planned,
                                decision)
+    for _ in range(MAX_REPLANS):
+        lowered = [] if found is None else _lowered(found.decision, decision)
+        if not lowered:
+            break
+        # planned again around the repairs: units the gate left alone gave up bits, so the gate checks that plan
+        plan = make_plan(model, method, args, kwargs, config, budget_bytes, baseline, found.estimate, found.records,
+                         found.graph_module, found)
+        again, checked = fidelity_gate(model, args, kwargs, config, plan.chosen_units(), plan.units, pristine,
+                                       recapture=recapture)
+        report["steps"] += checked["steps"]
+        if checked["passed"] and not checked["changes"]:
+            report["changes"].append(f"planned again around the repairs, within the budget: {', '.join(lowered)}")
+            report.update({k: checked[k] for k in ("passed", "worst", "below", "parameters")})
+            return Built(found.graph_module, plan, baseline, found.estimate, found)
+        decision = again
+        found, best = fit_decision(pristine, ctx, args, kwargs, config, baseline, target, optimizer, found, decision)
+    else:
+        found = None
     if found is None:
         least = best.estimate.peak_bytes
         raise BudgetError(

@@ -218,7 +218,29 @@ def fit_decision(gm: fx.GraphModule, ctx: PassContext, args: tuple, kwargs: dict
                     planned.required_bytes, planned.rounds + 1, start)
     if best.estimate.peak_bytes <= budget_bytes:
         return best, best
-    return _last_resort(gm, ctx, args, kwargs, config, baseline, budget_bytes, optimizer, groups, best, start, policy)
+    found, most = _last_resort(gm, ctx, args, kwargs, config, baseline, budget_bytes, optimizer, groups, best, start,
+                               policy)
+    if found is None:  # the units the gate left alone give up bits instead (the caller gates that plan again)
+        found = _around_repair(gm, ctx, args, kwargs, config, baseline, budget_bytes, optimizer, planned, choice,
+                               policy, start)
+    return found, most if found is None else found
+
+
+def _around_repair(gm, ctx: PassContext, args, kwargs, config, baseline: Estimate, budget_bytes: int, optimizer,
+                   planned: BudgetPlan, choice: List[int], policy: Policy, start: float) -> Optional[BudgetPlan]:
+    """The planner's search once more with every group the gate repaired held at its repair (or exact) and the
+    others free: a plan that gave spare bytes to more bits on units the gate never questioned can fit the budget
+    with the repair at their expense, where recomputation cannot. None when nothing fits."""
+    changed = {i for i, (now, before) in enumerate(zip(choice, planned.solution.choice)) if now != before}
+    if not changed:
+        return None
+    pinned = [dataclasses.replace(g, options=[g.options[0]] + ([g.options[choice[i]]] if choice[i] else []))
+              if i in changed else g for i, g in enumerate(planned.groups)]
+    found, _ = _search(gm, ctx, args, kwargs, config, baseline, budget_bytes, optimizer, pinned,
+                       baseline.peak_bytes - budget_bytes,
+                       lambda asked, weight: solve_or_max(pinned, asked, weight, policy),
+                       lambda weight: max_saving(pinned, weight, policy), start)
+    return found
 
 
 def _option_index(group: Group, decision: Decision) -> int:
