@@ -231,6 +231,7 @@ def _refit(model: nn.Module, method: str, args: tuple, kwargs: dict, config: Con
         again, checked = fidelity_gate(model, args, kwargs, config, plan.chosen_units(), plan.units, pristine,
                                        recapture=recapture)
         report["steps"] += checked["steps"]
+        report["changes"] += checked["changes"]  # the repairs of the plan made again are the plan's story too
         if checked["passed"] and not checked["changes"]:
             report["changes"].append(f"planned again around the repairs, within the budget: {', '.join(lowered)}")
             report.update({k: checked[k] for k in ("passed", "worst", "below", "parameters")})
