@@ -38,12 +38,13 @@ class FidelityConfig:
         min_cosine: the least per-parameter gradient cosine against exact autograd, in (0, 1] (default 0.99).
         tiny: parameters whose exact gradient norm is below ``tiny`` times the median norm are listed apart and
             not gated (their direction is rounding noise, e.g. attention key biases), in [0, 1) (default 1e-3).
-        max_rounds: repair rounds, 1..20 (default 6).
+        max_rounds: repair rounds, 1..20 (default 12); rounds that stop helping end early (``fidelity.py``
+            STALL_ROUNDS), so the bound costs time only where each round brings parameters closer to the bar.
     """
 
     min_cosine: float = 0.99
     tiny: float = 1e-3
-    max_rounds: int = 6
+    max_rounds: int = 12
 
     def __post_init__(self) -> None:
         if isinstance(self.min_cosine, bool) or not isinstance(self.min_cosine, (int, float)) or \

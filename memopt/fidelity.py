@@ -144,6 +144,13 @@ PROJECTIONS = 2
 MARGIN = 0.005
 MAX_PROJECTIONS = 4
 WIDESPREAD_LEAST = 3
+# Rounds go on while they help: after STALL_ROUNDS rounds in a row that neither pass a parameter nor lift any
+# failing parameter's cosine by STALL_GAIN above its best, the repair is stuck (the error comes from units the graph neighbourhood does not
+# reach: MambaOut's depthwise conv bias stayed at 0.9887 over ten rounds) and the last resort runs at once, so a
+# generous ``max_rounds`` costs time only where rounds make progress (MobileOne's cancelling BN weights pass in
+# the seventh round, one BN branch per stage each round).
+STALL_ROUNDS = 3
+STALL_GAIN = 1e-3
 
 
 def _without(decision: Decision, keys: List[Tuple[str, str]]) -> Decision:
@@ -328,6 +335,8 @@ def fidelity_gate(model: nn.Module, args: tuple, kwargs: dict, config: Config, d
     changes: List[str] = []
     radius = 4
     before = None
+    bests: Dict[str, float] = {}  # each failing parameter's best cosine so far
+    fewest, stalled = len(names) + 1, 0
     for round_ in range(gate.max_rounds + 1):
         changes.extend(coupled(decision, couplings, weights))
         per_parameter, failing = evaluate(decision)
@@ -343,6 +352,18 @@ def fidelity_gate(model: nn.Module, args: tuple, kwargs: dict, config: Config, d
                             "cosine": per_parameter[failing[0]]["cosine"] if failing else per_min(per_parameter)}
         if not failing or round_ == gate.max_rounds or verify_only:
             break
+        gained = [p for p in failing if p in bests and per_parameter[p]["cosine"] >= bests[p] + STALL_GAIN]
+        for p in failing:  # a parameter newly below the bar is no progress
+            bests[p] = max(bests.get(p, -2.0), per_parameter[p]["cosine"])
+        if gained or len(failing) < fewest:
+            fewest, stalled = min(fewest, len(failing)), 0
+        else:
+            stalled += 1
+            if stalled >= STALL_ROUNDS:
+                changes.append(f"rounds stopped after {round_}: {STALL_ROUNDS} in a row lifted none of the "
+                               f"{len(failing)} parameters below {gate.min_cosine} (worst {failing[0]} "
+                               f"{per_parameter[failing[0]]['cosine']:.4f})")
+                break
         gated = sum(not f["excluded"] for f in per_parameter.values())
         techniques = sorted(t for t, us in decision.items() if any((t, u) in lossy_nodes for u in us))
         if len(failing) > max(WIDESPREAD * gated, WIDESPREAD_LEAST) and techniques:
@@ -399,10 +420,11 @@ def fidelity_gate(model: nn.Module, args: tuple, kwargs: dict, config: Config, d
         if last_resort is not None:
             log.warning("memopt: %s: the fidelity gate's %d round(s) left %d parameters below cosine %s (worst %s at "
                         "%.4f); rather than ship approximate gradients it made lossy units exact, so the plan saves "
-                        "less: %s. To keep the savings, raise FidelityConfig.max_rounds, lower "
-                        "FidelityConfig.min_cosine, or accept the approximate gradients with Config(fidelity=None).",
+                        "less: %s. To keep the savings, %slower FidelityConfig.min_cosine, or accept the "
+                        "approximate gradients with Config(fidelity=None).",
                         type(model).__name__, round_, len(missed), gate.min_cosine, worst_missed,
-                        missed[worst_missed], last_resort)
+                        missed[worst_missed], last_resort,
+                        "" if stalled >= STALL_ROUNDS else "raise FidelityConfig.max_rounds, ")
     report = gate_report(per_parameter, failing, invariant, min_cosine=gate.min_cosine, slice=which, rounds=round_,
                          changes=changes, passed=not failing, last_resort=last_resort, steps=steps[0],
                          projections=len(losses), before=before)
