@@ -2,22 +2,25 @@
 
 ``MEMOPT_KERNELS`` is read once, when memopt is imported:
 - unset (the default): the fused C kernels (``memopt.runtime.native``) on contiguous CPU tensors, plain PyTorch
-  otherwise. The Triton kernels (``memopt.runtime.triton_fewbit``, ``triton_stash``, ``triton_stash_extras``) are
+  otherwise. The Triton kernels (``memopt.runtime.triton_fewbit``, ``triton_stash``, ``triton_stash_extras``,
+  ``triton_bn``) are
   opt-in on CUDA for now: they have been checked bit for bit only under Triton's CPU interpreter, never compiled
   on a GPU, and a default must not be the first run of a kernel;
 - ``triton``: the Triton kernels for every op they take (float32/bfloat16/float16 values, their codes and masks;
   real or fake tensors); CPU tensors only under ``TRITON_INTERPRET=1`` (the interpreter: what the tests use).
   Few-bit backward (``fewbit_triton``) and the stash's codecs (``stash_triton``): the BN chain's x̂ code with its
-  bin sums and the plain path's rebuild of x̂ / z codes (``memopt.stash.grid``), max-pool window offsets
+  bin sums, a residual chain's z code and the plain path's rebuild of x̂ / z codes (``memopt.stash.grid``,
+  ``memopt.stash.ops``), the BN backward from the x̂ code (``memopt.stash.bn``), max-pool window offsets
   (``memopt.stash.pool``), dropout / ``where`` 1-bit masks and the generic stash's groups (``memopt.stash.generic``).
-  These take precedence over the C kernels; the rest of the stash (a residual chain's z code in
-  ``memopt.stash.ops``, the BN backward, the consumers' rebuild with its activation, the chain's 1-bit activation
-  mask) still runs the C kernels on CPU and plain PyTorch on CUDA;
+  These take precedence over the C kernels; the rest of the stash (the consumers' rebuild with its activation,
+  the chain's 1-bit activation mask) still runs the C kernels on CPU and plain PyTorch on CUDA;
 - ``native``: no Triton; the C kernels where they apply (as before Triton existed);
 - ``torch``: plain PyTorch everywhere, the C kernels too left out (the reference path; ``MEMOPT_NATIVE=0`` still
   skips only the C kernels).
-Every path writes the same codes and gradients (tests/runtime/test_triton_fewbit.py, test_triton_stash.py,
-test_native.py); the switch trades speed and build requirements, never results. ``forced`` overrides it inside a
+Every path writes the same codes and gradients, except the BN backward's per-channel sums, whose order differs
+between the paths (the C kernel sums in double, the Triton one in a fixed order of float32 parts), so its
+gradients agree to float32 rounding (tests/runtime/test_triton_fewbit.py, test_triton_stash.py, test_triton_bn.py,
+test_native.py); the switch trades speed and build requirements, not results (beyond that rounding). ``forced`` overrides it inside a
 block (tests). Under the cost model's fake tensors the path real tensors would take allocates its outputs and runs
 nothing (the estimated peak is the measured one); other tensor subclasses take the plain path.
 """

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from memopt.runtime import native
+from memopt.runtime import kernels, native, triton_bn
 from memopt.runtime.bitpack import unpack_bits
 from memopt.stash.grid import _from_codes, _per_channel, batch_slices
 
@@ -31,6 +31,8 @@ def bn_backward(g, sum_g, x_codes, mask, grid, weight, invstd, xstd, bits: int, 
         # two fused passes over the code, no full-size x̂ at all
         return native.bn_backward(x_codes, bits, shape, grid, mask, xstd, scale, g=g, sum_g=sum_g, exact=exact,
                                   out=out)[:2]
+    if kernels.stash_triton(g, "BatchNorm backward from the x̂ code"):  # two launches, no full-size x̂
+        return triton_bn.bn_backward(g, sum_g, x_codes, bits, shape, grid, mask, xstd, scale, exact)
     if packed_mask:
         mask = mask.unpacked(shape)
     xhat = _from_codes(unpack_bits(x_codes, bits, n).view(shape), mask, grid).mul_(_per_channel(xstd, nd))

@@ -16,7 +16,8 @@ and the steps), the decoder under bf16 only. Rows per model and precision:
   recomputation; compile time in the setup column);
 - the first model (ResNet-50 batch 32), float32 only: ``MEMOPT_KERNELS=triton`` (``memopt.runtime.kernels``:
   few-bit's and the stash's Triton kernels) with a label that says whether one step's gradients are
-  bit-identical to the default kernels' (deterministic mode for that check).
+  bit-identical to the default kernels', or equal to float32 rounding (the Triton BN backward sums in another
+  order), in deterministic mode for that check.
 Saved bytes from ``memopt.measure`` (saved-tensor hooks; asserted equal to the cost model's estimate for memopt's
 rows in float32), measured peak from the caching allocator (``torch.cuda.max_memory_allocated`` during the
 step, less other tensors' memory), step time as a ratio to stock (interleaved step by step in one process, each
@@ -103,8 +104,8 @@ def _triton_runs(device: str) -> str:
 
 def _gradients_match(model, x, cfg) -> str:
     """One step's gradients with MEMOPT_KERNELS=triton against the default kernels, in deterministic mode (cuDNN
-    and PyTorch's own kernels: otherwise atomics reorder sums and no two runs agree): "bit-identical", or the
-    largest difference."""
+    and PyTorch's own kernels: otherwise atomics reorder sums and no two runs agree): "bit-identical", equal to
+    rounding, or the largest difference."""
     flags = torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark, \
         torch.are_deterministic_algorithms_enabled()
     torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
@@ -126,8 +127,13 @@ def _gradients_match(model, x, cfg) -> str:
         return f"gradients of {len(grads[0])} vs {len(grads[1])} parameters"
     if all(torch.equal(a, b) for a, b in zip(*grads)):
         return "gradients bit-identical to the default"
-    worst = max(float((a.float() - b.float()).abs().max()) for a, b in zip(*grads))
-    return f"gradients DIFFER from the default: max abs difference {worst:.3g}"
+    # the Triton BN backward sums per channel in another order than the plain path (memopt/runtime/triton_bn.py):
+    # float32 rounding apart, the gradients are the same
+    worst = max(float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30))
+                for a, b in zip(*grads))
+    if worst <= 1e-4:
+        return f"gradients match the default to float32 rounding (largest difference {worst:.2g} of a max)"
+    return f"gradients DIFFER from the default: largest difference {worst:.3g} of the parameter's max"
 
 
 class Bench:

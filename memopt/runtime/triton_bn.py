@@ -1,0 +1,164 @@
+"""The BatchNorm backward from a K-bit x̂ code (``memopt.stash.bn.bn_backward``) as two Triton launches.
+
+Why: on CUDA the plain backward unpacks the code with PyTorch's shifts and masks, rebuilds x̂ at full size in
+float32, scales and centres it (a mean, a subtraction), sums g x̂ a batch slice at a time and forms the input
+gradient with four more full-size passes: a dozen launches and a full-size x̂ beside g at the backward's peak.
+Here the first launch reads the code (and the mask that picks a split code's side) and g once and writes, per
+channel and batch part, the sums of x̂ and of g x̂; the second reads them again and writes the input gradient. No
+full-size x̂ exists, and nothing waits on the host: the per-channel constants between the launches are a few
+tensor ops on C values.
+
+Same values as the plain path up to the order of the sums: x̂ = (book entry or grid midpoint) * std per element,
+exactly as ``memopt.stash.grid._from_codes`` and the ``mul_`` after it; the centred x̂ and the input gradient
+((x̂ - m) a + g - b) s with the plain path's rounding after each step (no FMA contraction); the per-channel sums
+are float32 partial sums over parts of the batch, added in a fixed order (deterministic, not PyTorch's order), so
+m, sum(g x̂) and with them the gradients can differ from the plain path in the last bits, as the C kernel's double
+sums do (``memopt.runtime.native.bn_backward``). The code itself is never written here: codes stay
+bit-identical to the plain path.
+
+Under the cost model's fake tensors nothing is launched; the same outputs are allocated.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from memopt.runtime import native, triton_fewbit
+from memopt.runtime.triton_fewbit import tl, triton
+from memopt.runtime.triton_stash import _geometry, ncs
+
+_sum = triton_fewbit._sum
+MAX_PARTS = 32  # batch parts per channel in the first launch: programs enough for a GPU, sums in a fixed order
+
+
+def _xhat_of_codes(codes_ptr, m_ptr, table_ptr, xstd_ptr, idx, c, valid, C, nbytes,
+                   BITS: tl.constexpr, SPLIT: tl.constexpr, MASK_BITS: tl.constexpr, BOOK: tl.constexpr):
+    # a device function: x̂ of logical elements idx (channel c), the code's book entry or grid midpoint times the
+    # channel's std; both kernels call it as ``_xhat``, bound by ``_bind`` to its jitted form
+    bit = idx * BITS
+    byte = bit >> 3
+    lo_byte = tl.load(codes_ptr + byte, mask=valid, other=0).to(tl.int32)
+    hi_byte = tl.load(codes_ptr + byte + 1, mask=valid & (byte + 1 < nbytes), other=0).to(tl.int32)
+    code = ((lo_byte | (hi_byte << 8)) >> (bit & 7).to(tl.int32)) & ((1 << BITS) - 1)
+    side = code * 0
+    if SPLIT:
+        if MASK_BITS:
+            side = (tl.load(m_ptr + (idx >> 3), mask=valid, other=0).to(tl.int32) >> (idx & 7).to(tl.int32)) & 1
+        else:
+            side = (tl.load(m_ptr + idx, mask=valid, other=0) != 0).to(tl.int32)
+    if BOOK:
+        value = tl.load(table_ptr + c * ((1 << BITS) * (2 if SPLIT else 1)) + (side << BITS) + code, mask=valid,
+                        other=0.0)
+    else:
+        lo = tl.load(table_ptr + c, mask=valid, other=0.0)
+        w = tl.load(table_ptr + C + c, mask=valid, other=0.0)
+        if SPLIT:
+            lo = tl.where(side != 0, tl.load(table_ptr + 2 * C + c, mask=valid, other=0.0), lo)
+            w = tl.where(side != 0, tl.load(table_ptr + 3 * C + c, mask=valid, other=0.0), w)
+        value = (code.to(tl.float32) + 0.5) * w + lo
+    return value * tl.load(xstd_ptr + c, mask=valid, other=0.0)
+
+
+_xhat = _xhat_of_codes
+
+
+def _bind() -> None:
+    """Bind ``_xhat`` to the device function of the current ``TRITON_INTERPRET`` mode: a kernel compiled for a GPU
+    can call only a jitted function (a plain one runs only in the interpreter), and the jitted form depends on the
+    mode (``triton_fewbit._kernel``); the same object each time, as the compiler's record of globals requires."""
+    global _xhat
+    _xhat = triton_fewbit._kernel(_xhat_of_codes)
+
+
+def _bn_sums(codes_ptr, m_ptr, table_ptr, xstd_ptr, g_ptr, part_ptr, N, C, S, gn, gc, gs, nbytes, parts,
+             BITS: tl.constexpr, SPLIT: tl.constexpr, MASK_BITS: tl.constexpr, BOOK: tl.constexpr,
+             BLOCK: tl.constexpr):
+    # program (c, p): channel c over samples p, p + parts, ...; writes sum x̂ and sum g x̂ at [0|1, c, p]
+    c = tl.program_id(0).to(tl.int64)
+    p = tl.program_id(1).to(tl.int64)
+    lane = tl.arange(0, BLOCK).to(tl.int64)
+    cv = c + lane * 0  # the channel as a block: per-channel loads take the elements' mask
+    acc_x = tl.full([BLOCK], 0.0, tl.float32)
+    acc_gx = tl.full([BLOCK], 0.0, tl.float32)
+    for b in range(p, N, parts):
+        for s0 in range(0, S, BLOCK):
+            s = s0 + lane
+            valid = s < S
+            idx = (b * C + c) * S + s
+            xhat = _xhat(codes_ptr, m_ptr, table_ptr, xstd_ptr, idx, cv, valid, C, nbytes, BITS, SPLIT, MASK_BITS,
+                         BOOK)
+            g = tl.load(g_ptr + b * gn + c * gc + s * gs, mask=valid, other=0.0)
+            acc_x += tl.where(valid, xhat, 0.0)
+            acc_gx += tl.where(valid, g * xhat, 0.0)
+    tl.store(part_ptr + c * parts + p, tl.reduce(acc_x, 0, _sum))
+    tl.store(part_ptr + (C + c) * parts + p, tl.reduce(acc_gx, 0, _sum))
+
+
+def _bn_grad(codes_ptr, m_ptr, table_ptr, xstd_ptr, g_ptr, consts_ptr, out_ptr, n, C, S, gn, gc, gs, nbytes,
+             BITS: tl.constexpr, SPLIT: tl.constexpr, MASK_BITS: tl.constexpr, BOOK: tl.constexpr,
+             BLOCK: tl.constexpr):
+    # one program: BLOCK logical elements; grad_x = ((x̂ - m) a + g - b) s per channel (consts rows m, a, b, s)
+    idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    valid = idx < n
+    s = idx % S
+    c = (idx // S) % C
+    b = idx // (S * C)
+    xhat = _xhat(codes_ptr, m_ptr, table_ptr, xstd_ptr, idx, c, valid, C, nbytes, BITS, SPLIT, MASK_BITS, BOOK)
+    g = tl.load(g_ptr + b * gn + c * gc + s * gs, mask=valid, other=0.0)
+    m = tl.load(consts_ptr + c, mask=valid, other=0.0)
+    a = tl.load(consts_ptr + C + c, mask=valid, other=0.0)
+    sub = tl.load(consts_ptr + 2 * C + c, mask=valid, other=0.0)
+    scale = tl.load(consts_ptr + 3 * C + c, mask=valid, other=0.0)
+    tl.store(out_ptr + idx, ((xhat - m) * a + g - sub) * scale, mask=valid)
+
+
+def bn_backward(g: torch.Tensor, sum_g: torch.Tensor, packed: torch.Tensor, bits: int, shape: torch.Size,
+                book: torch.Tensor, mask, xstd: torch.Tensor, scale: torch.Tensor,
+                exact: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(grad_x, sum of g times centred x̂) of ``memopt.stash.bn.bn_backward`` from ``g`` (float32, any layout),
+    its per-channel ``sum_g``, the packed x̂ code, its ``book`` (C, sides, 2^K) or grid rows (lo0, w0[, lo1, w1]
+    x C), ``mask`` (bool tensor, a ``PackedMask``, or None without a split), ``xstd`` and ``scale`` (γ / σ) per
+    channel; ``exact`` (values, where to use them) replaces the weight gradient's sum where set. grad_x is float32,
+    contiguous, as the plain path's."""
+    n, channels, inner = _geometry(shape)
+    out = torch.empty(shape, dtype=torch.float32, device=g.device)
+    is_book = book.dim() == 3
+    split = book.shape[1] == 2 if is_book else book.shape[0] == 4
+    if split and mask is None:
+        raise ValueError(f"a split x̂ code ({'two sides' if is_book else 'four rows'}) needs the mask that picks "
+                         f"each element's side; got mask=None for shape {tuple(shape)}")
+    if is_book and book.shape[2] != 1 << bits:
+        raise ValueError(f"a code book for {bits}-bit codes has {1 << bits} entries per side, got {book.shape[2]} "
+                         f"(shape {tuple(book.shape)}); pass the book code_book made for {bits} bits")
+    samples = shape[0] if len(shape) else 1
+    parts = max(1, min(MAX_PARTS, samples))
+    partial = torch.zeros(2, channels, parts, dtype=torch.float32, device=g.device)
+    m, mask_bits = out, False
+    if split:
+        mask_bits = isinstance(mask, native.PackedMask)  # its 1-bit stream
+        m = mask.bits if mask_bits else (mask.view(torch.uint8) if mask.dtype == torch.bool else mask)
+        m = m if m.is_contiguous() else m.contiguous()
+    gv, (gn, gc, gs) = ncs(g.float() if g.dtype != torch.float32 else g)
+    table = book.float().contiguous()
+    std = xstd.float().contiguous()
+    meta = dict(BITS=bits, SPLIT=split, MASK_BITS=mask_bits, BOOK=is_book, enable_fp_fusion=False)
+    block = 1024 if g.device.type != "cpu" else triton.next_power_of_2(max(1, min(inner, 4096)))
+    _bind()
+    if n:
+        triton_fewbit._launch(_bn_sums, (channels, parts), packed, m, table, std, gv, partial, samples, channels,
+                              inner, gn, gc, gs, packed.numel(), parts, BLOCK=block, **meta)
+    count = n // channels if channels else 1
+    xmean = partial[0].sum(1) / count
+    sum_gx = partial[1].sum(1) - xmean * sum_g.float()  # sum g (x̂ - m): m is about 0, nothing cancels
+    if exact is not None:
+        sum_gx = torch.where(exact[1], exact[0].float(), sum_gx)
+    consts = torch.stack([xmean, -sum_gx / count, sum_g.float() / count, scale.float()]).contiguous()
+    if n:
+        grid_block = triton_fewbit._groups(packed) * 8
+        triton_fewbit._launch(_bn_grad, (triton.cdiv(n, grid_block),), packed, m, table, std, gv, consts, out, n,
+                              channels, inner, gn, gc, gs, packed.numel(), BLOCK=grid_block, **meta)
+    return out, sum_gx
+
+
+__all__ = ["bn_backward"]

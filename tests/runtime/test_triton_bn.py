@@ -1,0 +1,112 @@
+"""The BatchNorm backward from an x̂ code in two Triton launches (memopt/runtime/triton_bn.py) against the plain
+path (memopt/stash/bn.py with MEMOPT_KERNELS=torch) and a float64 reference, in triton's CPU interpreter.
+
+Its sums run in another (fixed) order than PyTorch's, so values agree to float32 rounding, not bit for bit."""
+import pytest
+import torch
+
+from memopt.runtime import kernels, native, triton_bn, triton_fewbit
+from memopt.runtime.bitpack import pack_bits
+from memopt.stash import bn, grid as G
+from triton_stash_helpers import interpret, requires_triton  # noqa: F401 (interpret: a fixture)
+
+
+def _case(shape, bits, grid_kind, seed=0):
+    torch.manual_seed(seed)
+    c = shape[1]
+    codes = torch.randint(0, 1 << bits, shape, dtype=torch.uint8)
+    mask = torch.rand(shape) > 0.4
+    grids = {"rows2": torch.stack([torch.randn(c) - 1, torch.rand(c) * 0.4 + 0.1]),
+             "rows4": torch.stack([torch.randn(c) - 1, torch.rand(c) * 0.4 + 0.1, torch.randn(c), torch.rand(c) * 0.2]),
+             "book2": torch.randn(c, 2, 1 << bits), "book1": torch.randn(c, 1, 1 << bits)}
+    grid = grids[grid_kind]
+    split = grid.shape[0] == 4 if grid.dim() == 2 else grid.shape[1] == 2
+    g = torch.randn(shape)
+    return dict(g=g, sum_g=g.sum([d for d in range(len(shape)) if d != 1]), x_codes=pack_bits(codes, bits),
+                mask=mask if split else None, grid=grid, weight=torch.rand(c) + 0.5, invstd=torch.rand(c) + 0.5,
+                xstd=torch.rand(c) * 0.2 + 0.9, bits=bits, shape=torch.Size(shape)), codes
+
+
+def _plain(case):
+    with kernels.forced("torch"), native.disabled():
+        return bn.bn_backward(**case)
+
+
+def _reference(case, codes):
+    """float64: x̂ from the code, centred, and the textbook BatchNorm input gradient."""
+    shape = case["shape"]
+    nd = len(shape)
+    dims = [d for d in range(nd) if d != 1]
+    per = [1, -1] + [1] * (nd - 2)
+    with kernels.forced("torch"):
+        xhat = G._from_codes(codes, case["mask"], case["grid"]).double() * case["xstd"].double().view(per)
+    xhat = xhat - xhat.mean(dims, keepdim=True)
+    g = case["g"].double()
+    count = shape.numel() // shape[1]
+    sum_gx = (g * xhat).sum(dims)
+    scale = (case["weight"].double() * case["invstd"].double()).view(per)
+    grad_x = (g - g.sum(dims, keepdim=True) / count - xhat * sum_gx.view(per) / count) * scale
+    return grad_x, sum_gx
+
+
+def _close(a, b, reference, what):
+    assert a.shape == b.shape and a.dtype == b.dtype == torch.float32 and a.is_contiguous(), what
+    tolerance = 1e-5 * reference.abs().max().item() + 1e-30
+    assert (a.double() - reference).abs().max().item() <= tolerance, what
+    assert (b.double() - reference).abs().max().item() <= tolerance, what
+
+
+@requires_triton
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+@pytest.mark.parametrize("grid_kind", ["rows2", "rows4", "book2", "book1"])
+def test_triton_bn_backward_matches_the_plain_path_and_float64(interpret, bits, grid_kind):
+    for shape in [(4, 3, 9, 7), (5, 6), (3, 2, 4, 5, 3), (37, 3, 1)]:  # 2-D, 3-D, more samples than MAX_PARTS
+        case, codes = _case(shape, bits, grid_kind)
+        want_x, want_w = _reference(case, codes)
+        plain = _plain(case)
+        with kernels.forced("triton"), native.disabled():
+            fused = bn.bn_backward(**case)
+        _close(plain[0], fused[0], want_x, f"grad_x {shape}")
+        _close(plain[1], fused[1], want_w, f"sum_gx {shape}")
+
+
+@requires_triton
+def test_layouts_packed_masks_and_the_exact_override(interpret):
+    case, codes = _case((4, 5, 6, 7), 4, "book2")
+    want_x, want_w = _reference(case, codes)
+    with kernels.forced("triton"), native.disabled():
+        base = bn.bn_backward(**case)
+        # g in channels_last, the mask as its 1-bit stream: the same values
+        last = dict(case, g=case["g"].contiguous(memory_format=torch.channels_last),
+                    mask=native.PackedMask(pack_bits(case["mask"], 1)))
+        other = bn.bn_backward(**last)
+        assert torch.equal(base[0], other[0]) and torch.equal(base[1], other[1])
+        # the exact override: channels where it is set take its value, and grad_x's variance term follows it
+        exact = (torch.arange(5, dtype=torch.float32), torch.tensor([True, False, True, False, False]))
+        overridden = bn.bn_backward(**case, exact=exact)
+    _close(base[0], other[0], want_x, "grad_x")
+    assert torch.equal(overridden[1][exact[1]], exact[0][exact[1]])
+    assert torch.equal(overridden[1][~exact[1]], base[1][~exact[1]])
+    with kernels.forced("torch"), native.disabled():
+        plain = bn.bn_backward(**case, exact=exact)
+    assert torch.allclose(overridden[0], plain[0], rtol=1e-5, atol=1e-5 * plain[0].abs().max().item())
+
+
+@requires_triton
+def test_two_launches_and_errors_that_name_the_fix(interpret, monkeypatch):
+    launches = []
+    real = triton_fewbit._launch
+    monkeypatch.setattr(triton_fewbit, "_launch", lambda kernel, *a, **k: launches.append(kernel.__name__) or real(
+        kernel, *a, **k))
+    case, _ = _case((4, 3, 9, 7), 4, "rows4")
+    with kernels.forced("triton"), native.disabled():
+        bn.bn_backward(**case)
+    assert launches == ["_bn_sums", "_bn_grad"]
+    args = (case["g"], case["sum_g"], case["x_codes"], 4, case["shape"])
+    scale = case["weight"] * case["invstd"]
+    with pytest.raises(ValueError, match=r"a split x̂ code \(four rows\) needs the mask .* got mask=None for shape "
+                                         r"\(4, 3, 9, 7\)"):
+        triton_bn.bn_backward(*args, case["grid"], None, case["xstd"], scale)
+    with pytest.raises(ValueError, match=r"a code book for 4-bit codes has 16 entries per side, got 8 \(shape "
+                                         r"\(3, 1, 8\)\); pass the book code_book made for 4 bits"):
+        triton_bn.bn_backward(*args, torch.randn(3, 1, 8), None, case["xstd"], scale)
