@@ -26,6 +26,8 @@ from memopt.core.errors import MemoptError
 from memopt.core.meta import HISTOGRAM_KEY, META_KEY
 from memopt.invariance import invariant_parameters
 from memopt.cost_model.step import default_loss, output_tensors
+from memopt.fidelity_repair import _LEVELS, _fewest_exact, _key, _raise, _raise_all, _without, coupled, freed_by, \
+    freed_table, shortest_passing  # noqa: F401 (re-exported: tests reach them as memopt.fidelity.*)
 from memopt.fidelity_scope import after, responsible, weight_only_units, within_reach
 from memopt.passes.base import Decision, PassContext
 from memopt.passes.candidates import copy_graph_module, rewritten_units
@@ -34,12 +36,6 @@ from memopt.reversible.check import real_examples
 from memopt.soundness import batch_slice, training_step
 
 log = logging.getLogger("memopt")
-
-# techniques whose units have bit widths the gate can raise, within the widths the planner may choose
-# (``plan_bits``, 8 included by default: the error of 3-4-bit tables compounds with depth in SiLU / hard-swish
-# CNNs where 8 bits, still a quarter of float32's bytes, do not); the other techniques can only be made exact
-_LEVELS = {"stash": lambda config: config.stash.plan_bits, "fewbit": lambda config: config.fewbit.plan_bits}
-
 
 class RandomProjection:
     """The loss of the gate's steps: each floating output times fixed random weights, summed. A plain sum would
@@ -113,24 +109,6 @@ def autocast_noise(model: nn.Module, args: tuple, kwargs: dict, rng: Any, loss: 
     return out
 
 
-def _raise(decision: Decision, config: Config, technique: str, unit: str,
-           weights: Optional[Dict[Tuple[str, str], float]] = None) -> str:
-    """Raise ``unit`` to its technique's next bit width, or drop it from the decision (exact); says which.
-    ``weights`` (the fidelity proxies) follow: each extra bit quarters a code's squared error, exact is 0."""
-    bits = decision[technique][unit]
-    levels = sorted(b for b in _LEVELS[technique](config) if bits is not None and b > bits) \
-        if technique in _LEVELS else []
-    if levels:
-        decision[technique][unit] = levels[0]
-        if weights is not None and (technique, unit) in weights:
-            weights[(technique, unit)] /= 4.0 ** (levels[0] - bits)
-        return f"{technique} {unit}: {bits} -> {levels[0]} bits"
-    del decision[technique][unit]
-    if weights is not None:
-        weights.pop((technique, unit), None)
-    return f"{technique} {unit}: {'' if bits is None else f'{bits} bits '}-> exact"
-
-
 # When more than this fraction of the gated parameters miss (and more than WIDESPREAD_LEAST of them), the error is
 # the compounding of many lossy units along the whole backward (3-bit SiLU / hard-swish tables over 20-50 layers),
 # not one unit's: the gate then raises every lossy unit of one technique a level at once, the technique whose
@@ -151,84 +129,11 @@ WIDESPREAD_LEAST = 3
 # the seventh round, one BN branch per stage each round).
 STALL_ROUNDS = 3
 STALL_GAIN = 1e-3
-
-
-def _without(decision: Decision, keys: List[Tuple[str, str]]) -> Decision:
-    trial = {t: dict(us) for t, us in decision.items()}
-    for technique, unit in keys:
-        del trial[technique][unit]
-    return trial
-
-
-def _fewest_exact(keys: List[Tuple[str, str]], decision: Decision, weights: Dict[Tuple[str, str], float],
-                  passes: Any) -> List[Tuple[str, str]]:
-    """Which of the lossy units ``keys`` to turn exact when the gate's rounds are spent: the largest fidelity
-    proxies first, as few as pass. Where all of them exact does not pass, all of them (the caller goes on to the
-    rest of the plan). Otherwise the shortest passing count is found by halving between none (the plan as it is,
-    failing) and all (passing): about log2(len(keys)) trial plans, each a training step per projection, where
-    turning every unit exact would throw away the savings of units that cost the gradients nothing (a failing
-    SE bias early in EfficientNet-B2 took 223 units exact when few of them mattered). A count that passes is
-    always what is kept; a shorter one between two failing ones may be missed, as halving assumes more exact
-    units help."""
-    ordered = sorted(keys, key=lambda k: (-weights.get(k, 0.0), k))
-    if not passes(_without(decision, ordered)):
-        return ordered
-    return ordered[:shortest_passing(len(ordered), lambda k: passes(_without(decision, ordered[:k])))]
-
-
-def shortest_passing(count: int, passes: Callable[[int], bool]) -> int:
-    """The least ``k`` in 1..``count`` for which ``passes(k)``, by halving between 0 (known to fail) and ``count``
-    (known to pass): about log2(count) calls. The ``k`` returned always passed; a shorter passing one between two
-    failing ones may be missed, as halving assumes that a larger ``k`` does not fail where a smaller passes."""
-    low, high = 0, count
-    while high - low > 1:
-        middle = (low + high) // 2
-        if passes(middle):
-            high = middle
-        else:
-            low = middle
-    return high
-
-
-def coupled(decision: Decision, couplings: List[Tuple[str, str]],
-            weights: Optional[Dict[Tuple[str, str], float]] = None) -> List[str]:
-    """Make exact, in place, every unit of ``decision`` whose needed unit (``couplings``: (needing, needed)
-    "technique:unit" keys, ``Plan.units``' "couplings") is not rewritten: coupled units move together, so a repair
-    that turns one exact cannot leave the other breaking its gradients. Says what it changed."""
-    notes, changed = [], True
-    while changed:
-        changed = False
-        for needing, needed in couplings:
-            (technique, _, unit), (other, _, partner) = needing.partition(":"), needed.partition(":")
-            if unit in decision.get(technique, {}) and partner not in decision.get(other, {}):
-                del decision[technique][unit]
-                if weights is not None:
-                    weights.pop((technique, unit), None)
-                notes.append(f"{technique} {unit} -> exact (coupled: it needs {other} {partner}, now exact)")
-                changed = True
-    return notes
-
-
-def _key(decision: Decision) -> tuple:
-    return tuple(sorted((t, tuple(sorted(us.items(), key=lambda kv: kv[0]))) for t, us in decision.items()))
-
-
-def _raise_all(decision: Decision, config: Config, technique: str, lossy: Set[Tuple[str, str]],
-               weights: Dict[Tuple[str, str], float],
-               to_exact: bool = True) -> Tuple[Decision, str, Dict[Tuple[str, str], float]]:
-    """A copy of ``decision`` with every lossy unit of ``technique`` one level up (or exact past the top; with
-    ``to_exact`` False, units at the top stay), what changed ("5 units 3 -> 4 bits, 2 units 8 bits -> exact"; ""
-    for nothing) and the fidelity proxies that follow; exact units (1-bit masks) stay."""
-    raised, followed = {t: dict(us) for t, us in decision.items()}, dict(weights)
-    moves: Dict[str, int] = {}
-    top = max(_LEVELS[technique](config)) if technique in _LEVELS else None
-    for unit in [u for u in raised.get(technique, {}) if (technique, u) in lossy]:
-        bits = raised[technique][unit]
-        if not to_exact and (top is None or bits is None or bits >= top):
-            continue
-        move = _raise(raised, config, technique, unit, followed).partition(": ")[2]
-        moves[move] = moves.get(move, 0) + 1
-    return raised, ", ".join(f"{n} unit{'s' * (n > 1)} {move}" for move, n in sorted(moves.items())), followed
+# More rounds are not always better: each raises the units nearest the failing parameters, where the last resort
+# finds the fewest units that pass by halving. Past EARLY_RESORT rounds the gate has both: the last resort applied
+# there (on a copy) and the rounds' own end, and keeps whichever frees more by the planner's bytes (torchvision
+# MobileNetV2 lost 10.2x -> 3.1x to six more rounds; timm MobileOne gained 1.3x -> 2.4x from one more).
+EARLY_RESORT = 6
 
 
 def gate_graph(model: nn.Module, planned: fx.GraphModule, args: tuple, kwargs: dict,
@@ -331,10 +236,42 @@ def fidelity_gate(model: nn.Module, args: tuple, kwargs: dict, config: Config, d
                          key=lambda p: per[p]["cosine"])
         return per, failing
 
+    def resort(decision: Decision, weights: Dict[Tuple[str, str], float], per_parameter, failing, round_: int):
+        """The last resort (the rounds are spent and the plan still misses: never ship it, the rule is never to
+        differ silently from eager PyTorch) on copies: lossy units after the failing parameters go exact, the
+        fewest that pass (_fewest_exact); if all of them do not suffice, lossy units of the whole plan the same
+        way. (decision, weights, changes, per_parameter, failing, its note, the missed parameters)."""
+        decision, weights = {t: dict(us) for t, us in decision.items()}, dict(weights)
+        missed = {p: per_parameter[p]["cosine"] for p in failing}
+        notes, note = [], None
+        for scope in ("after the failing parameters", "of the plan"):
+            lossy = {k: v for k, v in lossy_nodes.items() if k[1] in decision.get(k[0], {})}
+            keys = sorted(lossy) if scope == "of the plan" else sorted(
+                {k for p in failing for k in after(base.graph, p, reach(lossy, p))})
+            if not keys:
+                continue
+            candidates = len(keys)
+            keys = _fewest_exact(keys, decision, weights, lambda trial: not evaluate(trial)[1])
+            for technique, unit in keys:
+                del decision[technique][unit]
+                weights.pop((technique, unit), None)
+            extra = coupled(decision, couplings, weights)
+            shown = ", ".join(f"{t} {u}" for t, u in keys[:4]) + (f" and {len(keys) - 4} more" * (len(keys) > 4))
+            worst_missed = min(missed, key=missed.get)
+            note = (f"last resort after {round_} round{'s' * (round_ != 1)}: {len(keys)} of the {candidates} "
+                    f"lossy units {scope} -> exact ({shown}; the rounds left {len(missed)} parameters below "
+                    f"{gate.min_cosine}, worst {worst_missed} {missed[worst_missed]:.4f})")
+            notes.extend([note] + extra)
+            per_parameter, failing = evaluate(decision)
+            if not failing:
+                break
+        return decision, weights, notes, per_parameter, failing, note, missed
+
     decision = {t: dict(us) for t, us in decision.items()}
     changes: List[str] = []
     radius = 4
     before = None
+    table, early = freed_table(units), None
     bests: Dict[str, float] = {}  # each failing parameter's best cosine so far
     fewest, stalled = len(names) + 1, 0
     for round_ in range(gate.max_rounds + 1):
@@ -352,6 +289,8 @@ def fidelity_gate(model: nn.Module, args: tuple, kwargs: dict, config: Config, d
                             "cosine": per_parameter[failing[0]]["cosine"] if failing else per_min(per_parameter)}
         if not failing or round_ == gate.max_rounds or verify_only:
             break
+        if round_ == EARLY_RESORT:  # the last resort here too, kept if it frees more than the rounds' plan
+            early = (len(changes), *resort(decision, weights, per_parameter, failing, round_))
         gained = [p for p in failing if p in bests and per_parameter[p]["cosine"] >= bests[p] + STALL_GAIN]
         for p in failing:  # a parameter newly below the bar is no progress
             bests[p] = max(bests.get(p, -2.0), per_parameter[p]["cosine"])
@@ -391,40 +330,30 @@ def fidelity_gate(model: nn.Module, args: tuple, kwargs: dict, config: Config, d
             radius += 2  # every unit near the failing parameters is exact already: look further
     last_resort = None
     if failing and not verify_only:
-        # the rounds are spent and the plan still misses: never ship it (the rule is never to differ silently from
-        # eager PyTorch). Lossy units after the failing parameters go exact, the fewest that pass (_fewest_exact);
-        # if all of them do not suffice, lossy units of the whole plan the same way. The plan saves less, and the
-        # warning says so and how to keep the savings.
-        missed = {p: per_parameter[p]["cosine"] for p in failing}
-        for scope in ("after the failing parameters", "of the plan"):
-            lossy = {k: v for k, v in lossy_nodes.items() if k[1] in decision.get(k[0], {})}
-            keys = sorted(lossy) if scope == "of the plan" else sorted(
-                {k for p in failing for k in after(base.graph, p, reach(lossy, p))})
-            if not keys:
-                continue
-            candidates = len(keys)
-            keys = _fewest_exact(keys, decision, weights, lambda trial: not evaluate(trial)[1])
-            for technique, unit in keys:
-                del decision[technique][unit]
-                weights.pop((technique, unit), None)
-            extra = coupled(decision, couplings, weights)
-            shown = ", ".join(f"{t} {u}" for t, u in keys[:4]) + (f" and {len(keys) - 4} more" * (len(keys) > 4))
-            worst_missed = min(missed, key=missed.get)
-            last_resort = (f"last resort after {round_} round{'s' * (round_ != 1)}: {len(keys)} of the {candidates} "
-                           f"lossy units {scope} -> exact ({shown}; the rounds left {len(missed)} parameters below "
-                           f"{gate.min_cosine}, worst {worst_missed} {missed[worst_missed]:.4f})")
-            changes.extend([last_resort] + extra)
-            per_parameter, failing = evaluate(decision)
-            if not failing:
-                break
-        if last_resort is not None:
-            log.warning("memopt: %s: the fidelity gate's %d round(s) left %d parameters below cosine %s (worst %s at "
-                        "%.4f); rather than ship approximate gradients it made lossy units exact, so the plan saves "
-                        "less: %s. To keep the savings, %slower FidelityConfig.min_cosine, or accept the "
-                        "approximate gradients with Config(fidelity=None).",
-                        type(model).__name__, round_, len(missed), gate.min_cosine, worst_missed,
-                        missed[worst_missed], last_resort,
-                        "" if stalled >= STALL_ROUNDS else "raise FidelityConfig.max_rounds, ")
+        decision, weights, notes, per_parameter, failing, last_resort, missed = resort(
+            decision, weights, per_parameter, failing, round_)
+        changes.extend(notes)
+    if early is not None and not early[5]:
+        # the last resort at EARLY_RESORT rounds passed too: keep whichever of the two frees more (the planner's
+        # bytes), the rounds' plan where they tie or cannot be compared (MobileNetV2's repairs after 6 rounds
+        # lost most of what the earlier last resort kept)
+        late, soon = freed_by(decision, table), freed_by(early[1], table)
+        if failing or (late is not None and soon is not None and soon > late):
+            decision, weights, notes, per_parameter, failing, last_resort, missed = early[1:]
+            other = "misses the bar" if failing else f"frees {late / 2 ** 20:.2f} MiB"
+            changes = changes[:early[0]] + notes + [
+                f"kept the last resort after {EARLY_RESORT} rounds: it frees {(soon or 0) / 2 ** 20:.2f} MiB where "
+                f"the plan of {round_} rounds {other}"]
+            round_, stalled = EARLY_RESORT, 0
+    if last_resort is not None:
+        worst_missed = min(missed, key=missed.get)
+        log.warning("memopt: %s: the fidelity gate's %d round(s) left %d parameters below cosine %s (worst %s at "
+                    "%.4f); rather than ship approximate gradients it made lossy units exact, so the plan saves "
+                    "less: %s. To keep the savings, %slower FidelityConfig.min_cosine, or accept the "
+                    "approximate gradients with Config(fidelity=None).",
+                    type(model).__name__, round_, len(missed), gate.min_cosine, worst_missed,
+                    missed[worst_missed], last_resort,
+                    "" if stalled >= STALL_ROUNDS else "raise FidelityConfig.max_rounds, ")
     report = gate_report(per_parameter, failing, invariant, min_cosine=gate.min_cosine, slice=which, rounds=round_,
                          changes=changes, passed=not failing, last_resort=last_resort, steps=steps[0],
                          projections=len(losses), before=before)
