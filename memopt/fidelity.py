@@ -122,11 +122,12 @@ PROJECTIONS = 2
 MARGIN = 0.005
 MAX_PROJECTIONS = 4
 WIDESPREAD_LEAST = 3
-# Rounds go on while they help: after STALL_ROUNDS rounds in a row that neither pass a parameter nor lift any
-# failing parameter's cosine by STALL_GAIN above its best, the repair is stuck (the error comes from units the graph neighbourhood does not
-# reach: MambaOut's depthwise conv bias stayed at 0.9887 over ten rounds) and the last resort runs at once, so a
-# generous ``max_rounds`` costs time only where rounds make progress (MobileOne's cancelling BN weights pass in
-# the seventh round, one BN branch per stage each round).
+# Rounds past EARLY_RESORT go on while they help: after STALL_ROUNDS rounds in a row that neither pass a parameter
+# nor lift any failing parameter's cosine by STALL_GAIN above its best, the repair is stuck (the error comes from
+# units the graph neighbourhood does not reach: MambaOut's depthwise conv bias stayed at 0.9887 over ten rounds)
+# and the last resort runs, so a generous ``max_rounds`` costs time only where rounds make progress (MobileOne's
+# cancelling BN weights pass in the seventh round, one BN branch per stage each round). Before EARLY_RESORT
+# rounds the gate never stops early: a stall of three rounds can end in the next (torchvision MobileNetV2).
 STALL_ROUNDS = 3
 STALL_GAIN = 1e-3
 # More rounds are not always better: each raises the units nearest the failing parameters, where the last resort
@@ -298,8 +299,8 @@ def fidelity_gate(model: nn.Module, args: tuple, kwargs: dict, config: Config, d
             fewest, stalled = min(fewest, len(failing)), 0
         else:
             stalled += 1
-            if stalled >= STALL_ROUNDS:
-                changes.append(f"rounds stopped after {round_}: {STALL_ROUNDS} in a row lifted none of the "
+            if stalled >= STALL_ROUNDS and round_ >= EARLY_RESORT:  # never fewer rounds than before rounds grew
+                changes.append(f"rounds stopped after {round_}: the last {stalled} lifted none of the "
                                f"{len(failing)} parameters below {gate.min_cosine} (worst {failing[0]} "
                                f"{per_parameter[failing[0]]['cosine']:.4f})")
                 break

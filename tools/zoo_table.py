@@ -29,7 +29,8 @@ SWEEPS = [("torchvision", [f"{TV}_f76933a", f"{TV}_rerun_a2eb48f", f"{TV}_rerun_
           ("timm", ["fidelity_sweep_timm_0f1cf69"], None),
           ("Hugging Face", ["fidelity_sweep_hf_ca9f7fa"], None),
           ("timm, bf16 autocast", ["fidelity_sweep_bf16_0a888e0", "fidelity_sweep_bf16_timm_rerun",
-                                   "fidelity_sweep_bf16_timm_97a7817", "fidelity_sweep_bf16_timm_rerun_5ee3afc"], "timm"),
+                                   "fidelity_sweep_bf16_timm_97a7817", "fidelity_sweep_bf16_timm_rerun_5ee3afc",
+                                   "fidelity_sweep_bf16_timm_rerun_f830915"], "timm"),
           ("Hugging Face, bf16 autocast", ["fidelity_sweep_bf16", "fidelity_sweep_bf16_hf_rerun_4c2073c"], "hf")]
 KINDS = {"bn_act_stash": "BN-act chains", "conv_from_stash": "convs after chains", "linear_from_stash":
          "linears after chains", "generic_encode": "generic codes", "linear_from_codes": "linear inputs",

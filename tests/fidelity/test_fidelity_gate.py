@@ -304,9 +304,9 @@ def test_units_that_reach_weight_gradients_alone_are_blamed_for_those_weights_on
 
 
 def test_rounds_that_stop_helping_end_early_and_the_warning_does_not_ask_for_more(monkeypatch, caplog):
-    """A generous ``max_rounds`` must cost time only while rounds help: when STALL_ROUNDS rounds in a row lift no
-    failing parameter (here the repair is given no unit to raise), the gate goes to its last resort at once, says
-    so in the changes, and its warning does not suggest raising ``max_rounds``."""
+    """A generous ``max_rounds`` must cost time only while rounds help: past EARLY_RESORT rounds, when
+    STALL_ROUNDS rounds in a row lift no failing parameter (here the repair is given no unit to raise), the gate
+    goes to its last resort, says so in the changes, and its warning does not suggest raising ``max_rounds``."""
     monkeypatch.setattr(fidelity, "responsible", lambda *args, **kwargs: [])
     monkeypatch.setattr(fidelity, "WIDESPREAD_LEAST", 10 ** 6)  # no technique-wide raise either
     torch.manual_seed(0)
@@ -316,10 +316,10 @@ def test_rounds_that_stop_helping_end_early_and_the_warning_does_not_ask_for_mor
     with caplog.at_level("WARNING", logger="memopt"):
         om = memopt.optimize(model, example_inputs=x, config=config)
     report = om.plan.fidelity
-    assert report["passed"] and report["rounds"] == fidelity.STALL_ROUNDS
-    stop = f"rounds stopped after {fidelity.STALL_ROUNDS}: {fidelity.STALL_ROUNDS} in a row lifted none of the"
+    assert report["passed"] and report["rounds"] == fidelity.EARLY_RESORT
+    stop = f"rounds stopped after {fidelity.EARLY_RESORT}: the last "
     assert any(change.startswith(stop) for change in report["changes"])
-    assert report["last_resort"].startswith(f"last resort after {fidelity.STALL_ROUNDS} rounds:")
+    assert report["last_resort"].startswith(f"last resort after {fidelity.EARLY_RESORT} rounds:")
     warning = next(r.getMessage() for r in caplog.records if "rather than ship" in r.getMessage())
     assert "max_rounds" not in warning and "FidelityConfig.min_cosine" in warning
     assert all(f["cosine"] >= 0.99999 for f in _cosines(model, om, x).values() if not f["tiny"])
