@@ -11,9 +11,11 @@
   Few-bit backward (``fewbit_triton``) and the stash's codecs (``stash_triton``): the BN chain's x̂ code with its
   bin sums, a residual chain's z code and the plain path's rebuild of x̂ / z codes (``memopt.stash.grid``,
   ``memopt.stash.ops``), the BN backward from the x̂ code (``memopt.stash.bn``), max-pool window offsets
-  (``memopt.stash.pool``), dropout / ``where`` 1-bit masks and the generic stash's groups (``memopt.stash.generic``).
-  These take precedence over the C kernels; the rest of the stash (the consumers' rebuild with its activation,
-  the chain's 1-bit activation mask) still runs the C kernels on CPU and plain PyTorch on CUDA;
+  (``memopt.stash.pool``), dropout / ``where`` 1-bit masks and the generic stash's groups (``memopt.stash.generic``),
+  the consumers' rebuild of act(z) and the chain's activation mask in backward (``memopt.stash.ops``,
+  ``memopt.stash.grid.exact_mask``). These take precedence over the C kernels; the rest of the stash (a grid's
+  per-channel extremes, the activation's backward before the BN backward) runs the C kernels on CPU and plain
+  PyTorch on CUDA;
 - ``native``: no Triton; the C kernels where they apply (as before Triton existed);
 - ``torch``: plain PyTorch everywhere, the C kernels too left out (the reference path; ``MEMOPT_NATIVE=0`` still
   skips only the C kernels).

@@ -6,7 +6,8 @@ split code, a select, then the shifts and ors of packing; bin means add a float 
 ``index_add_``), each a full read or write of the tensor. Here the x̂ code (or a z code) of a whole tensor is one
 launch that reads x (and the 1-bit-worth mask) once and writes the packed bytes, adding the bins' fixed-point
 offsets with integer atomics, and the rebuild is one launch that reads the codes (packed or not) and writes the
-float32 values. No host synchronisation and no data-dependent Python branch.
+float32 values; a consumer's rebuild of act(z) (``rebuild_act``) and the activation's mask read from a z code
+(``mask_from_codes``) are one launch each too. No host synchronisation and no data-dependent Python branch.
 
 Bit-identical to the plain path (and to the C kernels, ``memopt.runtime.native``):
 - codes: v = (x - mean) * (invstd / max(xstd, 1e-12)) in float32 (x̂ codes; a z code is coded as it is; where x
@@ -21,6 +22,8 @@ Bit-identical to the plain path (and to the C kernels, ``memopt.runtime.native``
 - bin means: every ``stride``-th element by its index in the tensor adds the integer 2^20 clamp(r - k, ±2^16)
   (truncated toward zero) and a count of 1 where r - k is finite, at its channel, side and code: integers add
   exactly in any order, so the atomics' order does not matter (``memopt.stash.grid.add_bin_sums``);
+- act(z): the C kernel's ``activation_at`` element for element (ReLU: z < 0 ? 0 : z inside the mask, 0 outside;
+  ReLU6 6 outside where z > 3; LeakyReLU the slope times z outside where z is not > 0), a NaN kept inside;
 - rebuild: the code book's entry (bin means), or the midpoint (k + 0.5) * w + lo, the side chosen by the mask
   (the plain path's CPU ``lerp`` by a 0/1 mask selects exactly when both sides' rows are finite, which a grid's
   always are);
@@ -166,6 +169,56 @@ def _chain_decode(codes_ptr, m_ptr, table_ptr, out_ptr, n, C, S, nbytes,
     tl.store(out_ptr + idx, value, mask=valid)
 
 
+# where a rebuilt activation's mask comes from (``rebuild_act``): none (identity), 0/1 bytes, a 1-bit stream, or
+# the z code itself (k >= zero_code[c])
+_FROM_NONE, _FROM_BYTES, _FROM_BITS, _FROM_CODE = 0, 1, 2, 3
+_ACTS = {"identity": 0, "relu": 1, "relu6": 2, "leaky_relu": 3}
+
+
+def _chain_rebuild(codes_ptr, m_ptr, table_ptr, zc_ptr, out_ptr, n, C, S, nbytes, slope,
+                   BITS: tl.constexpr, SPLIT: tl.constexpr, SOURCE: tl.constexpr, BOOK: tl.constexpr,
+                   ACT: tl.constexpr, MASK_ONLY: tl.constexpr, BLOCK: tl.constexpr):
+    # one program: BLOCK elements in logical order: act(z) with z from the book or grid midpoint on the mask's side
+    # (the C kernel's activation_at, element for element); MASK_ONLY: just the mask k >= zero_code as 0/1 bytes
+    idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    valid = idx < n
+    c = (idx // S) % C
+    bit = idx * BITS
+    byte = bit >> 3
+    lo_byte = tl.load(codes_ptr + byte, mask=valid, other=0).to(tl.int32)
+    hi_byte = tl.load(codes_ptr + byte + 1, mask=valid & (byte + 1 < nbytes), other=0).to(tl.int32)
+    code = ((lo_byte | (hi_byte << 8)) >> (bit & 7).to(tl.int32)) & ((1 << BITS) - 1)
+    on = code * 0 + 1
+    if SOURCE == 1:
+        on = (tl.load(m_ptr + idx, mask=valid, other=0) != 0).to(tl.int32)
+    elif SOURCE == 2:
+        on = (tl.load(m_ptr + (idx >> 3), mask=valid, other=0).to(tl.int32) >> (idx & 7).to(tl.int32)) & 1
+    elif SOURCE == 3:
+        on = (code >= tl.load(zc_ptr + c, mask=valid, other=0)).to(tl.int32)
+    if MASK_ONLY:
+        tl.store(out_ptr + idx, on.to(tl.uint8), mask=valid)
+    else:
+        side = on if SPLIT else code * 0
+        if BOOK:
+            at = c * ((1 << BITS) * (2 if SPLIT else 1)) + (side << BITS) + code
+            z = tl.load(table_ptr + at, mask=valid, other=0.0)
+        else:
+            lo = tl.load(table_ptr + c, mask=valid, other=0.0)
+            w = tl.load(table_ptr + C + c, mask=valid, other=0.0)
+            if SPLIT:
+                lo = tl.where(side != 0, tl.load(table_ptr + 2 * C + c, mask=valid, other=0.0), lo)
+                w = tl.where(side != 0, tl.load(table_ptr + 3 * C + c, mask=valid, other=0.0), w)
+            z = (code.to(tl.float32) + 0.5) * w + lo
+        kept = tl.where(z < 0.0, 0.0, z)
+        if ACT == 1:
+            z = tl.where(on != 0, kept, 0.0)
+        elif ACT == 2:
+            z = tl.where(on != 0, tl.where(kept > 6.0, 6.0, kept), tl.where(z > 3.0, 6.0, 0.0))
+        elif ACT == 3:
+            z = tl.where(on != 0, kept, tl.where(z > 0.0, 0.0, z) * slope)
+        tl.store(out_ptr + idx, z, mask=valid)
+
+
 def ncs(t: torch.Tensor) -> Tuple[torch.Tensor, Tuple[int, int, int]]:
     """``t`` (N, C, ...) and the strides that walk it as (N, C, S), S its other dimensions flattened: its own
     strides where they merge (contiguous, channels_last), else a contiguous copy's (gapped views, rare)."""
@@ -266,4 +319,43 @@ def rebuild(packed: torch.Tensor, bits: int, shape: torch.Size, grid: torch.Tens
     return _decode(packed, True, bits, torch.Size(shape), grid, mask, mask_bits)
 
 
-__all__ = ["AVAILABLE", "DTYPES", "encode", "from_codes", "rebuild", "ncs"]
+def _rebuild_launch(packed, bits, shape, table, mask, zero_code, act, slope, mask_only):
+    n, channels, inner = _geometry(shape)
+    out = torch.empty(shape, dtype=torch.uint8 if mask_only else torch.float32, device=packed.device)
+    book = table is not None and table.dim() == 3
+    split = not mask_only and (table.shape[1] == 2 if book else table.shape[0] == 4)
+    source = _FROM_CODE if mask is None and zero_code is not None else (
+        _FROM_NONE if mask is None else (_FROM_BITS if mask.dtype == torch.uint8 and mask.numel() != n else
+                                         _FROM_BYTES))
+    if split and source == _FROM_NONE:
+        raise ValueError(f"a split code needs the mask that picks each element's side; got neither a mask nor a "
+                         f"zero code for shape {tuple(shape)}")
+    if not n:
+        return out
+    m = out if mask is None else (mask.view(torch.uint8) if mask.dtype == torch.bool else mask).contiguous()
+    zc = out if zero_code is None else zero_code.to(torch.int32).contiguous()
+    block = triton_fewbit._groups(packed) * 8
+    rows = out if mask_only else table.float().contiguous()  # the mask alone reads no table
+    triton_fewbit._launch(_chain_rebuild, (triton.cdiv(n, block),), packed, m, rows, zc, out,
+                          n, channels, inner, packed.numel(), float(slope), BITS=bits, SPLIT=split, SOURCE=source,
+                          BOOK=book, ACT=_ACTS[act], MASK_ONLY=mask_only, BLOCK=block, enable_fp_fusion=False)
+    return out
+
+
+def rebuild_act(packed: torch.Tensor, bits: int, shape: torch.Size, affine: torch.Tensor, act: str,
+                slope: float = 0.0, *, mask: Optional[torch.Tensor] = None,
+                zero_code: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``memopt.stash.ops._Stash.rebuild`` in one launch: act(z) (float32, ``shape``) from the packed z code on
+    ``affine`` (grid rows or a code book), the exact mask from ``mask`` (bool / 0-1 bytes of ``shape``, or its
+    1-bit stream as uint8 of (n + 7) // 8 bytes), else from the code (k >= ``zero_code``), else none (identity)."""
+    return _rebuild_launch(packed, bits, torch.Size(shape), affine, mask, zero_code, act, slope, False)
+
+
+def mask_from_codes(packed: torch.Tensor, bits: int, shape: torch.Size, zero_code: torch.Tensor) -> torch.Tensor:
+    """``memopt.stash.grid._decode_mask`` from a z code: k >= ``zero_code`` per channel, a bool tensor of ``shape``
+    (one launch)."""
+    return _rebuild_launch(packed, bits, torch.Size(shape), None, None, zero_code, "identity", 0.0,
+                           True).view(torch.bool)
+
+
+__all__ = ["AVAILABLE", "DTYPES", "encode", "from_codes", "rebuild", "rebuild_act", "mask_from_codes", "ncs"]

@@ -12,6 +12,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 from memopt.runtime import kernels, native, triton_stash
 from memopt.runtime.bitpack import pack_bits, unpack_bits
+from memopt.stash.generic import _unpack_mask
 
 # Half-width of the grid in standard deviations, per K (the paper: 3 for K = 4 and 8): the least weight-gradient
 # error of a pre-activation ResNet-20 (bench_stash_depth), wider at larger K, where clipping dominates
@@ -379,28 +380,22 @@ def _mask(z: torch.Tensor, act: str, params: Tuple[float, ...]) -> Optional[torc
 
 def _activation(z: torch.Tensor, act: str, params: Tuple[float, ...], inplace: bool = False) -> torch.Tensor:
     """The chain's activation; ``inplace`` overwrites ``z`` (the same kernel, the same values)."""
-    if act == "identity":
-        return z
-    if act == "relu6":
-        return F.relu6(z, inplace=inplace)
-    if act == "leaky_relu":
-        return F.leaky_relu(z, params[0], inplace=inplace)
-    return torch.relu_(z) if inplace else torch.relu(z)
+    if act in ("relu6", "leaky_relu"):
+        return F.relu6(z, inplace=inplace) if act == "relu6" else F.leaky_relu(z, params[0], inplace=inplace)
+    return z if act == "identity" else (torch.relu_(z) if inplace else torch.relu(z))
 
 
 def _act_backward(grad: torch.Tensor, mask: Optional[torch.Tensor], act: str, params: Tuple[float, ...]) -> torch.Tensor:
     if act == "identity":
         return grad
-    if act == "leaky_relu":
-        return torch.where(mask, grad, grad * params[0])
-    return keep_where(grad, mask)
+    return torch.where(mask, grad, grad * params[0]) if act == "leaky_relu" else keep_where(grad, mask)
 
 
 def _decode_mask(mask_packed: torch.Tensor, codes: Optional[torch.Tensor], zero_code: torch.Tensor,
                  shape: torch.Size) -> torch.Tensor:
     """The exact activation mask: stored as 1 bit, or read from a z code whose zero is a bin edge."""
-    if mask_packed.numel():
-        return unpack_bits(mask_packed, 1, shape.numel()).view(shape).view(torch.bool)  # 0/1 bytes: a view, no copy
+    if mask_packed.numel():  # 0/1 bytes viewed as bool, no copy; one Triton launch where the kernels say so
+        return _unpack_mask(mask_packed, shape).view(torch.bool)
     return codes >= _per_channel(zero_code, len(shape))
 
 
@@ -455,17 +450,19 @@ def _z_affine(weight, bias, xstd):
 
 def exact_mask(mask_packed: torch.Tensor, codes_packed: torch.Tensor, zero_code: torch.Tensor, bits: int,
                shape: torch.Size, as_bits: bool = False):
-    """The activation's exact mask in backward: its 1-bit copy, else read from the z code (``_decode_mask``).
-    With ``as_bits`` (the fused kernels' backward) a ``native.PackedMask``: the saved stream itself, or one
-    made from the code, never a full-size byte mask."""
+    """The activation's exact mask in backward: its 1-bit copy, else read from the z code (``_decode_mask``);
+    ``as_bits`` (the fused kernels): a ``native.PackedMask`` (the stream, or one made from the code)."""
     if as_bits:
         if mask_packed.numel():
             return native.PackedMask(mask_packed)
         return native.mask_from_codes(codes_packed, bits, shape, zero_code, as_bits=True)
-    if not mask_packed.numel() and native.applies(codes_packed):
+    if mask_packed.numel():
+        return _decode_mask(mask_packed, None, zero_code, shape)
+    if kernels.stash_triton(codes_packed, "activation mask of a z code"):  # one launch, the same mask
+        return triton_stash.mask_from_codes(codes_packed, bits, shape, zero_code)
+    if native.applies(codes_packed):
         return native.mask_from_codes(codes_packed, bits, shape, zero_code)
-    codes = None if mask_packed.numel() else unpack_bits(codes_packed, bits, shape.numel()).view(shape)
-    return _decode_mask(mask_packed, codes, zero_code, shape)
+    return _decode_mask(mask_packed, unpack_bits(codes_packed, bits, shape.numel()).view(shape), zero_code, shape)
 
 
 def _x_codes(x, mean, invstd, xstd, grid, mask, bins: int, sums: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -91,6 +91,11 @@ class _Stash:
                 bits: int, shape: torch.Size, act: str, params: Tuple[float, ...]) -> torch.Tensor:
         """act(z) from ``affine`` (rows of z's grid: the bin midpoints, or a code book of z: ``stash_grid.code_book``),
         built in place in one float buffer (backward peaks matter)."""
+        if kernels.stash_triton(packed, "rebuild of a chain's activation"):  # one launch, the same values
+            has_mask = act != "identity" and mask_packed.numel()
+            return triton_stash.rebuild_act(packed, bits, shape, affine, act, params[0] if act == "leaky_relu" else
+                                            0.0, mask=mask_packed if has_mask else None,
+                                            zero_code=zero_code if act != "identity" and not has_mask else None)
         if native.applies(packed):  # one fused pass, the same values
             has_mask = act != "identity" and mask_packed.numel()
             mask = native.PackedMask(mask_packed) if has_mask else None  # read a block at a time

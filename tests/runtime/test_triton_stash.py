@@ -274,3 +274,33 @@ def test_cuda_codecs_match_the_plain_path(dtype):
             return packed, params, generic.group_dequantize(packed, params, 4, 256, x)
 
         _same(*_both(groups))
+
+
+@requires_triton
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+@pytest.mark.parametrize("act", ["relu", "relu6", "leaky_relu", "identity"])
+def test_a_chains_rebuilt_activation_and_mask_match_the_plain_path(interpret, bits, act):
+    from memopt.stash.ops import _Stash  # the consumers' rebuild of act(z)
+    torch.manual_seed(0)
+    for shape in [(4, 3, 9, 7), (5, 6), (2, 3, 0)]:
+        c = shape[1]
+        codes = torch.randint(0, 1 << bits, shape, dtype=torch.uint8)
+        packed = pack_bits(codes, bits)
+        mask = torch.rand(shape) > 0.5
+        zero_code = torch.randint(0, 1 << bits, (c,), dtype=torch.int32)
+        rows = torch.stack([torch.randn(c) * 4, torch.rand(c) * 2])  # midpoints spread across 0, 3 and 6
+        rows4 = torch.cat([rows, torch.stack([torch.randn(c) * 4, torch.rand(c)])])
+        for affine in [rows, rows4, torch.randn(c, 1, 1 << bits) * 4, torch.randn(c, 2, 1 << bits) * 4]:
+            split = affine.shape[0] == 4 if affine.dim() == 2 else affine.shape[1] == 2
+            sources = [pack_bits(mask, 1)] if split else [pack_bits(mask, 1), torch.empty(0, dtype=torch.uint8)]
+            if act == "identity" and split:
+                continue  # an identity chain keeps no mask: its code is never split
+            for mask_packed in sources:
+                args = (packed, mask_packed, affine, zero_code, bits, torch.Size(shape), act, (0.1,))
+                plain, fused = _both(lambda: _Stash.rebuild(*args))
+                _same(plain, fused, f"{shape} {tuple(affine.shape)} mask={mask_packed.numel()}")
+        plain, fused = _both(lambda: G.exact_mask(torch.empty(0, dtype=torch.uint8), packed, zero_code, bits,
+                                                  torch.Size(shape)))
+        _same(plain, fused, f"mask from the code {shape}")
+        plain, fused = _both(lambda: G.exact_mask(pack_bits(mask, 1), packed, zero_code, bits, torch.Size(shape)))
+        _same(plain, fused, f"1-bit mask {shape}")
