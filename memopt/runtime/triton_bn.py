@@ -24,7 +24,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from memopt.runtime import native, triton_fewbit
+from memopt.runtime import native, triton_fewbit, triton_stash
 from memopt.runtime.triton_fewbit import tl, triton
 from memopt.runtime.triton_stash import _geometry, ncs
 
@@ -35,28 +35,12 @@ MAX_PARTS = 32  # batch parts per channel in the first launch: programs enough f
 def _xhat_of_codes(codes_ptr, m_ptr, table_ptr, xstd_ptr, idx, c, valid, C, nbytes,
                    BITS: tl.constexpr, SPLIT: tl.constexpr, MASK_BITS: tl.constexpr, BOOK: tl.constexpr):
     # a device function: x̂ of logical elements idx (channel c), the code's book entry or grid midpoint times the
-    # channel's std; both kernels call it as ``_xhat``, bound by ``_bind`` to its jitted form
-    bit = idx * BITS
-    byte = bit >> 3
-    lo_byte = tl.load(codes_ptr + byte, mask=valid, other=0).to(tl.int32)
-    hi_byte = tl.load(codes_ptr + byte + 1, mask=valid & (byte + 1 < nbytes), other=0).to(tl.int32)
-    code = ((lo_byte | (hi_byte << 8)) >> (bit & 7).to(tl.int32)) & ((1 << BITS) - 1)
+    # channel's std (``triton_stash``'s device functions); both kernels call it as ``_xhat``, bound by ``_bind``
+    code = triton_stash._code(codes_ptr, idx, valid, nbytes, BITS)
     side = code * 0
     if SPLIT:
-        if MASK_BITS:
-            side = (tl.load(m_ptr + (idx >> 3), mask=valid, other=0).to(tl.int32) >> (idx & 7).to(tl.int32)) & 1
-        else:
-            side = (tl.load(m_ptr + idx, mask=valid, other=0) != 0).to(tl.int32)
-    if BOOK:
-        value = tl.load(table_ptr + c * ((1 << BITS) * (2 if SPLIT else 1)) + (side << BITS) + code, mask=valid,
-                        other=0.0)
-    else:
-        lo = tl.load(table_ptr + c, mask=valid, other=0.0)
-        w = tl.load(table_ptr + C + c, mask=valid, other=0.0)
-        if SPLIT:
-            lo = tl.where(side != 0, tl.load(table_ptr + 2 * C + c, mask=valid, other=0.0), lo)
-            w = tl.where(side != 0, tl.load(table_ptr + 3 * C + c, mask=valid, other=0.0), w)
-        value = (code.to(tl.float32) + 0.5) * w + lo
+        side = triton_stash._bit(m_ptr, idx, valid, MASK_BITS)
+    value = triton_stash._value(table_ptr, code, side, c, valid, C, BITS, SPLIT, BOOK)
     return value * tl.load(xstd_ptr + c, mask=valid, other=0.0)
 
 
@@ -66,9 +50,10 @@ _xhat = _xhat_of_codes
 def _bind() -> None:
     """Bind ``_xhat`` to the device function of the current ``TRITON_INTERPRET`` mode: a kernel compiled for a GPU
     can call only a jitted function (a plain one runs only in the interpreter), and the jitted form depends on the
-    mode (``triton_fewbit._kernel``); the same object each time, as the compiler's record of globals requires."""
+    mode (``triton_fewbit.device``); the same object each time, as the compiler's record of globals requires."""
     global _xhat
-    _xhat = triton_fewbit._kernel(_xhat_of_codes)
+    triton_stash.bind()
+    _xhat = triton_fewbit.device(_xhat_of_codes)
 
 
 def _bn_sums(codes_ptr, m_ptr, table_ptr, xstd_ptr, g_ptr, part_ptr, N, C, S, gn, gc, gs, nbytes, parts,

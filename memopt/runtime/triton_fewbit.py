@@ -159,6 +159,16 @@ def _kernel(fn: Callable) -> Callable:
     return _jitted[key]
 
 
+def device(fn: Callable) -> Callable:
+    """``triton.jit(fn)`` for a device function (called from kernels, never launched itself), made once per value
+    of ``TRITON_INTERPRET`` as ``_kernel`` does: the interpreter calls the interpreted form, a GPU compile
+    needs the jitted one (a plain Python function there is refused)."""
+    key = ("device " + fn.__name__, interpreting())
+    if key not in _jitted:
+        _jitted[key] = triton.jit(fn)
+    return _jitted[key]
+
+
 def _launch(fn: Callable, grid: Tuple[int], *args, **meta) -> None:
     """Every launch of kernel ``fn`` goes through here (one place to count them:
     tests/runtime/test_triton_fewbit.py); none on fake tensors."""

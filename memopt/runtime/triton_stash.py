@@ -135,6 +135,48 @@ def _chain_encode(x_ptr, m_ptr, out_ptr, mean_ptr, invstd_ptr, xstd_ptr, grid_pt
     tl.store(out_ptr + out_offs, byte.to(tl.uint8), mask=(lane[None, :] < BITS) & (out_offs < nbytes))
 
 
+def _packed_code(codes_ptr, idx, valid, nbytes, BITS: tl.constexpr):
+    # device function: the K bits of element idx from the LSB-first stream (they may straddle two bytes)
+    bit = idx * BITS
+    byte = bit >> 3
+    lo_byte = tl.load(codes_ptr + byte, mask=valid, other=0).to(tl.int32)
+    hi_byte = tl.load(codes_ptr + byte + 1, mask=valid & (byte + 1 < nbytes), other=0).to(tl.int32)
+    return ((lo_byte | (hi_byte << 8)) >> (bit & 7).to(tl.int32)) & ((1 << BITS) - 1)
+
+
+def _mask_bit(m_ptr, idx, valid, MASK_BITS: tl.constexpr):
+    # device function: element idx of a mask, 0/1 bytes or (MASK_BITS) its 1-bit stream, as int32 0/1
+    if MASK_BITS:
+        return (tl.load(m_ptr + (idx >> 3), mask=valid, other=0).to(tl.int32) >> (idx & 7).to(tl.int32)) & 1
+    return (tl.load(m_ptr + idx, mask=valid, other=0) != 0).to(tl.int32)
+
+
+def _code_value(table_ptr, code, side, c, valid, C, BITS: tl.constexpr, SPLIT: tl.constexpr, BOOK: tl.constexpr):
+    # device function: the value of code k on its channel c and side: a book (C, sides, 2^K) entry, or the grid
+    # rows' (lo0, w0[, lo1, w1] x C) midpoint (k + 1/2) w + lo, rounded after each step
+    if BOOK:
+        return tl.load(table_ptr + c * ((1 << BITS) * (2 if SPLIT else 1)) + (side << BITS) + code, mask=valid,
+                       other=0.0)
+    lo = tl.load(table_ptr + c, mask=valid, other=0.0)
+    w = tl.load(table_ptr + C + c, mask=valid, other=0.0)
+    if SPLIT:
+        lo = tl.where(side != 0, tl.load(table_ptr + 2 * C + c, mask=valid, other=0.0), lo)
+        w = tl.where(side != 0, tl.load(table_ptr + 3 * C + c, mask=valid, other=0.0), w)
+    return (code.to(tl.float32) + 0.5) * w + lo
+
+
+# the kernels call the device functions by these names, bound to their jitted form by ``bind`` before a launch
+_code, _bit, _value = _packed_code, _mask_bit, _code_value
+
+
+def bind() -> None:
+    """Bind the device functions to their jitted form for the current ``TRITON_INTERPRET`` mode: a kernel compiled
+    for a GPU can call only jitted functions (a plain one runs only in the interpreter), and the jitted form
+    depends on the mode (``triton_fewbit.device``); the same objects each time, as the compiler requires."""
+    global _code, _bit, _value
+    _code, _bit, _value = (triton_fewbit.device(f) for f in (_packed_code, _mask_bit, _code_value))
+
+
 def _chain_decode(codes_ptr, m_ptr, table_ptr, out_ptr, n, C, S, nbytes,
                   BITS: tl.constexpr, PACKED: tl.constexpr, SPLIT: tl.constexpr, MASK_BITS: tl.constexpr,
                   BOOK: tl.constexpr, BLOCK: tl.constexpr):
@@ -142,31 +184,14 @@ def _chain_decode(codes_ptr, m_ptr, table_ptr, out_ptr, n, C, S, nbytes,
     idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
     valid = idx < n
     c = (idx // S) % C
-    if PACKED:  # the K bits of element idx from the LSB-first stream (they may straddle two bytes)
-        bit = idx * BITS
-        byte = bit >> 3
-        lo_byte = tl.load(codes_ptr + byte, mask=valid, other=0).to(tl.int32)
-        hi_byte = tl.load(codes_ptr + byte + 1, mask=valid & (byte + 1 < nbytes), other=0).to(tl.int32)
-        code = ((lo_byte | (hi_byte << 8)) >> (bit & 7).to(tl.int32)) & ((1 << BITS) - 1)
+    if PACKED:
+        code = _code(codes_ptr, idx, valid, nbytes, BITS)
     else:
         code = tl.load(codes_ptr + idx, mask=valid, other=0).to(tl.int32)
-    side = tl.full([BLOCK], 0, tl.int32)
+    side = code * 0
     if SPLIT:
-        if MASK_BITS:
-            side = (tl.load(m_ptr + (idx >> 3), mask=valid, other=0).to(tl.int32) >> (idx & 7).to(tl.int32)) & 1
-        else:
-            side = (tl.load(m_ptr + idx, mask=valid, other=0) != 0).to(tl.int32)
-    if BOOK:  # (C, sides, 2^K): entry k of the element's channel and side
-        at = c * ((1 << BITS) * (2 if SPLIT else 1)) + (side << BITS) + code
-        value = tl.load(table_ptr + at, mask=valid, other=0.0)
-    else:  # rows (lo0, w0[, lo1, w1]) x C: the midpoint (k + 1/2) w + lo, rounded after each step
-        lo = tl.load(table_ptr + c, mask=valid, other=0.0)
-        w = tl.load(table_ptr + C + c, mask=valid, other=0.0)
-        if SPLIT:
-            lo = tl.where(side != 0, tl.load(table_ptr + 2 * C + c, mask=valid, other=0.0), lo)
-            w = tl.where(side != 0, tl.load(table_ptr + 3 * C + c, mask=valid, other=0.0), w)
-        value = (code.to(tl.float32) + 0.5) * w + lo
-    tl.store(out_ptr + idx, value, mask=valid)
+        side = _bit(m_ptr, idx, valid, MASK_BITS)
+    tl.store(out_ptr + idx, _value(table_ptr, code, side, c, valid, C, BITS, SPLIT, BOOK), mask=valid)
 
 
 # where a rebuilt activation's mask comes from (``rebuild_act``): none (identity), 0/1 bytes, a 1-bit stream, or
@@ -183,32 +208,18 @@ def _chain_rebuild(codes_ptr, m_ptr, table_ptr, zc_ptr, out_ptr, n, C, S, nbytes
     idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
     valid = idx < n
     c = (idx // S) % C
-    bit = idx * BITS
-    byte = bit >> 3
-    lo_byte = tl.load(codes_ptr + byte, mask=valid, other=0).to(tl.int32)
-    hi_byte = tl.load(codes_ptr + byte + 1, mask=valid & (byte + 1 < nbytes), other=0).to(tl.int32)
-    code = ((lo_byte | (hi_byte << 8)) >> (bit & 7).to(tl.int32)) & ((1 << BITS) - 1)
+    code = _code(codes_ptr, idx, valid, nbytes, BITS)
     on = code * 0 + 1
     if SOURCE == 1:
-        on = (tl.load(m_ptr + idx, mask=valid, other=0) != 0).to(tl.int32)
+        on = _bit(m_ptr, idx, valid, False)
     elif SOURCE == 2:
-        on = (tl.load(m_ptr + (idx >> 3), mask=valid, other=0).to(tl.int32) >> (idx & 7).to(tl.int32)) & 1
+        on = _bit(m_ptr, idx, valid, True)
     elif SOURCE == 3:
         on = (code >= tl.load(zc_ptr + c, mask=valid, other=0)).to(tl.int32)
     if MASK_ONLY:
         tl.store(out_ptr + idx, on.to(tl.uint8), mask=valid)
     else:
-        side = on if SPLIT else code * 0
-        if BOOK:
-            at = c * ((1 << BITS) * (2 if SPLIT else 1)) + (side << BITS) + code
-            z = tl.load(table_ptr + at, mask=valid, other=0.0)
-        else:
-            lo = tl.load(table_ptr + c, mask=valid, other=0.0)
-            w = tl.load(table_ptr + C + c, mask=valid, other=0.0)
-            if SPLIT:
-                lo = tl.where(side != 0, tl.load(table_ptr + 2 * C + c, mask=valid, other=0.0), lo)
-                w = tl.where(side != 0, tl.load(table_ptr + 3 * C + c, mask=valid, other=0.0), w)
-            z = (code.to(tl.float32) + 0.5) * w + lo
+        z = _value(table_ptr, code, on if SPLIT else code * 0, c, valid, C, BITS, SPLIT, BOOK)
         kept = tl.where(z < 0.0, 0.0, z)
         if ACT == 1:
             z = tl.where(on != 0, kept, 0.0)
@@ -297,6 +308,7 @@ def _decode(source: torch.Tensor, packed: bool, bits: int, shape: torch.Size, gr
         m = mask.view(torch.uint8) if mask.dtype == torch.bool else mask
         m = m if m.is_contiguous() else m.contiguous()
     block = triton_fewbit._groups(source) * 8
+    bind()
     triton_fewbit._launch(_chain_decode, (triton.cdiv(n, block),), source, m, grid.float().contiguous(), out, n,
                           channels, inner, source.numel(), BITS=bits, PACKED=packed, SPLIT=split,
                           MASK_BITS=mask_bits, BOOK=book, BLOCK=block, enable_fp_fusion=False)
@@ -336,6 +348,7 @@ def _rebuild_launch(packed, bits, shape, table, mask, zero_code, act, slope, mas
     zc = out if zero_code is None else zero_code.to(torch.int32).contiguous()
     block = triton_fewbit._groups(packed) * 8
     rows = out if mask_only else table.float().contiguous()  # the mask alone reads no table
+    bind()
     triton_fewbit._launch(_chain_rebuild, (triton.cdiv(n, block),), packed, m, rows, zc, out,
                           n, channels, inner, packed.numel(), float(slope), BITS=bits, SPLIT=split, SOURCE=source,
                           BOOK=book, ACT=_ACTS[act], MASK_ONLY=mask_only, BLOCK=block, enable_fp_fusion=False)
