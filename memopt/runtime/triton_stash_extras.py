@@ -1,5 +1,7 @@
 """The stash's other codecs as Triton kernels: max-pool window offsets (``memopt.stash.pool``), 1-bit masks
-(dropout, ``where``) and the generic stash's groups (``memopt.stash.generic``).
+(dropout, ``where``), the generic stash's groups (``memopt.stash.generic``) and a residual chain's side ends
+(``memopt.stash.grid._ends``: per channel the least and greatest x̂ on either side of the mask, which were a
+full-size float temporary and two masked reductions).
 
 Why: on CUDA each is a chain of small PyTorch kernels launched from Python: the offsets are a floor division,
 a remainder and several integer multiplies and adds over the int64 indices before packing (and again backward);
@@ -162,6 +164,33 @@ def _group_decode(packed_ptr, params_ptr, out_ptr, n, G, ngroups, nbytes,
         tl.store(out_ptr + idx, value.to(out_ptr.dtype.element_ty), mask=valid)
 
 
+def _side_ends(x_ptr, m_ptr, mean_ptr, scale_ptr, part_ptr, N, C, S, xn, xc, xs, mn, mc, ms, parts,
+               BLOCK: tl.constexpr):
+    # program (c, p): channel c over samples p, p + parts, ...: u = (x - mean) * scale in float32, the least u
+    # where the mask is set and the greatest where it is not (NaN propagated), written at [0|1, c, p]
+    c = tl.program_id(0).to(tl.int64)
+    p = tl.program_id(1).to(tl.int64)
+    lane = tl.arange(0, BLOCK).to(tl.int64)
+    cv = c + lane * 0
+    mean = tl.load(mean_ptr + cv)
+    scale = tl.load(scale_ptr + cv)
+    lo1 = tl.full([BLOCK], float("inf"), tl.float32)
+    hi0 = tl.full([BLOCK], -float("inf"), tl.float32)
+    nan = tl.full([BLOCK], 0, tl.int32)
+    for b in range(p, N, parts):
+        for s0 in range(0, S, BLOCK):
+            s = s0 + lane
+            valid = s < S
+            u = (tl.load(x_ptr + b * xn + c * xc + s * xs, mask=valid, other=0.0).to(tl.float32) - mean) * scale
+            on = tl.load(m_ptr + b * mn + c * mc + s * ms, mask=valid, other=0) != 0
+            nan = tl.where(valid & (u != u), 1, nan)  # the channel's NaN reaches both ends (as on the CPU path)
+            lo1 = tl.where(valid & on & (u < lo1), u, lo1)
+            hi0 = tl.where(valid & (~on) & (u > hi0), u, hi0)
+    seen_nan = tl.reduce(nan, 0, _max) != 0
+    tl.store(part_ptr + c * parts + p, tl.where(seen_nan, float("nan"), tl.reduce(lo1, 0, _min)))
+    tl.store(part_ptr + (C + c) * parts + p, tl.where(seen_nan, float("nan"), tl.reduce(hi0, 0, _max)))
+
+
 def _merged(shape: Sequence[int], stride: Sequence[int]) -> Tuple[list, list]:
     """Size-1 dimensions dropped and neighbours merged where one stride steps through both, logical order kept:
     the fewest dimensions that walk the tensor row-major."""
@@ -293,4 +322,29 @@ def group_decode(packed: torch.Tensor, params: torch.Tensor, bits: int, group: i
     return out
 
 
-__all__ = ["pack_mask", "unpack_mask", "pool_offsets", "pool_indices", "group_encode", "group_decode"]
+def side_ends(x: torch.Tensor, mask: torch.Tensor, mean: torch.Tensor, scale: torch.Tensor
+              ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``memopt.stash.grid._ends``' inner ends of a residual chain: per channel of x (N, C, ...; any layout), the
+    least u = (x - mean) * scale (float32) where ``mask`` is set and the greatest where it is not (+inf / -inf
+    for an empty side, NaN where the channel has a NaN): one launch and a reduction over a few parts, no
+    full-size float temporary. Min and max are exact in any order: the same values as the plain path."""
+    from memopt.runtime.triton_stash import _geometry, ncs
+    n, channels, inner = _geometry(x.shape)
+    samples = x.shape[0] if x.dim() else 1
+    parts = max(1, min(32, samples))
+    partial = torch.empty(2, channels, parts, dtype=torch.float32, device=x.device)
+    if not n:
+        return partial.new_full((channels,), float("inf")), partial.new_full((channels,), -float("inf"))
+    xv, (xn, xc, xs) = ncs(x)
+    mv, (mn, mc, ms) = ncs(mask.view(torch.uint8) if mask.dtype == torch.bool else mask)
+    block = 1024 if x.device.type != "cpu" else triton.next_power_of_2(max(1, min(inner, 4096)))
+    triton_fewbit._launch(_side_ends, (channels, parts), xv, mv, mean.float().contiguous(), scale.float().contiguous(),
+                          partial, samples, channels, inner, xn, xc, xs, mn, mc, ms, parts, BLOCK=block,
+                          enable_fp_fusion=False)
+    nan = partial.isnan().any(-1)
+    lo1, hi0 = partial[0].amin(-1), partial[1].amax(-1)
+    return lo1.masked_fill(nan[0], float("nan")), hi0.masked_fill(nan[1], float("nan"))  # (nan[0] = nan[1])
+
+
+__all__ = ["pack_mask", "unpack_mask", "pool_offsets", "pool_indices", "group_encode", "group_decode",
+           "side_ends"]

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import is_fake
 
-from memopt.runtime import kernels, native, triton_stash
+from memopt.runtime import kernels, native, triton_stash, triton_stash_extras
 from memopt.runtime.bitpack import pack_bits, unpack_bits
 from memopt.stash.generic import _unpack_mask
 
@@ -206,6 +206,8 @@ def _ends(x, mean, invstd, xstd, mask, inner: bool) -> torch.Tensor:
     lo, hi = ((v.float() - mean) * scale for v in (x.amin(dims), x.amax(dims)))
     if not inner:
         return torch.stack([lo, hi, lo, hi])
+    if kernels.stash_triton(x, "grid ends") and torch.result_type(x, mean) == torch.float32:  # no temporary
+        return torch.stack([lo, *reversed(triton_stash_extras.side_ends(x, mask, mean, scale)), hi])
     u = (x - _per_channel(mean, nd)).float().mul_(_per_channel(scale, nd))
     if not cpu_selects(u):
         lo1 = u.masked_fill(~mask, math.inf).amin(dims)

@@ -40,11 +40,13 @@ class _Net(nn.Module):
         self.pool = nn.MaxPool2d(3, 2, 1)
         self.conv1, self.bn1 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
         self.conv2, self.bn2 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+        self.conv3, self.bn3 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
         self.drop, self.fc1, self.fc2 = nn.Dropout(0.2), nn.Linear(c, 32), nn.Linear(32, 5)
 
     def forward(self, x):
         x = self.pool(F.relu(self.bn0(self.conv0(x))))
         y = F.relu(self.bn2(self.conv2(F.relu(self.bn1(self.conv1(x))))) + x)
+        y = F.relu(self.bn3(self.conv3(y)))
         return self.fc2(F.gelu(self.fc1(self.drop(y.mean((2, 3))))))
 
 
@@ -95,12 +97,15 @@ def _signature(fn, args, meta):
 @requires_triton
 @requires_ptxas
 def test_every_kernel_a_training_step_launches_compiles_for_a_gpu(monkeypatch):
-    config = memopt.Config(stash=memopt.StashConfig(bits=4, generic=True, min_per_channel=8),
-                           fewbit=memopt.FewBitConfig(bits=3), fidelity=None)
-    seen = _launched(monkeypatch, config)
+    seen = []
+    # with few-bit and the generic stash; without them the residual block is a chain whose grid ends its sides
+    for generic, fewbit in ((True, memopt.FewBitConfig(bits=3)), (False, None)):
+        config = memopt.Config(stash=memopt.StashConfig(bits=4, generic=generic, min_per_channel=8), fewbit=fewbit,
+                               fidelity=None)
+        seen += _launched(monkeypatch, config)
     names = {fn.__name__ for fn, _, _ in seen}
     assert {"_encode_pack", "_unpack_scale", "_chain_encode", "_bn_sums", "_bn_grad", "_walk_pack",
-            "_walk_unpack", "_chain_rebuild"} <= names, names
+            "_walk_unpack", "_chain_rebuild", "_side_ends"} <= names, names
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # compile, not interpret: helpers bound to their jitted form
     triton_bn._bind()
     variants = {}

@@ -304,3 +304,19 @@ def test_a_chains_rebuilt_activation_and_mask_match_the_plain_path(interpret, bi
         _same(plain, fused, f"mask from the code {shape}")
         plain, fused = _both(lambda: G.exact_mask(pack_bits(mask, 1), packed, zero_code, bits, torch.Size(shape)))
         _same(plain, fused, f"1-bit mask {shape}")
+
+
+@requires_triton
+@pytest.mark.parametrize("dtype, layout", [(torch.float32, "contiguous"), (torch.float32, "channels_last"),
+                                           (torch.bfloat16, "contiguous")])
+def test_a_residual_grids_side_ends_match_the_plain_path(interpret, dtype, layout):
+    x = _chain_input((37, 4, 5, 3), dtype, layout)  # more samples than side_ends' parts
+    mask = x > 0.3
+    mask[:, 2] = False  # channel 2: an empty masked side (+inf)
+    x[1, 3, 2, 1] = float("nan")  # channel 3: NaN at both ends, as the plain path gives
+    mean = x.float().mean((0, 2, 3)).nan_to_num()
+    invstd = torch.rand(4) + 0.5
+    xstd = torch.rand(4) + 0.5
+    plain, fused = _both(lambda: G._ends(x, mean, invstd, xstd, mask, True))
+    _same(plain, fused)
+    assert fused[2, 2] == float("inf") and fused[1:3, 3].isnan().all()

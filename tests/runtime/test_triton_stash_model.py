@@ -68,7 +68,7 @@ def test_a_small_cnn_trains_one_step_with_the_plain_paths_outputs_buffers_and_gr
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-5 * a.abs().max().item()), name
     # every stash codec with a Triton version ran: chain codes and rebuilds, the BN backward, pool offsets, the
     # dropout mask
-    want = {"_chain_encode", "_chain_rebuild", "_bn_sums", "_bn_grad", "_walk_pack", "_walk_unpack"}
+    want = {"_chain_encode", "_chain_rebuild", "_bn_sums", "_bn_grad", "_walk_pack", "_walk_unpack", "_side_ends"}
     assert launched >= want | ({"_group_params", "_group_encode", "_group_decode"} if generic_on else set())
     ops = [(n.op, n.reason.split(":")[0]) for n in plan.nodes if n.technique == "stash"]
     assert ("bn_act_stash", "BN + residual + relu") in ops and ("dropout_1bit", "dropout mask kept as 1 bit per "
