@@ -135,6 +135,11 @@ STALL_GAIN = 1e-3
 # there (on a copy) and the rounds' own end, and keeps whichever frees more by the planner's bytes (torchvision
 # MobileNetV2 lost 10.2x -> 3.1x to six more rounds; timm MobileOne gained 1.3x -> 2.4x from one more).
 EARLY_RESORT = 6
+# The last resort halves over its candidates in the order of each one's measured effect (the failing parameters'
+# cosines with that unit alone exact: one trial plan each) when there are at most MEASURED_ORDER of them, else by
+# the error proxies. The proxies rank by a unit's own error, not by its reach: timm MambaOut's 3-bit head GELU,
+# ranked low, alone fixed all four failing conv biases that 11-14 exact 8-bit units fixed in the proxy order.
+MEASURED_ORDER = 48
 
 
 def gate_graph(model: nn.Module, planned: fx.GraphModule, args: tuple, kwargs: dict,
@@ -240,8 +245,8 @@ def fidelity_gate(model: nn.Module, args: tuple, kwargs: dict, config: Config, d
     def resort(decision: Decision, weights: Dict[Tuple[str, str], float], per_parameter, failing, round_: int):
         """The last resort (the rounds are spent and the plan still misses: never ship it, the rule is never to
         differ silently from eager PyTorch) on copies: lossy units after the failing parameters go exact, the
-        fewest that pass (_fewest_exact); if all of them do not suffice, lossy units of the whole plan the same
-        way. (decision, weights, changes, per_parameter, failing, its note, the missed parameters)."""
+        fewest that pass (_fewest_exact, in the order of their measured effect: MEASURED_ORDER); if all of them do
+        not suffice, lossy units of the whole plan the same way. (decision, weights, changes, per_parameter, failing, its note, the missed parameters)."""
         decision, weights = {t: dict(us) for t, us in decision.items()}, dict(weights)
         missed = {p: per_parameter[p]["cosine"] for p in failing}
         notes, note = [], None
@@ -252,7 +257,12 @@ def fidelity_gate(model: nn.Module, args: tuple, kwargs: dict, config: Config, d
             if not keys:
                 continue
             candidates = len(keys)
-            keys = _fewest_exact(keys, decision, weights, lambda trial: not evaluate(trial)[1])
+            order = weights
+            if len(keys) <= MEASURED_ORDER:  # each candidate's own effect, measured: one trial plan per unit
+                score = sum(per_parameter[p]["cosine"] for p in failing)
+                order = {k: sum(evaluate(_without(decision, [k]))[0][p]["cosine"] for p in failing) - score
+                         for k in keys}
+            keys = _fewest_exact(keys, decision, order, lambda trial: not evaluate(trial)[1])
             for technique, unit in keys:
                 del decision[technique][unit]
                 weights.pop((technique, unit), None)

@@ -323,3 +323,38 @@ def test_rounds_that_stop_helping_end_early_and_the_warning_does_not_ask_for_mor
     warning = next(r.getMessage() for r in caplog.records if "rather than ship" in r.getMessage())
     assert "max_rounds" not in warning and "FidelityConfig.min_cosine" in warning
     assert all(f["cosine"] >= 0.99999 for f in _cosines(model, om, x).values() if not f["tiny"])
+
+
+class WideNoise(nn.Module):
+    """A narrow GELU branch that carries the gradients and a wide one scaled by 1e-3 (its parameters frozen):
+    the wide branch's few-bit unit has the larger error proxy but moves no gated gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Linear(16, 16)
+        self.a1, self.a2 = nn.Linear(16, 24), nn.Linear(24, 8)
+        self.b1, self.b2 = nn.Linear(16, 512), nn.Linear(512, 8)
+        for p in (*self.b1.parameters(), *self.b2.parameters()):
+            p.requires_grad_(False)
+
+    def forward(self, x):
+        return self.a2(nn.functional.gelu(self.a1(self.stem(x)))) + \
+            1e-3 * self.b2(nn.functional.gelu(self.b1(self.stem(x))))
+
+
+@pytest.mark.parametrize("measured", [True, False])
+def test_the_last_resort_orders_units_by_their_measured_effect(monkeypatch, measured):
+    """The last resort turns exact the fewest units that pass, found by halving over an order: each candidate's
+    measured effect on the failing parameters (one trial each), not its error proxy, which ranks the wide branch
+    that moves nothing first and costs both units."""
+    if not measured:
+        monkeypatch.setattr(fidelity, "MEASURED_ORDER", 0)  # the proxy order, for contrast
+    torch.manual_seed(0)
+    model, x = WideNoise(), torch.randn(64, 16)
+    config = memopt.Config(fewbit=memopt.FewBitConfig(bits=3), stash=None, reversible=None,
+                           fidelity=memopt.FidelityConfig(min_cosine=0.99999, max_rounds=1))
+    report = memopt.optimize(model, example_inputs=x, config=config).plan.fidelity
+    assert report["passed"]
+    want = "1 of the 2 lossy units after the failing parameters -> exact (fewbit gelu;" if measured else \
+        "2 of the 2 lossy units after the failing parameters -> exact"
+    assert want in report["last_resort"], report["last_resort"]
