@@ -25,9 +25,11 @@ from tools.bench.common import RESULTS
 # file is counted once, with its latest result; the bf16 sweeps hold several families
 TV = "fidelity_sweep_torchvision"
 SWEEPS = [("torchvision", [f"{TV}_f76933a", f"{TV}_rerun_a2eb48f", f"{TV}_rerun_f1c9010", f"{TV}_rerun_7d69347",
-                           f"{TV}_rerun_1c38567", f"{TV}_rerun_d948d97"], None),
-          ("timm", ["fidelity_sweep_timm_0f1cf69", "fidelity_sweep_timm_rerun_d948d97"], None),
-          ("Hugging Face", ["fidelity_sweep_hf_ca9f7fa", "fidelity_sweep_hf_rerun_d948d97"], None),
+                           f"{TV}_rerun_1c38567", f"{TV}_rerun_d948d97", f"{TV}_rerun_1a96120"], None),
+          ("timm", ["fidelity_sweep_timm_0f1cf69", "fidelity_sweep_timm_rerun_d948d97", "fidelity_sweep_timm_rerun_1a96120"],
+           None),
+          ("Hugging Face", ["fidelity_sweep_hf_ca9f7fa", "fidelity_sweep_hf_rerun_d948d97", "fidelity_sweep_hf_rerun_1a96120"],
+           None),
           ("timm, bf16 autocast", ["fidelity_sweep_bf16_0a888e0", "fidelity_sweep_bf16_timm_rerun",
                                    "fidelity_sweep_bf16_timm_97a7817", "fidelity_sweep_bf16_timm_rerun_5ee3afc",
                                    "fidelity_sweep_bf16_timm_rerun_f830915"], "timm"),
