@@ -33,6 +33,7 @@ import torch
 
 from memopt.runtime import triton_fewbit
 from memopt.runtime.layout import memory_order
+from memopt.runtime.triton_stash import _geometry, ncs
 from memopt.runtime.triton_fewbit import tl, triton
 
 _sum = triton_fewbit._sum
@@ -328,7 +329,6 @@ def side_ends(x: torch.Tensor, mask: torch.Tensor, mean: torch.Tensor, scale: to
     least u = (x - mean) * scale (float32) where ``mask`` is set and the greatest where it is not (+inf / -inf
     for an empty side, NaN where the channel has a NaN): one launch and a reduction over a few parts, no
     full-size float temporary. Min and max are exact in any order: the same values as the plain path."""
-    from memopt.runtime.triton_stash import _geometry, ncs
     n, channels, inner = _geometry(x.shape)
     samples = x.shape[0] if x.dim() else 1
     parts = max(1, min(32, samples))

@@ -35,6 +35,7 @@ LAYERS = [
     ("memopt.report", 7), ("memopt.export", 7), ("memopt.measure", 7), ("memopt.timing", 7),
     ("memopt.soundness", 7), ("memopt.invariance", 7),
     ("memopt.pipeline", 8), ("memopt.partial", 8), ("memopt.fidelity", 8), ("memopt.fidelity_scope", 8),
+    ("memopt.fidelity_repair", 8),
     ("memopt.shapes", 8),
     ("memopt.optimized", 9),
     ("memopt.api", 10), ("memopt.cli", 10), ("memopt.demo", 10), ("memopt.__main__", 10), ("memopt", 10),
