@@ -246,7 +246,8 @@ def fidelity_gate(model: nn.Module, args: tuple, kwargs: dict, config: Config, d
         """The last resort (the rounds are spent and the plan still misses: never ship it, the rule is never to
         differ silently from eager PyTorch) on copies: lossy units after the failing parameters go exact, the
         fewest that pass (_fewest_exact, in the order of their measured effect: MEASURED_ORDER); if all of them do
-        not suffice, lossy units of the whole plan the same way. (decision, weights, changes, per_parameter, failing, its note, the missed parameters)."""
+        not suffice, lossy units of the whole plan the same way. Returns (decision, weights, changes,
+        per_parameter, failing, its note, the missed parameters)."""
         decision, weights = {t: dict(us) for t, us in decision.items()}, dict(weights)
         missed = {p: per_parameter[p]["cosine"] for p in failing}
         notes, note = [], None
@@ -340,7 +341,12 @@ def fidelity_gate(model: nn.Module, args: tuple, kwargs: dict, config: Config, d
         if not touched:
             radius += 2  # every unit near the failing parameters is exact already: look further
     last_resort = None
-    if failing and not verify_only:
+    if failing and not verify_only and early is not None and round_ == EARLY_RESORT:
+        # the rounds stopped where the last resort was already applied: that is the result, not a second one
+        decision, weights, notes, per_parameter, failing, last_resort, missed = early[1:]
+        changes.extend(notes)
+        early = None
+    elif failing and not verify_only:
         decision, weights, notes, per_parameter, failing, last_resort, missed = resort(
             decision, weights, per_parameter, failing, round_)
         changes.extend(notes)

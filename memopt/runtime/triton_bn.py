@@ -124,7 +124,7 @@ def bn_backward(g: torch.Tensor, sum_g: torch.Tensor, packed: torch.Tensor, bits
         mask_bits = isinstance(mask, native.PackedMask)  # its 1-bit stream
         m = mask.bits if mask_bits else (mask.view(torch.uint8) if mask.dtype == torch.bool else mask)
         m = m if m.is_contiguous() else m.contiguous()
-    gv, (gn, gc, gs) = ncs(g.float() if g.dtype != torch.float32 else g)
+    gv, (gn, gc, gs) = ncs(g.float())
     table = book.float().contiguous()
     std = xstd.float().contiguous()
     meta = dict(BITS=bits, SPLIT=split, MASK_BITS=mask_bits, BOOK=is_book, enable_fp_fusion=False)

@@ -341,9 +341,7 @@ def side_ends(x: torch.Tensor, mask: torch.Tensor, mean: torch.Tensor, scale: to
     triton_fewbit._launch(_side_ends, (channels, parts), xv, mv, mean.float().contiguous(), scale.float().contiguous(),
                           partial, samples, channels, inner, xn, xc, xs, mn, mc, ms, parts, BLOCK=block,
                           enable_fp_fusion=False)
-    nan = partial.isnan().any(-1)
-    lo1, hi0 = partial[0].amin(-1), partial[1].amax(-1)
-    return lo1.masked_fill(nan[0], float("nan")), hi0.masked_fill(nan[1], float("nan"))  # (nan[0] = nan[1])
+    return partial[0].amin(-1), partial[1].amax(-1)  # a part's NaN carries through (amin / amax propagate it)
 
 
 __all__ = ["pack_mask", "unpack_mask", "pool_offsets", "pool_indices", "group_encode", "group_decode",

@@ -178,11 +178,11 @@ class TwoBranch(nn.Module):
     """A wide GELU branch and a narrow one scaled by 1e-3 (its own parameters frozen), both after ``stem``: the
     narrow branch's few-bit error cannot move any gated gradient, the wide one's can."""
 
-    def __init__(self):
+    def __init__(self, a=256, b=32):
         super().__init__()
         self.stem = nn.Linear(16, 16)
-        self.a1, self.a2 = nn.Linear(16, 256), nn.Linear(256, 8)
-        self.b1, self.b2 = nn.Linear(16, 32), nn.Linear(32, 8)
+        self.a1, self.a2 = nn.Linear(16, a), nn.Linear(a, 8)
+        self.b1, self.b2 = nn.Linear(16, b), nn.Linear(b, 8)
         for p in (*self.b1.parameters(), *self.b2.parameters()):
             p.requires_grad_(False)
 
@@ -325,21 +325,10 @@ def test_rounds_that_stop_helping_end_early_and_the_warning_does_not_ask_for_mor
     assert all(f["cosine"] >= 0.99999 for f in _cosines(model, om, x).values() if not f["tiny"])
 
 
-class WideNoise(nn.Module):
-    """A narrow GELU branch that carries the gradients and a wide one scaled by 1e-3 (its parameters frozen):
-    the wide branch's few-bit unit has the larger error proxy but moves no gated gradient."""
-
-    def __init__(self):
-        super().__init__()
-        self.stem = nn.Linear(16, 16)
-        self.a1, self.a2 = nn.Linear(16, 24), nn.Linear(24, 8)
-        self.b1, self.b2 = nn.Linear(16, 512), nn.Linear(512, 8)
-        for p in (*self.b1.parameters(), *self.b2.parameters()):
-            p.requires_grad_(False)
-
-    def forward(self, x):
-        return self.a2(nn.functional.gelu(self.a1(self.stem(x)))) + \
-            1e-3 * self.b2(nn.functional.gelu(self.b1(self.stem(x))))
+def wide_noise():
+    """TwoBranch with a narrow branch (24) that carries the gradients and a wide one (512) that does not: the wide
+    branch's few-bit unit has the larger error proxy but moves no gated gradient."""
+    return TwoBranch(a=24, b=512)
 
 
 @pytest.mark.parametrize("measured", [True, False])
@@ -350,7 +339,7 @@ def test_the_last_resort_orders_units_by_their_measured_effect(monkeypatch, meas
     if not measured:
         monkeypatch.setattr(fidelity, "MEASURED_ORDER", 0)  # the proxy order, for contrast
     torch.manual_seed(0)
-    model, x = WideNoise(), torch.randn(64, 16)
+    model, x = wide_noise(), torch.randn(64, 16)
     config = memopt.Config(fewbit=memopt.FewBitConfig(bits=3), stash=None, reversible=None,
                            fidelity=memopt.FidelityConfig(min_cosine=0.99999, max_rounds=1))
     report = memopt.optimize(model, example_inputs=x, config=config).plan.fidelity

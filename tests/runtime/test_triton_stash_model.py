@@ -5,8 +5,6 @@ import copy
 
 import pytest
 import torch
-import torch.nn.functional as F
-from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import memopt
@@ -14,28 +12,9 @@ from memopt.cost_model.storage import LiveStorageTracker
 from memopt.runtime import kernels, native, triton_fewbit, triton_stash, triton_stash_extras as extras
 from memopt.stash import generic, grid as G
 from memopt.stash.ops import ChainSpec, bn_act_stash
-from triton_stash_helpers import _both, _chain_input, _same, interpret, requires_triton  # noqa: F401 (interpret: a fixture)
+from triton_stash_helpers import _Net, _both, _chain_input, _same, interpret, requires_triton  # noqa: F401 (interpret: a fixture)
 
 pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
-
-class _Net(nn.Module):
-    """conv-BN-ReLU-max-pool stem, a residual block with a downsample-free skip, dropout and a linear head."""
-
-    def __init__(self, c=8):
-        super().__init__()
-        self.conv0, self.bn0 = nn.Conv2d(3, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
-        self.pool = nn.MaxPool2d(3, 2, 1)
-        self.conv1, self.bn1 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
-        self.conv2, self.bn2 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
-        self.conv3, self.bn3 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
-        self.drop, self.fc = nn.Dropout(0.2), nn.Linear(c, 5)
-
-    def forward(self, x):
-        x = self.pool(F.relu(self.bn0(self.conv0(x))))
-        y = F.relu(self.bn2(self.conv2(F.relu(self.bn1(self.conv1(x))))) + x)
-        y = F.relu(self.bn3(self.conv3(y)))
-        return self.fc(self.drop(y.mean((2, 3))))
-
 
 @requires_triton
 @pytest.mark.parametrize("bits, generic_on", [(4, False), (2, True)])  # 8 bits: test_x_code_matches_...

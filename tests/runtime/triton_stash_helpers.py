@@ -2,6 +2,8 @@
 launch counts, fake tensors, errors)."""
 import pytest
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from memopt.runtime import kernels, native, triton_fewbit
 from memopt.stash import generic, grid as G
@@ -76,3 +78,22 @@ def _stats(x, affine_dtype=torch.float32):
     bias = (torch.randn(c) * 0.5).to(device=x.device, dtype=affine_dtype)
     out, mean, invstd, _, _ = G.batch_norm_train(x, weight, bias, None, None, None, 0.1, 1e-5)
     return weight, bias, mean, invstd, out
+
+
+class _Net(nn.Module):
+    """conv-BN-ReLU-max-pool stem, a residual block with a downsample-free skip, dropout and a linear head."""
+
+    def __init__(self, c=8):
+        super().__init__()
+        self.conv0, self.bn0 = nn.Conv2d(3, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+        self.pool = nn.MaxPool2d(3, 2, 1)
+        self.conv1, self.bn1 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+        self.conv2, self.bn2 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+        self.conv3, self.bn3 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+        self.drop, self.fc = nn.Dropout(0.2), nn.Linear(c, 5)
+
+    def forward(self, x):
+        x = self.pool(F.relu(self.bn0(self.conv0(x))))
+        y = F.relu(self.bn2(self.conv2(F.relu(self.bn1(self.conv1(x))))) + x)
+        y = F.relu(self.bn3(self.conv3(y)))
+        return self.fc(self.drop(y.mean((2, 3))))
