@@ -253,7 +253,7 @@ def simulate_step(gm: fx.GraphModule, args: tuple, kwargs: dict, device: torch.d
         tracker.phase = "backward"
         loss.backward()
         del loss
-        fb_peak, fb_at_peak = tracker.peak, tracker.at_peak
+        fb_peak, fb_at_peak, in_weight_grad = tracker.peak, tracker.at_peak, tracker.peak_in_weight_grad
         grads = {tracker.identity(p.grad) for p in params if p.grad is not None}
         opt = _simulate_optimizer(optimizer, params, tracker)
 
@@ -275,6 +275,8 @@ def simulate_step(gm: fx.GraphModule, args: tuple, kwargs: dict, device: torch.d
         **parts,
         "activations_at_boundary": boundary,
         "peak_in_optimizer_step": int(at_step),
+        # the forward/backward peak fell inside a weight gradient from a rebuilt input (memopt.core.phase)
+        "peak_in_weight_grad": int(in_weight_grad and not at_step),
     }
     alive = set() if at_step else {producer[i] for i, _, _ in fb_at_peak if i in producer}
     return param_bytes + input_bytes + max(fb_total, opt.step_peak), breakdown, alive

@@ -23,6 +23,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_flatten
 
 from memopt.core.storage import distinct_bytes, storage_key, storage_nbytes  # noqa: F401  (part of this module's API)
+from memopt.core import phase
 
 
 @dataclass
@@ -95,6 +96,8 @@ class LiveStorageTracker(TorchDispatchMode):
     ever allocated. A storage is identified by (address, creation number), which stays unique
     after its address is reused. ``at_peak`` lists (identity, bytes, phase) of the storages alive
     at the peak; ``phase`` is whatever the caller set in ``tracker.phase`` when each was created.
+    ``peak_in_weight_grad``: whether the peak fell while a weight gradient read a rebuilt input
+    (``memopt.core.phase``), where batch chunks can lower it.
     """
 
     def __init__(self, preexisting: Iterable[torch.Tensor] = ()) -> None:
@@ -107,6 +110,7 @@ class LiveStorageTracker(TorchDispatchMode):
         self.current = 0
         self.peak = 0
         self.at_peak: List[tuple] = []
+        self.peak_in_weight_grad = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -138,11 +142,13 @@ class LiveStorageTracker(TorchDispatchMode):
         if self.current > self.peak:
             self.peak = self.current
             self.at_peak = [((k, e[2]), e[1], e[3]) for k, e in self._live.items()]
+            self.peak_in_weight_grad = phase.in_weight_grad_from_codes()
 
     def reset_peak(self) -> None:
         self._sweep()
         self.peak = self.current
         self.at_peak = [((k, e[2]), e[1], e[3]) for k, e in self._live.items()]
+        self.peak_in_weight_grad = phase.in_weight_grad_from_codes()
 
     def identity(self, t: torch.Tensor):
         """(address, creation number) of a live tracked storage, or None."""

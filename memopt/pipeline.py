@@ -27,6 +27,7 @@ from memopt.passes.base import PassContext
 from memopt.passes.candidates import rewritten_units
 from memopt.passes.manager import passes_for, run_passes
 from memopt.passes.planner import BudgetPlan, apply_decision, fit_decision, plan_for_budget, plan_units
+from memopt.passes.stash_chunks import chunk_to_fit, chunks_of, set_chunks
 from memopt.cost_model.histograms import record_input_histograms
 from memopt.fewbit.activations import TABLE_ACTIVATIONS
 from memopt.fewbit.activations import ACTIVATIONS
@@ -192,6 +193,7 @@ def _gate(model: nn.Module, method: str, args: tuple, kwargs: dict, config: Conf
         if built.planned is None:
             gm, records = apply_decision(pristine, config, decision, ctx)
             estimate = annotate(gm, args, kwargs, device=config.device, optimizer=optimizer)
+            estimate, _ = chunk_to_fit(gm, estimate, None, _annotator(args, kwargs, config, optimizer))
             plan = make_plan(model, method, args, kwargs, config, None, baseline, estimate, records, gm, None)
             built = Built(gm, plan, baseline, estimate)
         else:
@@ -267,6 +269,10 @@ def _refit(model: nn.Module, method: str, args: tuple, kwargs: dict, config: Con
     return Built(found.graph_module, plan, baseline, found.estimate, found)
 
 
+def _annotator(args: tuple, kwargs: dict, config: Config, optimizer: Any) -> Callable[[fx.GraphModule], Estimate]:
+    return lambda gm: annotate(gm, args, kwargs, device=config.device, optimizer=optimizer)
+
+
 def _rewrite(model: nn.Module, captured: Any, args: tuple, kwargs: dict, config: Config, budget_bytes: Optional[int],
              optimizer: Any, plan: Optional[Plan], baseline: Estimate, ctx: PassContext) -> Built:
     """Apply ``plan``, every technique, or the planner's choice (real example inputs visible to checks)."""
@@ -276,6 +282,7 @@ def _rewrite(model: nn.Module, captured: Any, args: tuple, kwargs: dict, config:
     if plan is not None:
         gm, records = apply_decision(gm, config, plan.chosen_units(), ctx)
         _check_applied(gm, plan)
+        set_chunks(gm, plan.weight_grad_chunks)
     elif budget_bytes is None:
         gm, records = run_passes(gm, passes_for(config), ctx)
     elif baseline.peak_bytes <= target:
@@ -291,6 +298,8 @@ def _rewrite(model: nn.Module, captured: Any, args: tuple, kwargs: dict, config:
     modified = any(r.modified for r in records)
     estimate = planned.estimate if planned is not None else (
         annotate(gm, args, kwargs, device=config.device, optimizer=optimizer) if modified else baseline)
+    if modified and plan is None and budget_bytes is None:  # no budget: chunks wherever they lower the peak
+        estimate, _ = chunk_to_fit(gm, estimate, None, _annotator(args, kwargs, config, optimizer))
     result = make_plan(model, captured.method, args, kwargs, config, budget_bytes, baseline, estimate, records, gm,
                        planned)
     if budget_bytes is not None and plan is None and result.estimated_peak_bytes > target:
@@ -313,7 +322,7 @@ def make_plan(model: nn.Module, method: str, args: tuple, kwargs: dict, config: 
         baseline_peak_bytes=baseline.peak_bytes, estimated_peak_bytes=estimate.peak_bytes,
         baseline_breakdown=dict(baseline.breakdown), estimated_breakdown=dict(estimate.breakdown),
         passes=[{"name": r.name, "modified": r.modified} for r in records],
-        nodes=node_plans(baseline, estimate, decisions), units=units,
+        nodes=node_plans(baseline, estimate, decisions), units=units, weight_grad_chunks=chunks_of(gm),
         planner={} if planned is None else {
             "required_bytes": planned.required_bytes, "rounds": planned.rounds,
             "seconds": round(planned.seconds, 3), "predicted_freed_bytes": planned.solution.freed_bytes,

@@ -70,6 +70,9 @@ class Plan:
     soundness: Dict[str, Any] = field(default_factory=dict)
     # The fidelity gate (memopt/fidelity.py): per-parameter cosines, what it changed, on which slice
     fidelity: Dict[str, Any] = field(default_factory=dict)
+    # Batch chunks of the weight gradients read from rebuilt inputs (memopt.passes.stash_chunks; 1: one piece),
+    # chosen where the cost model said they lower the peak; re-applied with the plan
+    weight_grad_chunks: int = 1
     schema_version: int = PLAN_SCHEMA_VERSION
 
     def chosen_units(self) -> Dict[str, Dict[str, int]]:

@@ -28,6 +28,7 @@ from memopt.passes.candidates import (Group, candidates, copy_graph_module, make
 from memopt.passes.knapsack import (BALANCED, Policy, Solution, _solution, max_nested, max_saving, nesting,
                                     policy_for, solve_nested_or_max, solve_or_max, weighted)
 from memopt.passes.manager import passes_for, run_passes
+from memopt.passes.stash_chunks import chunk_to_fit
 
 MAX_ROUNDS = 6
 TOLERANCE = 0.03  # stop refining when the bytes asked for are known within 3%
@@ -127,7 +128,8 @@ def _search(gm, ctx: PassContext, args, kwargs, config, baseline: Estimate, budg
     rounds = 1
     solution = solver(required, weight)
     if solution is not None:
-        found = _applied(gm, ctx, args, kwargs, config, groups, solution, optimizer, required, rounds, start)
+        found = _applied(gm, ctx, args, kwargs, config, groups, solution, optimizer, required, rounds, start,
+                         budget_bytes)
         if found.estimate.peak_bytes <= budget_bytes:
             return found, found
     # Freed saved bytes did not all come off the peak (the peak moved, or decode temporaries add to
@@ -135,7 +137,8 @@ def _search(gm, ctx: PassContext, args, kwargs, config, baseline: Estimate, budg
     # cheapest plan that fits.
     rounds += 1
     top = most("freed_bytes")
-    best = _applied(gm, ctx, args, kwargs, config, groups, top, optimizer, top.freed_bytes, rounds, start)
+    best = _applied(gm, ctx, args, kwargs, config, groups, top, optimizer, top.freed_bytes, rounds, start,
+                    budget_bytes)
     if best.estimate.peak_bytes > budget_bytes:
         return None, best
     # regula falsi on (bytes asked -> estimated peak), clipped away from the ends of the interval
@@ -147,7 +150,8 @@ def _search(gm, ctx: PassContext, args, kwargs, config, baseline: Estimate, budg
         slope = 0.5 if bisect else (peak_low - budget_bytes) / max(peak_low - peak_high, 1)
         middle = int(low + (high - low) * min(max(slope, 0.1), 0.9))
         solution = solver(middle, weight)
-        found = _applied(gm, ctx, args, kwargs, config, groups, solution, optimizer, middle, rounds, start)
+        found = _applied(gm, ctx, args, kwargs, config, groups, solution, optimizer, middle, rounds, start,
+                         budget_bytes)
         if found.estimate.peak_bytes <= budget_bytes:
             best, high, peak_high = found, middle, found.estimate.peak_bytes
         else:
@@ -196,7 +200,7 @@ def _last_resort(gm, ctx: PassContext, args, kwargs, config, baseline: Estimate,
                   for i, g in enumerate(every)]
         rounds += 1
         best = _applied(gm, ctx, args, kwargs, config, every, _solution(every, choice, policy), optimizer,
-                        best.required_bytes + gained, rounds, start)
+                        best.required_bytes + gained, rounds, start, budget_bytes)
         if best.estimate.peak_bytes <= budget_bytes:
             return best, best
         need = gained + best.estimate.peak_bytes - budget_bytes
@@ -215,7 +219,7 @@ def fit_decision(gm: fx.GraphModule, ctx: PassContext, args: tuple, kwargs: dict
     groups = planned.groups
     choice = [_option_index(group, decision) for group in groups]
     best = _applied(gm, ctx, args, kwargs, config, groups, _solution(groups, choice, policy), optimizer,
-                    planned.required_bytes, planned.rounds + 1, start)
+                    planned.required_bytes, planned.rounds + 1, start, budget_bytes)
     if best.estimate.peak_bytes <= budget_bytes:
         return best, best
     found, most = _last_resort(gm, ctx, args, kwargs, config, baseline, budget_bytes, optimizer, groups, best, start,
@@ -259,10 +263,14 @@ def _option_index(group: Group, decision: Decision) -> int:
 
 
 def _applied(gm, ctx: PassContext, args, kwargs, config, groups, solution, optimizer, required, rounds,
-             start) -> BudgetPlan:
+             start, budget_bytes: int) -> BudgetPlan:
+    """The decision of ``solution`` applied and estimated; its weight gradients over batch chunks where the
+    estimate misses ``budget_bytes`` inside one and chunks lower it (``stash_chunks.chunk_to_fit``)."""
     chosen = chosen_decision(groups, solution.choice)
     applied, records = apply_decision(gm, config, chosen, ctx)
     estimate = annotate(applied, args, kwargs, device=config.device, optimizer=optimizer)
+    estimate, _ = chunk_to_fit(applied, estimate, budget_bytes, lambda g: annotate(
+        g, args, kwargs, device=config.device, optimizer=optimizer))
     return BudgetPlan(chosen, list(groups), solution, applied, records, estimate, required, rounds,
                       time.perf_counter() - start)
 

@@ -26,7 +26,7 @@ from memopt.core.leaf import graph_leaf
 from memopt.runtime import kernels, native_generic, triton_stash_extras
 from memopt.runtime.bitpack import pack_bits, unpack_bits
 from memopt.runtime.layout import memory_order, rebuilt_stride
-from memopt.stash.grads import conv_grads, linear_grads, matmul_grads
+from memopt.stash.grads import Rows, conv_grads, linear_grads, matmul_grads
 
 _GENERATORS: Dict[str, torch.Generator] = {}
 SEED = 0x5EED
@@ -178,21 +178,36 @@ def _check_backward(node: str) -> None:
                           f"exclude it with memopt.StashConfig(deny=(...)) or set StashConfig(generic=False)")
 
 
-def _rebuild(ctx, packed, params) -> torch.Tensor:
-    like = torch.empty_strided(ctx.shape, ctx.stride, dtype=ctx.dtype, device=packed.device)
-    return group_dequantize(packed, params, ctx.bits, ctx.group, like)
+def _rebuild(ctx, packed, params) -> Rows:
+    """The consumer's input rebuilt whole, or rows of its first dimension from their slice of the codes: where
+    that dimension is outermost in the codes' memory order and a row's codes end on a group and a byte."""
+    shape, stride, bits, group = ctx.shape, ctx.stride, ctx.bits, ctx.group
+
+    def whole() -> torch.Tensor:
+        like = torch.empty_strided(shape, stride, dtype=ctx.dtype, device=packed.device)
+        return group_dequantize(packed, params, bits, group, like)
+    m = shape[1:].numel() if len(shape) > 1 else 0
+    if not m or stride[0] != m or m % group or (m * bits) % 8:
+        return Rows(whole, None)
+
+    def part(a: int, b: int) -> torch.Tensor:
+        like = torch.empty_strided((b - a, *shape[1:]), stride, dtype=ctx.dtype, device=packed.device)
+        return group_dequantize(packed[a * m * bits // 8:b * m * bits // 8],
+                                params[:, a * m // group:b * m // group].contiguous(), bits, group, like)
+    return Rows(whole, part)
 
 
-def _keep(ctx, x: torch.Tensor, bits: int, group: int, node: str) -> None:
+def _keep(ctx, x: torch.Tensor, bits: int, group: int, node: str, chunks: int) -> None:
     stride = rebuilt_stride(x)  # codes follow x's memory order when dense, else its logical order
     ctx.shape, ctx.stride, ctx.dtype, ctx.bits, ctx.group, ctx.node = x.shape, stride, x.dtype, bits, group, node
+    ctx.chunks = chunks
 
 
 class LinearFromCodes(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, packed, params, bits, group, node):
+    def forward(ctx, x, weight, bias, packed, params, bits, group, node, chunks):
         ctx.save_for_backward(packed, params, weight)
-        _keep(ctx, x, bits, group, node)
+        _keep(ctx, x, bits, group, node, chunks)
         ctx.has_bias = bias is not None
         return own_output(F.linear(x, weight, bias))
 
@@ -200,17 +215,17 @@ class LinearFromCodes(torch.autograd.Function):
     def backward(ctx, grad):
         _check_backward(ctx.node)
         packed, params, weight = ctx.saved_tensors
-        grads = linear_grads(grad, lambda: _rebuild(ctx, packed, params), weight, ctx.has_bias,
-                             ctx.needs_input_grad[0])
-        return (*grads, None, None, None, None, None)
+        grads = linear_grads(grad, _rebuild(ctx, packed, params), weight, ctx.has_bias, ctx.needs_input_grad[0],
+                             ctx.chunks)
+        return (*grads, None, None, None, None, None, None)
 
 
 class ConvFromCodes(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, packed, params, bits, group, node, stride, padding, dilation, groups):
+    def forward(ctx, x, weight, bias, packed, params, bits, group, node, stride, padding, dilation, groups, chunks):
         conv = {3: F.conv1d, 4: F.conv2d, 5: F.conv3d}[x.dim()]
         ctx.save_for_backward(packed, params, weight)
-        _keep(ctx, x, bits, group, node)
+        _keep(ctx, x, bits, group, node, chunks)
         ctx.conv = (stride, padding, dilation, groups, bias is not None)
         return own_output(conv(x, weight, bias, stride, padding, dilation, groups))
 
@@ -218,25 +233,27 @@ class ConvFromCodes(torch.autograd.Function):
     def backward(ctx, grad):
         _check_backward(ctx.node)
         packed, params, weight = ctx.saved_tensors
-        grads = conv_grads(grad, lambda: _rebuild(ctx, packed, params), weight, *ctx.conv, ctx.needs_input_grad[0])
-        return (*grads, None, None, None, None, None, None, None, None, None)
+        grads = conv_grads(grad, _rebuild(ctx, packed, params), weight, *ctx.conv, ctx.needs_input_grad[0],
+                           ctx.chunks)
+        return (*grads, None, None, None, None, None, None, None, None, None, None)
 
 
 class MatmulFromCodes(torch.autograd.Function):
     """``x @ w`` with ``w`` a 2-D parameter: the gradient to ``x`` is ``grad @ wᵀ`` (exact)."""
 
     @staticmethod
-    def forward(ctx, x, weight, packed, params, bits, group, node):
+    def forward(ctx, x, weight, packed, params, bits, group, node, chunks):
         ctx.save_for_backward(packed, params, weight)
-        _keep(ctx, x, bits, group, node)
+        _keep(ctx, x, bits, group, node, chunks)
         return own_output(torch.matmul(x, weight))
 
     @staticmethod
     def backward(ctx, grad):
         _check_backward(ctx.node)
         packed, params, weight = ctx.saved_tensors
-        grad_in, grad_w = matmul_grads(grad, lambda: _rebuild(ctx, packed, params), weight, ctx.needs_input_grad[0])
-        return grad_in, grad_w, None, None, None, None, None
+        grad_in, grad_w = matmul_grads(grad, _rebuild(ctx, packed, params), weight, ctx.needs_input_grad[0],
+                                       ctx.chunks)
+        return grad_in, grad_w, None, None, None, None, None, None
 
 
 class Dropout1Bit(torch.autograd.Function):
@@ -299,25 +316,29 @@ def _needs_codes(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 @graph_leaf
-def linear_from_codes(x, weight, bias, packed, params, bits: int, group: int, node: str = ""):
+def linear_from_codes(x, weight, bias, packed, params, bits: int, group: int, node: str = "", chunks: int = 1):
+    """``F.linear(x, weight, bias)`` keeping ``x`` as group codes; the weight gradient over ``chunks`` row ranges."""
     if not _needs_codes(x, weight):
         return F.linear(x, weight, bias)
-    return LinearFromCodes.apply(x, weight, bias, packed, params, bits, group, node)
+    return LinearFromCodes.apply(x, weight, bias, packed, params, bits, group, node, chunks)
 
 
 @graph_leaf
 def conv_from_codes(x, weight, bias, packed, params, bits: int, group: int, node: str, stride, padding, dilation,
-                    groups):
+                    groups, chunks: int = 1):
+    """The conv of ``x`` keeping ``x`` as group codes; the weight gradient over ``chunks`` batch ranges."""
     if not _needs_codes(x, weight):
         return {3: F.conv1d, 4: F.conv2d, 5: F.conv3d}[x.dim()](x, weight, bias, stride, padding, dilation, groups)
-    return ConvFromCodes.apply(x, weight, bias, packed, params, bits, group, node, stride, padding, dilation, groups)
+    return ConvFromCodes.apply(x, weight, bias, packed, params, bits, group, node, stride, padding, dilation, groups,
+                               chunks)
 
 
 @graph_leaf
-def matmul_from_codes(x, weight, packed, params, bits: int, group: int, node: str = ""):
+def matmul_from_codes(x, weight, packed, params, bits: int, group: int, node: str = "", chunks: int = 1):
+    """``x @ weight`` keeping ``x`` as group codes; the weight gradient over ``chunks`` row ranges."""
     if not _needs_codes(x, weight):
         return torch.matmul(x, weight)
-    return MatmulFromCodes.apply(x, weight, packed, params, bits, group, node)
+    return MatmulFromCodes.apply(x, weight, packed, params, bits, group, node, chunks)
 
 
 @graph_leaf

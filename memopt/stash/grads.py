@@ -1,12 +1,20 @@
 """Gradients of a conv / linear / matmul whose input is rebuilt from codes: the weight gradient first, then
-the rebuilt input released, then the input gradient.
+the rebuilt input released, then the input gradient; the weight gradient optionally over batch chunks.
 
 The input gradient of these ops needs the weight alone (exact); only the weight gradient reads the rebuilt
 input. Computed in one call, the rebuilt input, the incoming gradient and the input gradient are all alive at
 once, and the rebuilt input is as large as the input gradient: at the peak of a CNN's backward that is one
 full-size activation more than needed. In this order the rebuilt input is gone before the input gradient is
-allocated. Splitting the weight gradient over batch chunks would save nothing more: the input gradient,
-allocated next, is as large as the whole rebuilt input.
+allocated.
+
+Chunks (``chunks`` > 1, with ``Rows``): the weight gradient is summed over ranges of the first dimension, each
+range rebuilt from its own slice of the codes, so no full-size rebuilt input exists at all. The whole rebuilt
+input costs as much as the input gradient allocated next, so chunks lower the op's moment only by what the
+rebuild needs beyond its output: the float32 copy a bf16 / fp16 input is rebuilt through (autocast), and the
+unpacked codes and mask of the plain-PyTorch decode (CUDA without ``MEMOPT_KERNELS=triton``). The planner
+(``memopt.passes.stash_chunks``) turns chunks on only where the cost model's step says the peak falls. The
+weight gradient's sum then runs in another order (chunked rounding, on an already approximate gradient); the
+bias and input gradients are the unchunked ones.
 
 ``rebuild`` is a callable that returns the rebuilt input (a tensor is accepted too, which its caller then
 still holds). The input gradient is bit-identical to the one-call result:
@@ -15,16 +23,30 @@ still holds). The input gradient is bit-identical to the one-call result:
   kernel (and the gradient's memory format) from the input's strides too. The input is replaced by a
   one-element tensor expanded to its sizes only where that selects the same backend and the input is
   contiguous (a channels-last or depthwise input may select another kernel with other rounding), and only on
-  the CPU, where the equality is tested; elsewhere the one call stays.
+  the CPU, where the equality is tested; elsewhere the one call stays, and so do the chunks.
 """
 from __future__ import annotations
 
-from typing import Callable, Optional, Tuple, Union
+from contextlib import nullcontext
+from typing import Callable, List, NamedTuple, Optional, Tuple, Union
 
 import torch
 
-Rebuild = Union[torch.Tensor, Callable[[], torch.Tensor]]
+from memopt.core.phase import weight_grad_from_codes
+
 _BACKWARD = torch.ops.aten.convolution_backward
+
+
+class Rows(NamedTuple):
+    """A rebuild that can also rebuild rows ``[start, stop)`` of the first dimension (``part``), each from its
+    own slice of the codes; ``part`` is None where the codes cannot be sliced there (a row's codes do not end
+    on a byte or group boundary)."""
+
+    whole: Callable[[], torch.Tensor]
+    part: Optional[Callable[[int, int], torch.Tensor]]
+
+
+Rebuild = Union[torch.Tensor, Callable[[], torch.Tensor], Rows]
 
 
 def _tuple(v, n):
@@ -32,14 +54,36 @@ def _tuple(v, n):
 
 
 def _rebuilt(rebuild: Rebuild) -> torch.Tensor:
+    if isinstance(rebuild, Rows):
+        return rebuild.whole()
     return rebuild() if callable(rebuild) else rebuild
 
 
-def _shape_only(x_hat: torch.Tensor, weight: torch.Tensor, conv_args: tuple) -> Optional[torch.Tensor]:
-    """A stand-in for ``x_hat`` that owns one element and selects the same input-gradient kernel, or None."""
+def _mark(rebuild: Rebuild):
+    """The cost model's mark around a weight gradient that chunks could split (``memopt.core.phase``)."""
+    return weight_grad_from_codes() if isinstance(rebuild, Rows) and rebuild.part is not None else nullcontext()
+
+
+def row_ranges(rows: int, chunks: int) -> List[Tuple[int, int]]:
+    """``chunks`` (at most ``rows``) ranges of near-equal length covering ``[0, rows)``."""
+    chunks = max(1, min(chunks, rows))
+    step = -(-rows // chunks)
+    return [(a, min(a + step, rows)) for a in range(0, rows, step)]
+
+
+def _ranges(rebuild: Rebuild, grad: torch.Tensor, chunks: int) -> Optional[List[Tuple[int, int]]]:
+    """The row ranges of a chunked weight gradient, or None for one piece."""
+    if chunks <= 1 or not isinstance(rebuild, Rows) or rebuild.part is None or grad.dim() < 2 or grad.shape[0] < 2:
+        return None
+    return row_ranges(grad.shape[0], chunks)
+
+
+def _shape_only(x_hat: torch.Tensor, weight: torch.Tensor, conv_args: tuple, shape=None) -> Optional[torch.Tensor]:
+    """A stand-in of ``shape`` (default ``x_hat``'s) that owns one element and selects the same input-gradient
+    kernel as ``x_hat`` (the whole rebuilt input, or its first chunk), or None."""
     if x_hat.device.type != "cpu" or not x_hat.is_contiguous() or x_hat.numel() < 2:
         return None
-    stand_in = x_hat.new_empty(1).expand(x_hat.shape)
+    stand_in = x_hat.new_empty(1).expand(x_hat.shape if shape is None else shape)
     stride, padding, dilation, transposed, output_padding, groups = conv_args
     select = torch._C._select_conv_backend
     try:
@@ -51,42 +95,89 @@ def _shape_only(x_hat: torch.Tensor, weight: torch.Tensor, conv_args: tuple) -> 
 
 
 def conv_grads(grad: torch.Tensor, rebuild: Rebuild, weight: torch.Tensor, stride, padding, dilation, groups,
-               has_bias: bool, need_input: bool = True
+               has_bias: bool, need_input: bool = True, chunks: int = 1
                ) -> Tuple[Optional[torch.Tensor], torch.Tensor, Optional[torch.Tensor]]:
     """(input, weight, bias) gradients of a conv whose input is rebuilt by ``rebuild``: the input gradient
-    needs the weight only (exact), the weight gradient uses the rebuilt input (approximate). Under autocast
-    the forward's conv ran in the gradient's dtype (bf16 input and weight copies); so does this."""
-    x_hat = _rebuilt(rebuild).to(grad.dtype)
+    needs the weight only (exact), the weight gradient uses the rebuilt input (approximate), over ``chunks``
+    ranges of the batch where ``rebuild`` is ``Rows``. Under autocast the forward's conv ran in the
+    gradient's dtype (bf16 input and weight copies); so does this."""
     weight = weight.to(grad.dtype)
-    dims = x_hat.dim() - 2
+    dims = grad.dim() - 2
     conv_args = (_tuple(stride, dims), _tuple(padding, dims), _tuple(dilation, dims), False, [0] * dims, groups)
     bias_sizes = [weight.shape[0]] if has_bias else None
-    stand_in = _shape_only(x_hat, weight, conv_args) if need_input else None
-    if need_input and stand_in is None:
-        return _BACKWARD(grad, x_hat, weight, bias_sizes, *conv_args, [True, True, has_bias])
-    _, grad_w, grad_b = _BACKWARD(grad, x_hat, weight, bias_sizes, *conv_args, [False, True, has_bias])
-    del x_hat  # before the input gradient exists
+    ranges = _ranges(rebuild, grad, chunks)
+    if ranges is not None:
+        first = rebuild.part(*ranges[0]).to(grad.dtype)
+        shape = (grad.shape[0], *first.shape[1:])
+        stand_in = _shape_only(first, weight, conv_args, shape) if need_input else None
+        if stand_in is not None or not need_input:
+            grad_w = None
+            with _mark(rebuild):
+                for a, b in ranges:
+                    part = first if grad_w is None else rebuild.part(a, b).to(grad.dtype)
+                    first = None
+                    w = _BACKWARD(grad[a:b], part, weight, None, *conv_args, [False, True, False])[1]
+                    del part
+                    grad_w = w if grad_w is None else grad_w.add_(w)
+            if not (need_input or has_bias):
+                return None, grad_w, None
+            grad_in, _, grad_b = _BACKWARD(grad, stand_in if need_input else grad.new_empty(1).expand(shape),
+                                           weight, bias_sizes, *conv_args, [need_input, False, has_bias])
+            return grad_in, grad_w, grad_b
+        del first
+    # off the CPU the conv below is one call (no stand-in), which chunks would not change: no mark there
+    with _mark(rebuild) if grad.device.type == "cpu" else nullcontext():
+        x_hat = _rebuilt(rebuild).to(grad.dtype)
+        stand_in = _shape_only(x_hat, weight, conv_args) if need_input else None
+        if need_input and stand_in is None:  # one call: chunks would not apply here
+            return _BACKWARD(grad, x_hat, weight, bias_sizes, *conv_args, [True, True, has_bias])
+        _, grad_w, grad_b = _BACKWARD(grad, x_hat, weight, bias_sizes, *conv_args, [False, True, has_bias])
+        del x_hat  # before the input gradient exists
     grad_in = _BACKWARD(grad, stand_in, weight, None, *conv_args, [True, False, False])[0] if need_input else None
     return grad_in, grad_w, grad_b
 
 
+def _weight_grad_rows(grad: torch.Tensor, rebuild: Rows, ranges, dtype, rows_of, out_shape) -> torch.Tensor:
+    """Σ over ``ranges`` of ``rows_of(grad part, rebuilt part)`` (a pair of 2-D matrices whose product is the
+    weight gradient's share), accumulated in place into one tensor of ``out_shape``."""
+    grad_w = None
+    with _mark(rebuild):
+        for a, b in ranges:
+            left, right = rows_of(grad[a:b], rebuild.part(a, b).to(dtype))
+            grad_w = left.matmul(right) if grad_w is None else grad_w.addmm_(left, right)
+    return grad_w.view(out_shape)
+
+
 def linear_grads(grad: torch.Tensor, rebuild: Rebuild, weight: torch.Tensor, has_bias: bool,
-                 need_input: bool = True) -> Tuple[Optional[torch.Tensor], torch.Tensor, Optional[torch.Tensor]]:
+                 need_input: bool = True, chunks: int = 1
+                 ) -> Tuple[Optional[torch.Tensor], torch.Tensor, Optional[torch.Tensor]]:
     """(input, weight, bias) gradients of ``F.linear`` with its input rebuilt by ``rebuild`` (see conv_grads)."""
-    x_hat = _rebuilt(rebuild).to(grad.dtype)
     weight = weight.to(grad.dtype)
-    grad_w = grad.reshape(-1, grad.shape[-1]).t().matmul(x_hat.reshape(-1, x_hat.shape[-1]))
-    del x_hat
+    ranges = _ranges(rebuild, grad, chunks)
+    if ranges is not None:
+        grad_w = _weight_grad_rows(grad, rebuild, ranges, grad.dtype, lambda g, x: (
+            g.reshape(-1, g.shape[-1]).t(), x.reshape(-1, x.shape[-1])), weight.shape)
+    else:
+        with _mark(rebuild):
+            x_hat = _rebuilt(rebuild).to(grad.dtype)
+            grad_w = grad.reshape(-1, grad.shape[-1]).t().matmul(x_hat.reshape(-1, x_hat.shape[-1]))
+            del x_hat
     grad_b = grad.reshape(-1, grad.shape[-1]).sum(0) if has_bias else None
     grad_in = grad.matmul(weight) if need_input else None
     return grad_in, grad_w, grad_b
 
 
-def matmul_grads(grad: torch.Tensor, rebuild: Rebuild, weight: torch.Tensor, need_input: bool = True
-                 ) -> Tuple[Optional[torch.Tensor], torch.Tensor]:
+def matmul_grads(grad: torch.Tensor, rebuild: Rebuild, weight: torch.Tensor, need_input: bool = True,
+                 chunks: int = 1) -> Tuple[Optional[torch.Tensor], torch.Tensor]:
     """(input, weight) gradients of ``x @ weight`` (a 2-D weight) with ``x`` rebuilt by ``rebuild``."""
-    x_hat = _rebuilt(rebuild).to(grad.dtype)
     weight = weight.to(grad.dtype)
-    grad_w = x_hat.reshape(-1, weight.shape[0]).t().matmul(grad.reshape(-1, weight.shape[1]))
-    del x_hat
+    ranges = _ranges(rebuild, grad, chunks)
+    if ranges is not None:
+        grad_w = _weight_grad_rows(grad, rebuild, ranges, grad.dtype, lambda g, x: (
+            x.reshape(-1, weight.shape[0]).t(), g.reshape(-1, weight.shape[1])), weight.shape)
+    else:
+        with _mark(rebuild):
+            x_hat = _rebuilt(rebuild).to(grad.dtype)
+            grad_w = x_hat.reshape(-1, weight.shape[0]).t().matmul(grad.reshape(-1, weight.shape[1]))
+            del x_hat
     return (grad.matmul(weight.t()) if need_input else None), grad_w

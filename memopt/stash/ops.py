@@ -52,7 +52,7 @@ from memopt.core.errors import MemoptError
 from memopt.core.leaf import graph_leaf
 from memopt.runtime import kernels, native, triton_stash
 from memopt.runtime.bitpack import pack_bits, unpack_bits
-from memopt.stash.grads import conv_grads, linear_grads
+from memopt.stash.grads import Rows, conv_grads, linear_grads
 from memopt.stash.bn import bn_backward as _bn_backward, gamma_invstd as _gamma_invstd
 from memopt.stash.pool import BNReLUMaxPoolStash
 from memopt.stash.identity import link_term, solve_rows, solved_weight_grad
@@ -310,40 +310,58 @@ class BNActStash(torch.autograd.Function):
 _CONVS = {3: F.conv1d, 4: F.conv2d, 5: F.conv3d}  # by the input's dimensions (batched)
 
 
+def _chain_rows(packed, mask_packed, affine, zero_code, bits: int, shape: torch.Size, act: str, act_params,
+                dtype: torch.dtype) -> Rows:
+    """A consumer's rebuild of the chain's output, whole or rows of its first dimension from their slice of the
+    codes (``grads.Rows``; the codes and the 1-bit mask are in the output's logical order, a row's codes must
+    end on a byte)."""
+    whole = lambda: _Stash.rebuild(packed, mask_packed, affine, zero_code, bits, shape, act, act_params).to(dtype)
+    m = shape[1:].numel()
+    if (m * bits) % 8 or (mask_packed.numel() and m % 8):
+        return Rows(whole, None)
+
+    def part(a: int, b: int) -> torch.Tensor:
+        mask = mask_packed[a * m // 8:b * m // 8] if mask_packed.numel() else mask_packed
+        return _Stash.rebuild(packed[a * m * bits // 8:b * m * bits // 8], mask, affine, zero_code, bits,
+                              torch.Size((b - a, *shape[1:])), act, act_params).to(dtype)
+    return Rows(whole, part)
+
+
 class ConvFromStash(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y, weight, bias, packed, mask_packed, affine, zero_code, bits, act, act_params, stride,
-                padding, dilation, groups):
+                padding, dilation, groups, chunks):
         # the conv the module (or the captured F.convNd / aten.convNd call) runs: same kernel, same output
         out = _CONVS[y.dim()](y, weight, bias, stride, padding, dilation, groups)
         ctx.save_for_backward(packed, mask_packed, affine, zero_code, weight)
-        ctx.meta = (y.shape, y.dtype, bits, act, act_params, stride, padding, dilation, groups, bias is not None)
+        ctx.meta = (y.shape, y.dtype, bits, act, act_params, stride, padding, dilation, groups, bias is not None,
+                    chunks)
         return out
 
     @staticmethod
     def backward(ctx, grad):
         packed, mask_packed, affine, zero_code, weight = ctx.saved_tensors
-        shape, dtype, bits, act, act_params, stride, padding, dilation, groups, has_bias = ctx.meta
-        y_hat = lambda: _Stash.rebuild(packed, mask_packed, affine, zero_code, bits, shape, act, act_params).to(dtype)
+        shape, dtype, bits, act, act_params, stride, padding, dilation, groups, has_bias, chunks = ctx.meta
+        y_hat = _chain_rows(packed, mask_packed, affine, zero_code, bits, shape, act, act_params, dtype)
         grad_in, grad_w, grad_b = conv_grads(grad, y_hat, weight, stride, padding, dilation, groups, has_bias,
-                                             ctx.needs_input_grad[0])
-        return grad_in, grad_w, grad_b, None, None, None, None, None, None, None, None, None, None, None
+                                             ctx.needs_input_grad[0], chunks)
+        return grad_in, grad_w, grad_b, None, None, None, None, None, None, None, None, None, None, None, None
 
 
 class LinearFromStash(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, y, weight, bias, packed, mask_packed, affine, zero_code, bits, act, act_params):
+    def forward(ctx, y, weight, bias, packed, mask_packed, affine, zero_code, bits, act, act_params, chunks):
         ctx.save_for_backward(packed, mask_packed, affine, zero_code, weight)
-        ctx.meta = (y.shape, y.dtype, bits, act, act_params, bias is not None)
+        ctx.meta = (y.shape, y.dtype, bits, act, act_params, bias is not None, chunks)
         return F.linear(y, weight, bias)
 
     @staticmethod
     def backward(ctx, grad):
         packed, mask_packed, affine, zero_code, weight = ctx.saved_tensors
-        shape, dtype, bits, act, act_params, has_bias = ctx.meta
-        y_hat = lambda: _Stash.rebuild(packed, mask_packed, affine, zero_code, bits, shape, act, act_params).to(dtype)
-        grads = linear_grads(grad, y_hat, weight, has_bias, ctx.needs_input_grad[0])
-        return (*grads, None, None, None, None, None, None, None)
+        shape, dtype, bits, act, act_params, has_bias, chunks = ctx.meta
+        y_hat = _chain_rows(packed, mask_packed, affine, zero_code, bits, shape, act, act_params, dtype)
+        grads = linear_grads(grad, y_hat, weight, has_bias, ctx.needs_input_grad[0], chunks)
+        return (*grads, None, None, None, None, None, None, None, None)
 
 
 class ChainSpec(NamedTuple):
@@ -410,11 +428,14 @@ def bn_act_stash(x, weight, bias, running_mean, running_var, num_batches_tracked
 
 @graph_leaf
 def conv_from_stash(y, weight, bias, packed, mask_packed, affine, zero_code, bits, act, act_params, stride, padding,
-                    dilation, groups):
+                    dilation, groups, chunks: int = 1):
+    """The conv of the chain's output ``y``, its weight gradient from the codes over ``chunks`` batch ranges."""
     return ConvFromStash.apply(y, weight, bias, packed, mask_packed, affine, zero_code, bits, act, act_params,
-                               stride, padding, dilation, groups)
+                               stride, padding, dilation, groups, chunks)
 
 
 @graph_leaf
-def linear_from_stash(y, weight, bias, packed, mask_packed, affine, zero_code, bits, act, act_params):
-    return LinearFromStash.apply(y, weight, bias, packed, mask_packed, affine, zero_code, bits, act, act_params)
+def linear_from_stash(y, weight, bias, packed, mask_packed, affine, zero_code, bits, act, act_params, chunks: int = 1):
+    """``F.linear`` of the chain's output ``y``, its weight gradient from the codes over ``chunks`` row ranges."""
+    return LinearFromStash.apply(y, weight, bias, packed, mask_packed, affine, zero_code, bits, act, act_params,
+                                 chunks)

@@ -62,7 +62,7 @@ class _RecomputedWeightOp(torch.autograd.Function):
             ctx.save_for_backward(x, *leaves)
         else:
             ctx.save_for_backward(packed, params, *leaves)
-            _keep(ctx, x, spec.bits, spec.group, spec.node)
+            _keep(ctx, x, spec.bits, spec.group, spec.node, 1)
         return own_output(_forward(spec, x, weight, bias))
 
     @staticmethod
@@ -74,7 +74,7 @@ class _RecomputedWeightOp(torch.autograd.Function):
                               f"recompute_weights=False) to take second derivatives")
         saved = ctx.saved_tensors
         leaves = saved[-ctx.n_leaves:] if ctx.n_leaves else ()
-        x = saved[0] if spec.bits is None else (lambda: _rebuild(ctx, saved[0], saved[1]))
+        x = saved[0] if spec.bits is None else _rebuild(ctx, saved[0], saved[1])
         with torch.enable_grad(), replayed_autocast(ctx.autocast):
             inputs = [leaf.detach().requires_grad_(leaf.requires_grad) for leaf in leaves]
             weight = ctx.recipe(*inputs)
