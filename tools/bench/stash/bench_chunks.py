@@ -26,7 +26,8 @@ from tabulate import tabulate
 import memopt
 from memopt.core.units import fmt_bytes
 from memopt.cost_model.analysis import annotate
-from memopt.passes.stash_chunks import chunks_of, set_chunks
+from memopt.passes.stash_chunks import set_chunks
+from memopt.plan import PartialPlan
 from tools.bench.capture.zoo import TIMM_MODELS, build_timm, build_torchvision, hf_models, torchvision_names
 from tools.bench.common import RESULTS, write_results
 
@@ -59,7 +60,7 @@ def _row(model, inputs, precision, device):
     with cast:
         om = memopt.optimize(model, example_inputs=inputs, optimizer="sgd",
                              config=memopt.Config(fidelity=None, device=device))
-        if len(getattr(om, "units", [None])) > 1 or not hasattr(om.plan, "weight_grad_chunks"):
+        if isinstance(om.plan, PartialPlan):  # one graph per submodule: not estimated here
             return None
         gm = om.graph_module
         chosen, peak = om.plan.weight_grad_chunks, om.plan.estimated_peak_bytes
@@ -93,8 +94,8 @@ def main() -> None:
                              "", "", "", ""])
                 continue
             if found is None:
-                rows.append([family, name, f"{precision} {device}", "per submodule (not estimated here)", "", "",
-                             "", ""])
+                rows.append([family, name, f"{precision} {device}", "captured per submodule (not estimated here)",
+                             "", "", "", ""])
                 continue
             whole, inside, chosen, peak = found
             c = counts[(precision, device)]
@@ -102,6 +103,10 @@ def main() -> None:
             rows.append([family, name, f"{precision} {device}", fmt_bytes(whole), "yes" if inside else "no", chosen,
                          fmt_bytes(peak), f"{100 * (whole - peak) / whole:.1f}%"])
         print(f"{name}: {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
+        _write(a, rows, counts)  # after every model: a sweep stopped early keeps what it measured
+
+
+def _write(a, rows, counts) -> None:
     summary = [[f"{p} {d}", *counts[(p, d)]] for p, d in SETTINGS]
     body = ("## Summary\n\n" + tabulate(summary, headers=["setting", "models estimated", "peak inside a weight "
                                                               "gradient", "chunked"], tablefmt="github")
