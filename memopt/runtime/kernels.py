@@ -13,9 +13,10 @@
   ``memopt.stash.ops``), the BN backward from the x̂ code (``memopt.stash.bn``), max-pool window offsets
   (``memopt.stash.pool``), dropout / ``where`` 1-bit masks and the generic stash's groups (``memopt.stash.generic``),
   the consumers' rebuild of act(z) and the chain's activation mask in backward (``memopt.stash.ops``,
-  ``memopt.stash.grid.exact_mask``), a residual chain's side ends (``memopt.stash.grid._ends``). These take
-  precedence over the C kernels; the rest of the stash (the channels' extremes, the activation's backward before
-  the BN backward) runs the C kernels on CPU and plain PyTorch on CUDA;
+  ``memopt.stash.grid.exact_mask``), a residual chain's side ends (``memopt.stash.grid._ends``), and the
+  activation's backward inside the BN backward where g is not needed at full size (``memopt.stash.ops``). These
+  take precedence over the C kernels; the rest of the stash (the channels' extremes, the activation's backward
+  of the chains that keep g) runs the C kernels on CPU and plain PyTorch on CUDA;
 - ``native``: no Triton; the C kernels where they apply (as before Triton existed);
 - ``torch``: plain PyTorch everywhere, the C kernels too left out (the reference path; ``MEMOPT_NATIVE=0`` still
   skips only the C kernels).

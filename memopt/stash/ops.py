@@ -50,7 +50,7 @@ import torch.nn.functional as F
 
 from memopt.core.errors import MemoptError
 from memopt.core.leaf import graph_leaf
-from memopt.runtime import kernels, native, triton_stash
+from memopt.runtime import kernels, native, triton_bn, triton_stash
 from memopt.runtime.bitpack import pack_bits, unpack_bits
 from memopt.stash.grads import Rows, conv_grads, linear_grads
 from memopt.stash.bn import bn_backward as _bn_backward, gamma_invstd as _gamma_invstd
@@ -260,8 +260,15 @@ class BNActStash(torch.autograd.Function):
         # the fused kernels read the mask as its 1-bit stream; g is then a new tensor of ours (the downsample BN's
         # input gradient may overwrite it below)
         fresh_g = ctx.act != "identity" and native.applies(grad_y, y_codes) and dtype == torch.float32
+        keep_g = ctx.has_residual or ctx.second is not None  # g is the residual's gradient / the second BN's input
+        # Triton: the activation's and the BN's backward in two launches that read grad_y, the mask (its 1-bit copy
+        # as it is) and the x̂ code: no full-size g, no float32 copy of a bf16 grad_y
+        fused = not (fresh_g or keep_g or ctx.link_groups) and kernels.stash_triton(
+            grad_y, "BatchNorm + activation backward")
         if ctx.act == "identity":
             mask = None
+        elif fused and mask_packed.numel():
+            mask = native.PackedMask(mask_packed)
         else:
             mask = exact_mask(mask_packed, y_codes, zero_code, ctx.bits, shape, as_bits=fresh_g)
         split = split_by_mask(ctx.act, ctx.has_residual or ctx.second is not None)
@@ -276,8 +283,13 @@ class BNActStash(torch.autograd.Function):
             grad_x, sum_gx, g, sum_g = native.bn_backward(
                 x_codes, ctx.bits, shape, book, mask, xstd, _gamma_invstd(weight, invstd), grad=grad_y,
                 act=ctx.act, slope=ctx.act_params[0] if ctx.act == "leaky_relu" else 0.0, solve=rows,
-                top=6.0 if ctx.act == "relu6" else 0.0, keep_g=ctx.has_residual or ctx.second is not None)
+                top=6.0 if ctx.act == "relu6" else 0.0, keep_g=keep_g)
             grad_z = g
+        elif fused:
+            grad_x, sum_gx, sum_g = triton_bn.bn_backward(
+                grad_y, None, x_codes, ctx.bits, shape, book, mask, xstd, _gamma_invstd(weight, invstd),
+                act=ctx.act, slope=ctx.act_params[0] if ctx.act == "leaky_relu" else 0.0)
+            grad_z = None
         else:
             grad_z = _act_backward(grad_y, mask, ctx.act, ctx.act_params)
             g = grad_z.float()

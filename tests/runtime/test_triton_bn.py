@@ -110,3 +110,59 @@ def test_two_launches_and_errors_that_name_the_fix(interpret, monkeypatch):
     with pytest.raises(ValueError, match=r"a code book for 4-bit codes has 16 entries per side, got 8 \(shape "
                                          r"\(3, 1, 8\)\); pass the book code_book made for 4 bits"):
         triton_bn.bn_backward(*args, torch.randn(3, 1, 8), None, case["xstd"], scale)
+
+
+def _act_case(shape, act, dtype, grid_kind="rows4", packed=False):
+    case, codes = _case(shape, 4, grid_kind)
+    torch.manual_seed(1)
+    mask = torch.rand(shape) > 0.5
+    grad_y = (torch.randn(shape) * 3).to(dtype)
+    if act in ("relu", "relu6"):  # where a ReLU drops them: 0, as its backward gives
+        grad_y.view(-1)[:3] = torch.tensor([float("nan"), float("inf"), -0.0]).to(dtype)
+        mask.view(-1)[:2] = False
+    case["mask"] = mask
+    slope = 0.01 if act == "leaky_relu" else 0.0
+    g = G._act_backward(grad_y, mask if act != "identity" else None, act, (slope,)).float()
+    want = dict(case, g=g, sum_g=g.sum([d for d in range(len(shape)) if d != 1]))
+    given = native.PackedMask(pack_bits(mask, 1)) if packed else mask
+    return case, codes, grad_y, given, slope, want
+
+
+@requires_triton
+@pytest.mark.parametrize("act", ["relu", "relu6", "leaky_relu", "identity"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_activation_backward_applied_as_g_is_read(interpret, act, dtype):
+    """act=...: g is never written; grad_x, sum g x̂ and sum g as the plain path's activation backward, its
+    float32 copy and the BN backward give them, to float32 rounding (sums in another order)."""
+    for shape, grid_kind, packed in [((4, 3, 9, 7), "rows4", False), ((37, 5), "book2", True),
+                                     ((3, 2, 4, 5, 3), "rows2", False)]:
+        case, codes, grad_y, mask, slope, want = _act_case(shape, act, dtype, grid_kind, packed)
+        if act == "identity" and grid_kind != "rows2" and grid_kind != "book1":
+            continue  # a chain without an activation has no split code
+        with kernels.forced("torch"), native.disabled():
+            plain_x, plain_w = bn.bn_backward(**want)
+        scale = bn.gamma_invstd(case["weight"], case["invstd"])
+        with kernels.forced("triton"), native.disabled():
+            grad_x, sum_gx, sum_g = triton_bn.bn_backward(
+                grad_y, None, case["x_codes"], 4, case["shape"], case["grid"], mask if act != "identity" else None,
+                case["xstd"], scale, act=act, slope=slope)
+        assert torch.allclose(sum_g, want["sum_g"], rtol=1e-5, atol=1e-5 * want["g"].abs().max().item())
+        for got, ref in ((grad_x, plain_x), (sum_gx, plain_w)):
+            assert got.dtype == torch.float32 and torch.isfinite(got).all()
+            assert torch.allclose(got, ref, rtol=1e-5, atol=2e-5 * ref.abs().max().item()), (act, dtype, shape)
+
+
+@requires_triton
+def test_the_fused_activation_backward_errors_name_the_fix(interpret):
+    case, _, grad_y, mask, _, _ = _act_case((4, 3, 9, 7), "relu", torch.float32)
+    args = (case["x_codes"], 4, case["shape"], case["grid"])
+    scale = case["weight"] * case["invstd"]
+    with pytest.raises(ValueError, match=r"applies the backward of \['identity', 'leaky_relu', 'relu', 'relu6'\], "
+                                         r"got act='gelu'"):
+        triton_bn.bn_backward(grad_y, None, *args, mask, case["xstd"], scale, act="gelu")
+    with pytest.raises(ValueError, match=r"takes sum_g exactly when act is None .* got act='relu' and sum_g given"):
+        triton_bn.bn_backward(grad_y, case["sum_g"], *args, mask, case["xstd"], scale, act="relu")
+    with pytest.raises(ValueError, match=r"a split x̂ code \(four rows\) needs the mask"):
+        triton_bn.bn_backward(grad_y, None, *args, None, case["xstd"], scale, act="relu")
+    with pytest.raises(ValueError, match=r"the relu backward needs the mask"):
+        triton_bn.bn_backward(grad_y, None, *args[:3], case["grid"][:2], None, case["xstd"], scale, act="relu")

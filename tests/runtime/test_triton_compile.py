@@ -102,8 +102,16 @@ def test_every_kernel_a_training_step_launches_compiles_for_a_gpu(monkeypatch):
     for fn, args, meta in seen:
         signature, constexprs = _signature(fn, args, meta)
         # one compile per kernel and choice of its branches (its boolean constexprs); widths and block sizes aside
-        key = (fn.__name__, tuple(sorted((k, v) for k, v in constexprs.items() if isinstance(v, bool))))
+        key = (fn.__name__, tuple(sorted((k, v) for k, v in constexprs.items() if isinstance(v, bool) or k == "ACT")))
         variants.setdefault(key, (fn, signature, constexprs, meta.get("enable_fp_fusion", True)))
+    assert {key[0] for key in variants if ("ACT", 0) in key[1]} >= {"_bn_sums", "_bn_grad"}  # residual chains
+    assert {key[0] for key in variants if ("ACT", 1) in key[1]} >= {"_bn_sums", "_bn_grad"}  # ReLU read from g
+    for key in [k for k in variants if k[0] in ("_bn_sums", "_bn_grad") and ("ACT", 1) in k[1]]:
+        # autocast's bf16 / fp16 gradient and LeakyReLU's slope rounded in it (the by-hand bf16 rounding)
+        fn, signature, constexprs, fusion = variants[key]
+        for dtype in ("*bf16", "*fp16"):
+            variants[(key[0], key[1] + (("ACT", 2), ("g", dtype)))] = (
+                fn, dict(signature, g_ptr=dtype), dict(constexprs, ACT=2), fusion)
     failures = []
     print(f"{len(variants)} kernel variants from {len(seen)} launches")
     for (name, _), (fn, signature, constexprs, fusion) in variants.items():
