@@ -259,7 +259,10 @@ class BNActStash(torch.autograd.Function):
         dtype = grad_y.dtype
         # the fused kernels read the mask as its 1-bit stream; g is then a new tensor of ours (the downsample BN's
         # input gradient may overwrite it below)
-        fresh_g = ctx.act != "identity" and native.applies(grad_y, y_codes) and dtype == torch.float32
+        # (a bf16 / fp16 grad_y of autocast: its float32 copy goes in, where g = grad_y * mask gives the values the
+        # plain path's bf16 where then .float() gives; LeakyReLU's slope product would round differently)
+        fresh_g = ctx.act != "identity" and native.applies(grad_y, y_codes) and (dtype == torch.float32 or (
+            dtype in (torch.bfloat16, torch.float16) and ctx.act in ("relu", "relu6")))
         keep_g = ctx.has_residual or ctx.second is not None  # g is the residual's gradient / the second BN's input
         # Triton: the activation's and the BN's backward in two launches that read grad_y, the mask (its 1-bit copy
         # as it is) and the x̂ code: no full-size g, no float32 copy of a bf16 grad_y
@@ -281,7 +284,7 @@ class BNActStash(torch.autograd.Function):
             # g itself is needed only as the residual's gradient and by the downsample BN: else it is never
             # written at full size
             grad_x, sum_gx, g, sum_g = native.bn_backward(
-                x_codes, ctx.bits, shape, book, mask, xstd, _gamma_invstd(weight, invstd), grad=grad_y,
+                x_codes, ctx.bits, shape, book, mask, xstd, _gamma_invstd(weight, invstd), grad=grad_y.float(),
                 act=ctx.act, slope=ctx.act_params[0] if ctx.act == "leaky_relu" else 0.0, solve=rows,
                 top=6.0 if ctx.act == "relu6" else 0.0, keep_g=keep_g)
             grad_z = g
@@ -311,7 +314,7 @@ class BNActStash(torch.autograd.Function):
         del mask
         grad_w = sum_gx if ctx.has_weight else None
         grad_b = sum_g if ctx.has_bias else None
-        grad_r = grad_z if ctx.has_residual else None  # the residual input's
+        grad_r = grad_z.to(dtype) if ctx.has_residual else None  # the residual input's
         grad_link = link_term(weight, invstd, sum_gx, ctx.eps, ctx.link_in) if ctx.link_in else None
         return (grad_x.to(dtype), None if grad_w is None else grad_w.to(weight.dtype),
                 None if grad_b is None else grad_b.to(weight.dtype if weight is not None else dtype),
