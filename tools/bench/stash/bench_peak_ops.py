@@ -1,0 +1,88 @@
+"""python -m tools.bench.stash.bench_peak_ops [--model resnet50] [--batch 8] [--size 224] [--bf16] [--out PATH]
+
+What is alive at the peak of one training step, measured: stock against memopt's default plan (the fidelity gate
+off), with the storages alive at each one's peak, largest first, and the op and memopt source line that made each.
+
+One forward and backward of a torchvision model (random weights; SGD's step adds nothing here: no state) under
+the storage tracker ``memopt.measure`` uses (``LiveStorageTracker``: every storage an op creates, weakly
+referenced until it dies); parameters, buffers and the input are preexisting and not counted. With ``--bf16`` the
+planning and the step run under CPU bf16 autocast. Sources are the last two frames inside memopt (file:line), empty
+for autograd's own allocations (gradient accumulation). Peaks in MiB.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import traceback
+
+import torch
+import torchvision
+from tabulate import tabulate
+
+import memopt
+from memopt.cost_model.storage import LiveStorageTracker
+from tools.bench.common import RESULTS, write_results
+
+
+class _Who(LiveStorageTracker):
+    """The tracker, remembering which op (and memopt line) made each storage, and the set alive at the peak."""
+
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self.made, self.snapshot = {}, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        before = set(self._live)
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        for key in set(self._live) - before:
+            where = [f"{f.filename.split('/')[-1]}:{f.lineno}" for f in traceback.extract_stack()
+                     if "/memopt/" in f.filename or "/passes/" in f.filename][-2:]
+            self.made[key] = (str(func).replace("aten.", ""), self.phase, " < ".join(reversed(where)))
+        if self.current == self.peak and self.at_peak and len(self.at_peak) == len(self._live):
+            self.snapshot = [(entry[1], self.made.get(key)) for key, entry in self._live.items()]
+        return out
+
+
+def _peak(module, x, cast, params):
+    tracker = _Who(preexisting=params + [x])
+    with tracker, cast():
+        tracker.phase = "forward"
+        loss = module(x).float().logsumexp(1).mean()
+        tracker.phase = "backward"
+        loss.backward()
+    for p in params:
+        p.grad = None
+    return tracker.peak, sorted(tracker.snapshot, key=lambda e: -e[0])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[1])
+    parser.add_argument("--model", default="resnet50")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--size", type=int, default=224)
+    parser.add_argument("--bf16", action="store_true")
+    parser.add_argument("--top", type=int, default=10)
+    parser.add_argument("--out", default="")
+    a = parser.parse_args()
+    torch.manual_seed(0)
+    model = getattr(torchvision.models, a.model)()
+    x = torch.randn(a.batch, 3, a.size, a.size)
+    cast = (lambda: torch.autocast("cpu", torch.bfloat16)) if a.bf16 else contextlib.nullcontext
+    with cast():
+        om = memopt.optimize(model, example_inputs=x, optimizer="sgd", config=memopt.Config(fidelity=None))
+    params = list(model.parameters()) + list(model.buffers())
+    body = []
+    for name, module in (("stock", model), ("memopt", om)):
+        peak, alive = _peak(module, x, cast, params)
+        rows = [[f"{nbytes / 2 ** 20:.2f}", *(who or ("?", "", ""))] for nbytes, who in alive[:a.top]]
+        body.append(f"## {name}: peak {peak / 2 ** 20:.1f} MiB\n\n" + tabulate(
+            rows, headers=["MiB", "made by", "phase", "memopt source"], tablefmt="github"))
+    command = (f"python -m tools.bench.stash.bench_peak_ops --model {a.model} --batch {a.batch} --size {a.size}"
+               + (" --bf16" if a.bf16 else ""))
+    out = a.out or str(RESULTS / "stash" / f"peak_ops_{a.model}_{'bf16' if a.bf16 else 'fp32'}.md")
+    write_results(out, f"What is alive at the peak: {a.model}, batch {a.batch}, {a.size}x{a.size}"
+                  + (", bf16 autocast" if a.bf16 else ""), command, __doc__, "\n\n".join(body))
+
+
+if __name__ == "__main__":
+    main()
