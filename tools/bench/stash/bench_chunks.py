@@ -5,13 +5,14 @@ rebuilt input, and what do chunks take off it?
 
 Per model (random weights; torchvision and timm at batch 8 and their smallest accepted image size from 64 up, the
 Hugging Face tiny configs of ``tools/bench/capture/zoo.py`` at their batch of 2), in float32 and under CPU bf16
-autocast, planned for the CPU (the fused C kernels) and for CUDA (estimated on fake CUDA tensors without a GPU:
-the plain-PyTorch codecs, the CUDA default), the default plan (``memopt.optimize``, every technique at its
-defaults, the fidelity gate off: it does not change where chunks apply) is estimated twice with the cost model's
-step: with every consumer in one piece (``set_chunks(gm, 1)``), and as ``optimize`` left it (chunks where
-``chunk_to_fit`` found the peak inside a weight gradient and chunks lowered it). Columns: the one-piece peak,
-whether it falls inside a weight gradient, the chunks chosen, and the peak with them. Estimates only (the tests
-hold estimate = measurement for chunked plans).
+autocast, with the fused C kernels (``native``: the CPU default) and with plain PyTorch everywhere
+(``MEMOPT_KERNELS=torch``: the codecs CUDA runs by default; on this GPU-less machine the cost model simulates a
+CUDA step with CPU kernels anyway, so this is how the CUDA default's temporaries are seen here), the default plan
+(``memopt.optimize``, every technique at its defaults, the fidelity gate off: it does not change where chunks
+apply) is estimated twice with the cost model's step: with every consumer in one piece (``set_chunks(gm, 1)``),
+and as ``optimize`` left it (chunks where ``chunk_to_fit`` found the peak inside a weight gradient and chunks
+lowered it). Columns: the one-piece peak, whether it falls inside a weight gradient, the chunks chosen, and the
+peak with them. Estimates only (the tests hold estimate = measurement for chunked plans).
 """
 from __future__ import annotations
 
@@ -28,11 +29,12 @@ from memopt.core.units import fmt_bytes
 from memopt.cost_model.analysis import annotate
 from memopt.passes.stash_chunks import set_chunks
 from memopt.plan import PartialPlan
+from memopt.runtime import kernels
 from tools.bench.capture.zoo import TIMM_MODELS, build_timm, build_torchvision, hf_models, torchvision_names
 from tools.bench.common import RESULTS, write_results
 
 BATCH = 8
-SETTINGS = [("float32", "cpu"), ("bf16", "cpu"), ("float32", "cuda"), ("bf16", "cuda")]
+SETTINGS = [("float32", "native"), ("bf16", "native"), ("float32", "torch"), ("bf16", "torch")]
 
 
 def _models(only, names):
@@ -54,18 +56,17 @@ def _image(model, size):
     return model, torch.randn(BATCH, 3, size, size)
 
 
-def _row(model, inputs, precision, device):
+def _row(model, inputs, precision, codecs):
     args, kwargs = ((), inputs) if isinstance(inputs, dict) else ((inputs,), {})
     cast = torch.autocast("cpu", torch.bfloat16) if precision == "bf16" else contextlib.nullcontext()
-    with cast:
-        om = memopt.optimize(model, example_inputs=inputs, optimizer="sgd",
-                             config=memopt.Config(fidelity=None, device=device))
+    with cast, kernels.forced(None if codecs == "native" else codecs):
+        om = memopt.optimize(model, example_inputs=inputs, optimizer="sgd", config=memopt.Config(fidelity=None))
         if isinstance(om.plan, PartialPlan):  # one graph per submodule: not estimated here
             return None
         gm = om.graph_module
         chosen, peak = om.plan.weight_grad_chunks, om.plan.estimated_peak_bytes
         set_chunks(gm, 1)
-        whole = annotate(gm, args, kwargs, device=device, optimizer="sgd")
+        whole = annotate(gm, args, kwargs, optimizer="sgd")
         set_chunks(gm, chosen)
     return whole.peak_bytes, bool(whole.breakdown.get("peak_in_weight_grad")), chosen, peak
 
@@ -86,21 +87,21 @@ def main() -> None:
         except Exception as e:  # a model that does not build here is listed, not fatal
             rows.append([family, name, "-", f"not built: {type(e).__name__}", "", "", "", ""])
             continue
-        for precision, device in SETTINGS:
+        for precision, codecs in SETTINGS:
             try:
-                found = _row(model, inputs, precision, device)
+                found = _row(model, inputs, precision, codecs)
             except Exception as e:
-                rows.append([family, name, f"{precision} {device}", f"failed: {type(e).__name__}: {str(e)[:60]}",
+                rows.append([family, name, f"{precision} {codecs}", f"failed: {type(e).__name__}: {str(e)[:60]}",
                              "", "", "", ""])
                 continue
             if found is None:
-                rows.append([family, name, f"{precision} {device}", "captured per submodule (not estimated here)",
+                rows.append([family, name, f"{precision} {codecs}", "captured per submodule (not estimated here)",
                              "", "", "", ""])
                 continue
             whole, inside, chosen, peak = found
-            c = counts[(precision, device)]
+            c = counts[(precision, codecs)]
             c[0], c[1], c[2] = c[0] + 1, c[1] + inside, c[2] + (chosen > 1)
-            rows.append([family, name, f"{precision} {device}", fmt_bytes(whole), "yes" if inside else "no", chosen,
+            rows.append([family, name, f"{precision} {codecs}", fmt_bytes(whole), "yes" if inside else "no", chosen,
                          fmt_bytes(peak), f"{100 * (whole - peak) / whole:.1f}%"])
         print(f"{name}: {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
         _write(a, rows, counts)  # after every model: a sweep stopped early keeps what it measured
