@@ -6,10 +6,9 @@ import copy
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 import memopt
+from memopt.testing.allocations import Allocations
 from memopt.cost_model.storage import LiveStorageTracker
 from memopt.runtime import kernels, native, triton_fewbit, triton_stash, triton_stash_extras as extras
 from memopt.stash import generic, grid as G
@@ -84,23 +83,6 @@ def test_a_bf16_autocast_step_reads_the_bf16_gradient_as_the_plain_path(interpre
         assert cos > 0.999, (name, cos)
 
 
-class _FullSize(TorchDispatchMode):
-    """The ATen ops that allocate a tensor of ``numel`` elements (a full-size temporary of the chain); views and
-    in-place ops (an expanded ones, autograd's detach, the interpreter's set_) allocate nothing."""
-
-    def __init__(self, numel):
-        super().__init__()
-        self.numel, self.made = numel, []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        given = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
-        if any(isinstance(t, torch.Tensor) and t.numel() == self.numel and t.untyped_storage().data_ptr() not in given
-               for t in tree_flatten(out)[0]):
-            self.made.append(func.__name__)
-        return out
-
-
 @requires_triton
 def test_launches_per_stash_node_are_few_and_fixed(interpret, monkeypatch):
     launches = []
@@ -124,11 +106,11 @@ def test_launches_per_stash_node_are_few_and_fixed(interpret, monkeypatch):
             y = bn_act_stash(leaf, *args, None, spec)[0]
             assert launches == forward, spec
             launches.clear()
-            with _FullSize(x.numel()) as full:
+            with Allocations(x.numel()) as full:
                 y.sum().backward()
             assert launches == backward, spec
             if spec.pool is None:  # the ReLU's and the BN's backward read grad_y as it is: no full-size temporary
-                assert full.made == ["empty.memory_format"], full.made  # grad_x, which the second launch writes
+                assert [name for name, _ in full.made] == ["empty.memory_format"], full.made  # grad_x, which the second launch writes
         launches.clear()
         packed, params = generic.generic_encode(x, 4, 256, False)
         generic.group_dequantize(packed, params, 4, 256, x)

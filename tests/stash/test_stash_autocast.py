@@ -3,27 +3,10 @@ output gradient (ReLU / ReLU6: the same g as the plain path's bf16 where then .f
 beside it; gradients as the plain path's to float32 rounding."""
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from memopt.runtime import kernels, native
 from memopt.stash.ops import ChainSpec, bn_act_stash
-
-
-class _Allocations(TorchDispatchMode):
-    """The ATen ops that allocate a new tensor of ``numel`` elements (views and in-place ops allocate none)."""
-
-    def __init__(self, numel):
-        super().__init__()
-        self.numel, self.made = numel, []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        given = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and t.numel() == self.numel and t.untyped_storage().data_ptr() not in given:
-                self.made.append((func.__name__, t.dtype))
-        return out
+from memopt.testing.allocations import Allocations
 
 
 def _step(dtype, act, residual):
@@ -35,7 +18,7 @@ def _step(dtype, act, residual):
     y = bn_act_stash(x, weight, bias, torch.zeros(c), torch.ones(c), torch.tensor(0), r,
                      ChainSpec(act, 4, residual=residual))[0]
     grad = torch.randn(y.shape).to(dtype)
-    with _Allocations(x.numel()) as seen:
+    with Allocations(x.numel()) as seen:
         y.backward(grad)
     return [t.grad for t in (x, weight, bias, r) if t is not None], seen.made
 
