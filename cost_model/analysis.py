@@ -30,7 +30,7 @@ from memopt.cost_model.storage import LiveStorageTracker, SavedTensorRecorder, d
 from memopt.core.errors import MemoptError
 from memopt.core.meta import META_KEY, STATE_CATEGORIES
 
-from memopt.capture import flat_inputs, structured_output
+from memopt.capture.trace import flat_inputs, structured_output
 
 
 

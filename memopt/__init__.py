@@ -10,10 +10,10 @@ from memopt.fewbit.tables import fewbit_table
 from memopt.recompute.config import RecomputeConfig
 from memopt.reversible.config import ReversibleConfig
 from memopt.stash.config import StashConfig
-from memopt.plan import NodePlan, Plan
-from memopt.optimized import OptimizedModule
+from memopt.record.plan import NodePlan, Plan
+from memopt.builder.optimized import OptimizedModule
 from memopt.api import EstimateReport, estimate, load, optimize
-from memopt.measure import Measurement, measure
+from memopt.record.measure import Measurement, measure
 
 __version__ = "0.1.0"
 

@@ -12,18 +12,18 @@ from torch._dynamo.eval_frame import OptimizedModule as CompiledModule
 
 from memopt.cost_model.analysis import Estimate, NodeCost, annotate
 from memopt.cost_model.optimizers import resolve_optimizer
-from memopt.capture import capture, check_inputs
+from memopt.capture.trace import capture, check_inputs
 from memopt.core.inputs import normalize_inputs
 from memopt.config import Config
 from memopt.core.errors import MemoptError, TraceError
-from memopt.export import GRAPH_HEADER, graph_code
-from memopt.optimized import OptimizedModule
-from memopt.pipeline import validate_budget
-from memopt.plan import Plan
-from memopt.report import render
-from memopt.pipeline import input_signature
-from memopt.plan import node_plans
-from memopt.partial import estimate_partial
+from memopt.record.export import GRAPH_HEADER, graph_code
+from memopt.builder.optimized import OptimizedModule
+from memopt.builder.pipeline import validate_budget
+from memopt.record.plan import Plan
+from memopt.record.report import render
+from memopt.builder.pipeline import input_signature
+from memopt.record.plan import node_plans
+from memopt.builder.per_submodule import estimate_partial
 
 log = logging.getLogger("memopt")
 
@@ -108,7 +108,7 @@ def optimize(model: nn.Module, budget_mb: Optional[float] = None, *, example_inp
             for inputs of the plan's signature; other signatures are planned anew (logged). Give
             either ``plan`` or ``budget_mb``/``config``, not both.
 
-    With a budget below the baseline peak the planner (``passes/planner.py``) picks, per stash
+    With a budget below the baseline peak the planner (``passes/planning/planner.py``) picks, per stash
     chain and activation, exact or a technique at one of its ``plan_bits``: the choice that frees
     enough saved bytes for the least gradient-fidelity cost (time breaks ties), checked against
     the full cost model.
@@ -159,7 +159,7 @@ def estimate(model: nn.Module, example_inputs: Any, *, device: Optional[str] = N
         captured = capture(model, args, kwargs)
         est: Estimate = annotate(captured.graph_module, args, kwargs, device=config.device,
                                  optimizer=optimizer, loss_fn=loss_fn)
-    except TraceError as whole:  # per-submodule capture (memopt/partial.py)
+    except TraceError as whole:  # per-submodule capture (memopt/builder/per_submodule.py)
         saved, peak, nodes, plan = estimate_partial(model, args, kwargs, device, optimizer, loss_fn, whole)
         return EstimateReport(saved, peak, nodes, {}, plan)
     finally:

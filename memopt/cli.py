@@ -144,7 +144,7 @@ def _bench(args: argparse.Namespace) -> int:
     stock, ours = memopt.measure(model, inputs, optimizer=args.optimizer), memopt.measure(om, inputs,
                                                                                           optimizer=args.optimizer)
 
-    from memopt.timing import step_time_ratio
+    from memopt.record.timing import step_time_ratio
 
     ratio, _ = step_time_ratio(om, model, inputs, repeats=args.steps)
     print(f"{args.model}: one training step ({args.optimizer or 'no optimizer'}), measured on {ours.device}")

@@ -20,7 +20,7 @@ from memopt.stash.config import StashConfig
 from memopt.techniques import TECHNIQUES
 
 _DEVICES = ("cpu", "cuda", "meta")
-# Config.prefer's named exchange rates (memopt.passes.knapsack.POLICIES holds what each one means to the planner)
+# Config.prefer's named exchange rates (memopt.passes.planning.knapsack.POLICIES holds what each one means to the planner)
 PREFER = ("balanced", "fidelity", "speed", "memory")
 SHAPE_CHECKS = ("range", "every")
 # the layout of Config.to_dict(); 1: dicts written before the key existed (same layout)
@@ -29,7 +29,7 @@ CONFIG_SCHEMA_VERSION = 1
 
 @dataclass(frozen=True, kw_only=True)
 class FidelityConfig:
-    """The fidelity gate (``memopt/fidelity.py``): after a plan without a budget is applied, one exact and one
+    """The fidelity gate (``memopt/fidelity/gate.py``): after a plan without a budget is applied, one exact and one
     rewritten training step on a slice of the example batch compare every parameter's gradient; a parameter
     below ``min_cosine`` gets the rewritten units nearest to it in the graph raised to their next bit width, or
     exact, until it passes (at most ``max_rounds`` rounds). The report lists what the gate changed.
@@ -98,7 +98,7 @@ class Config:
             ``FidelityConfig.min_cosine`` (within the budget, by recomputation); to keep approximate gradients,
             lower ``min_cosine`` or set ``fidelity=None``.
         shape_checks: how a new input size that only changes sizes reuses a plan without a budget
-            (``memopt/shapes.py``): "range" (default) checks a size on fake tensors (the plan's decisions applied
+            (``memopt/builder/shape_reuse.py``): "range" (default) checks a size on fake tensors (the plan's decisions applied
             there, the rewritten graph compared) only when some dimension lies outside the sizes already checked
             to run the plan's very graph; inside that range the graph runs unchecked (the passes' size rules are
             thresholds, and the graph was the same program at both ends). "every" checks each new size (costs

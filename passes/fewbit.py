@@ -16,7 +16,7 @@ from torch import fx, nn
 from memopt.core.meta import META_KEY
 from memopt.core.meta import HISTOGRAM_KEY
 from memopt.cost_model.op_registry import op_kind
-from memopt.capture import has_hooks
+from memopt.capture.trace import has_hooks
 from memopt.fewbit.activations import ACTIVATIONS, Params
 from memopt.fewbit.config import FewBitConfig
 from memopt.fewbit.tables import fewbit_table, table_error
@@ -124,7 +124,7 @@ def _why_not(node: fx.Node, kind: str, module: Optional[nn.Module], cfg: FewBitC
                 f"(the conv stash can free the pair)")
     nbytes = sum(s.nbytes for s in kept)
     # a decision applies what it names: the rule picks candidates when planning (a plan re-applied at other sizes,
-    # where this tensor's share of the largest kept one moved, keeps its units: memopt/shapes.py)
+    # where this tensor's share of the largest kept one moved, keeps its units: memopt/builder/shape_reuse.py)
     if not ACTIVATIONS[kind].exact and nbytes < NEGLIGIBLE * largest and chosen is not True:
         return (f"it keeps {nbytes} bytes, under 1/{round(1 / NEGLIGIBLE)} of the graph's largest kept tensor "
                 f"({largest} bytes): a table frees next to nothing there, and over so few elements (e.g. a "

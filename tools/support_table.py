@@ -20,7 +20,7 @@ from tabulate import tabulate
 
 import memopt
 from memopt.core.units import fmt_bytes
-from memopt.plan import option_decisions
+from memopt.record.plan import option_decisions
 
 
 def _models() -> Dict[str, Tuple[str, Callable[[], torch.nn.Module], Callable[[], object]]]:

@@ -250,7 +250,7 @@ def _undo_coupling(segment: ReversibleSegment, step: StepSpec, module: nn.Module
 
 
 def _permutation_inverse(step: StepSpec, ys: Sequence[torch.Tensor], shapes: Tuple) -> List[torch.Tensor]:
-    """The inverse of a glue op named by ``step.inverse`` (see passes/reversible.py ``glue_inverse``).
+    """The inverse of a glue op named by ``step.inverse`` (see passes/reversible/segments.py ``glue_inverse``).
     It is also the op's VJP (a permutation's transpose is its inverse), so it maps gradients too.
     Views where the layout allows (split, reshape, permute): no copy."""
     kind, params = step.inverse, step.params

@@ -8,7 +8,7 @@ forward computes the weight under ``no_grad`` (the same ops on the same paramete
 the op's input, or its generic-stash codes, through ``ctx.save_for_backward``; backward runs the recipe again with
 gradients on, under the forward's autocast state, takes the op's gradients and sends the weight's gradient back
 through the recipe to the parameters. The recipe is pure (no random draw, no in-place update, no module with
-state: ``passes/stash_weights.py`` checks), so the recomputed weight is the forward's to the bit.
+state: ``passes/stash/weights.py`` checks), so the recomputed weight is the forward's to the bit.
 """
 from __future__ import annotations
 

@@ -65,7 +65,7 @@ def test_a_model_that_cannot_be_captured_names_the_construct_and_stays_untouched
 
     model = ItemBranch()
     state = _state(model)
-    # fc and bn can be captured: memopt falls back to them (memopt/partial.py) and says why
+    # fc and bn can be captured: memopt falls back to them (memopt/builder/per_submodule.py) and says why
     om = memopt.optimize(model, example_inputs=torch.randn(8, 4))
     whole = om.plan.submodules[0]
     assert om.plan.capture == "per-submodule" and whole["class"] == "ItemBranch" and not whole["captured"]

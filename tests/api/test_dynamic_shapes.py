@@ -1,5 +1,5 @@
 """Inputs whose sizes change every batch reuse one captured graph and plan where the rewrite decisions are the
-same (memopt/shapes.py), train bit for bit as eager PyTorch does, and plan again, saying why, where a size
+same (memopt/builder/shape_reuse.py), train bit for bit as eager PyTorch does, and plan again, saying why, where a size
 changes a decision."""
 import copy
 import importlib.util
@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 import memopt
-import memopt.pipeline
-from memopt.optimized import MAX_SIGNATURES
+import memopt.builder.pipeline
+from memopt.builder.optimized import MAX_SIGNATURES
 
 
 def cnn():
@@ -47,13 +47,13 @@ def _same(a, b):
 def gates(monkeypatch):
     """How often the fidelity gate ran."""
     calls = []
-    real = memopt.pipeline.fidelity_gate
+    real = memopt.builder.pipeline.fidelity_gate
 
     def counted(*args, **kwargs):
         calls.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(memopt.pipeline, "fidelity_gate", counted)
+    monkeypatch.setattr(memopt.builder.pipeline, "fidelity_gate", counted)
     return calls
 
 

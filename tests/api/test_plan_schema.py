@@ -8,7 +8,7 @@ import torch
 
 import memopt
 from memopt.config import CONFIG_SCHEMA_VERSION
-from memopt.plan import PLAN_SCHEMA_VERSION
+from memopt.record.plan import PLAN_SCHEMA_VERSION
 from memopt.testing.zoo import build
 
 FIXTURE = Path(__file__).resolve().parent.parent / "fixtures" / "plan_v1_tiny_resnet.json"

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import memopt
-from memopt.plan import Plan
+from memopt.record.plan import Plan
 from memopt.testing.zoo import build
 
 

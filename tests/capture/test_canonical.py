@@ -1,5 +1,5 @@
 """Fused norm-act modules (timm's BatchNormAct2d and the like) are captured as stock BatchNorm calls, so the
-stash's chains match them; the capture stays bit-identical to eager (memopt/canonical.py)."""
+stash's chains match them; the capture stays bit-identical to eager (memopt/capture/fused_norms.py)."""
 import copy
 
 import pytest
@@ -8,8 +8,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import memopt
-from memopt.canonical import proxy_name
-from memopt.capture import capture
+from memopt.capture.fused_norms import proxy_name
+from memopt.capture.trace import capture
 
 
 class BatchNormAct(nn.BatchNorm2d):

@@ -1,4 +1,4 @@
-"""Constants a trace builds per call where the eager model caches one (memopt/constants.py): HF BEiT's relative
+"""Constants a trace builds per call where the eager model caches one (memopt/capture/cached_constants.py): HF BEiT's relative
 position index comes from an lru_cache, so eager gathers every layer's bias with one index tensor and autograd
 keeps it once; under torch.export the cache is off and the graph built it per layer, keeping a copy per layer, so
 the capture check refused the whole model. Now the later layers read the first copy, as in eager."""
@@ -9,7 +9,7 @@ from torch import nn
 
 import memopt
 from conftest import assert_step_as_eager
-from memopt.constants import share_repeated_constants
+from memopt.capture.cached_constants import share_repeated_constants
 
 
 def _index(n):

@@ -1,4 +1,4 @@
-"""Attention masks a trace builds from constants where the eager model passes none (memopt/masks.py): Hugging
+"""Attention masks a trace builds from constants where the eager model passes none (memopt/capture/attention_masks.py): Hugging
 Face models skip an all-true mask, or pass ``is_causal=True``, after looking at its values, which a trace
 cannot do. Such a mask made the captured graph keep bytes eager does not, so whole models (HF ViT, Llama, ...)
 fell back to per-submodule capture; now the capture runs what eager runs, bit for bit."""
@@ -11,7 +11,7 @@ from torch import fx, nn
 
 import memopt
 from conftest import assert_step_as_eager
-from memopt.masks import drop_constant_masks
+from memopt.capture.attention_masks import drop_constant_masks
 
 
 class TracedMask(nn.Module):

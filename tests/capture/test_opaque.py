@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 import memopt
-from memopt.capture import capture, opaque_functions
+from memopt.capture.trace import capture, opaque_functions
 
 
 def gelu_mlp(x, w1, w2):

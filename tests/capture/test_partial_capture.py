@@ -1,4 +1,4 @@
-"""Per-submodule capture (memopt/partial.py): a model whose forward neither fx nor export can capture
+"""Per-submodule capture (memopt/builder/per_submodule.py): a model whose forward neither fx nor export can capture
 still gets its captured blocks rewritten, with the forward unchanged and the rest left exact."""
 import copy
 

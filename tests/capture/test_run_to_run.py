@@ -1,4 +1,4 @@
-"""Gradients that are not bit-reproducible between identical steps (memopt/soundness.py ``_run_to_run``): on CPU
+"""Gradients that are not bit-reproducible between identical steps (memopt/capture/soundness.py ``_run_to_run``): on CPU
 the gradient of SDPA's learned, batch-broadcast attn_mask (timm TinyViT's attention biases) moves in its last bits
 from one step to the next, eager or captured, so the bit-for-bit capture check refused such models at random
 (TinyViT: 1 check in 10). A last-bit difference is now retried: a graph step that matches eager bit for bit, or
@@ -7,9 +7,9 @@ import pytest
 import torch
 from torch import nn
 
-from memopt.capture import capture
+from memopt.capture.trace import capture
 from memopt.core.errors import TraceError
-from memopt.soundness import RERUNS, check_capture
+from memopt.capture.soundness import RERUNS, check_capture
 
 
 class Jitter(torch.autograd.Function):

@@ -12,8 +12,8 @@ import torch.utils.checkpoint as cp
 from torch import nn
 
 import memopt
-from memopt.capture import FunctionCall, capture
-from memopt.soundness import attribute_fingerprint, batch_slice, check_capture
+from memopt.capture.trace import FunctionCall, capture
+from memopt.capture.soundness import attribute_fingerprint, batch_slice, check_capture
 
 
 class STE(torch.autograd.Function):
@@ -263,7 +263,7 @@ def test_timm_batchnormact_counts_batches_as_stock():
     assert om.plan.capture == "symbolic_trace"
     tracked = [b for n, b in model.named_buffers() if n.endswith("num_batches_tracked")]
     assert tracked and all(int(b) == 3 for b in tracked)
-    # the default plan stashes the fused BatchNorms (memopt/canonical.py): forward and buffers stay stock's
+    # the default plan stashes the fused BatchNorms (memopt/capture/fused_norms.py): forward and buffers stay stock's
     reference = copy.deepcopy(fresh)
     om = memopt.optimize(fresh, example_inputs=x)
     assert any(u["chosen"]["technique"] == "stash" for u in om.plan.units)

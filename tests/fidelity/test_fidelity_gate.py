@@ -1,4 +1,4 @@
-"""The fidelity gate (memopt/fidelity.py): a plan's gradients checked per parameter against exact autograd on
+"""The fidelity gate (memopt/fidelity/gate.py): a plan's gradients checked per parameter against exact autograd on
 the example inputs, and repaired where they miss."""
 import copy
 
@@ -8,7 +8,7 @@ from torch import nn
 
 import memopt
 from memopt import fidelity
-from memopt.fidelity import RandomProjection, parameter_fidelity
+from memopt.fidelity.gate import RandomProjection, parameter_fidelity
 
 
 class GeluMLP(nn.Module):
@@ -115,7 +115,7 @@ def test_the_gate_blames_only_units_after_the_parameter_and_the_largest_error_fi
     """A parameter's gradient comes from the backward of its consumers and what follows them: a unit before them
     (here ``relu``, conv2's input) cannot change it however lossy; among the units after, the largest fidelity
     proxy is raised first (rexnet_100: a 4-bit chain three nodes on, not the 8-bit code next to the BatchNorm)."""
-    from memopt.fidelity_scope import responsible as _responsible
+    from memopt.fidelity.scope import responsible as _responsible
     graph = torch.fx.symbolic_trace(_Chain()).graph
     lossy = {("fewbit", "before"): {"relu"}, ("stash", "near"): {"bn2"}, ("fewbit", "far"): {"relu_1"}}
     weights = {("fewbit", "before"): 1e6, ("stash", "near"): 1.0, ("fewbit", "far"): 100.0}
@@ -258,7 +258,7 @@ def test_the_gate_runs_the_planned_graph_when_the_slice_captures_another(caplog)
     then runs the planned graph itself on the whole batch (and logs why) rather than measure an unrewritten one."""
     import logging
 
-    from memopt.capture import capture
+    from memopt.capture.trace import capture
     torch.manual_seed(0)
     model, x = GeluMLP(), torch.randn(16, 64)
     planned = capture(model, (x,), {}).graph_module
@@ -291,7 +291,7 @@ def test_units_that_reach_weight_gradients_alone_are_blamed_for_those_weights_on
     weight alone): a failing bias or norm parameter never spends a gate round on them (HF MambaOut's fc1.bias did),
     while the coded norm and the few-bit GELU, whose input gradients are approximate, stay in every scope after
     them."""
-    from memopt.fidelity_scope import weight_only_units, within_reach
+    from memopt.fidelity.scope import weight_only_units, within_reach
     torch.manual_seed(0)
     om = memopt.optimize(_PreNormMLP(), example_inputs=torch.randn(4, 16, 32))
     only = weight_only_units(om._memopt_last.graph_module)

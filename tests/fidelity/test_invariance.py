@@ -1,4 +1,4 @@
-"""Parameters whose exact gradient is zero by construction through a softmax over the keys (memopt/invariance.py):
+"""Parameters whose exact gradient is zero by construction through a softmax over the keys (memopt/fidelity/invariant_params.py):
 an attention key's bias adds q·b to every key's score of a query, the same number, which the softmax takes out
 (timm EfficientFormerV2's ``attn.k.bn.bias`` failed the fidelity gate on a gradient that is rounding noise).
 Every listed parameter's float64 gradient must be ~0, and every parameter left out must have a real one."""
@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.fx.passes.shape_prop import ShapeProp
 
-from memopt.capture import capture
-from memopt.invariance import invariant_parameters
+from memopt.capture.trace import capture
+from memopt.fidelity.invariant_params import invariant_parameters
 
 
 class LinearAttention(nn.Module):
@@ -130,8 +130,8 @@ class Cancel(nn.Module):
 
 
 def test_under_autocast_a_gradient_that_is_bf16_rounding_is_listed_apart():
-    from memopt.fidelity import RandomProjection, autocast_noise
-    from memopt.soundness import training_step
+    from memopt.fidelity.gate import RandomProjection, autocast_noise
+    from memopt.capture.soundness import training_step
 
     torch.manual_seed(0)
     model, x = Cancel().train(), 1000 + torch.randn(4, 8)
@@ -148,8 +148,8 @@ def test_under_autocast_a_gradient_that_is_zero_in_float32_is_listed_apart():
     """BN -> ReLU -> depthwise conv -> training BN with the first BN's bias at 0 (init): ReLU passes the first
     BN's scale through, the second BN cancels it, so its float32 gradient is ~0; under bf16 rounding lifts it above
     the "tiny" rule, and the gate chased it (timm MobileNetV3 under autocast)."""
-    from memopt.fidelity import RandomProjection, autocast_noise
-    from memopt.soundness import training_step
+    from memopt.fidelity.gate import RandomProjection, autocast_noise
+    from memopt.capture.soundness import training_step
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 8, 1), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 3, groups=8),
@@ -167,8 +167,8 @@ def test_under_autocast_a_gradient_that_is_zero_in_float32_is_listed_apart():
 def test_under_autocast_a_model_that_cannot_run_in_float32_lists_nothing_apart():
     """A submodule captured on its own receives bf16 activations (HF Wav2Vec2's feature projection): with autocast
     off its step fails, and the gate must go on without the rule instead of failing optimize()."""
-    from memopt.fidelity import RandomProjection, autocast_noise
-    from memopt.soundness import training_step
+    from memopt.fidelity.gate import RandomProjection, autocast_noise
+    from memopt.capture.soundness import training_step
 
     model, x = nn.Linear(8, 4), torch.randn(3, 8, dtype=torch.bfloat16)
     rng = torch.Generator().manual_seed(0).get_state()

@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 import memopt
-from memopt.capture import capture
-from memopt.fidelity import RandomProjection, invariant_parameters, parameter_fidelity
+from memopt.capture.trace import capture
+from memopt.fidelity.gate import RandomProjection, invariant_parameters, parameter_fidelity
 
 
 class Deep(nn.Module):

@@ -29,15 +29,14 @@ LAYERS = [
     ("memopt.fewbit", 2), ("memopt.stash", 2), ("memopt.reversible", 2), ("memopt.recompute", 2),
     ("memopt.optim", 2),
     ("memopt.techniques", 3), ("memopt.config", 3),
-    ("memopt.capture", 4), ("memopt.functions", 4), ("memopt.canonical", 4), ("memopt.masks", 4), ("memopt.constants", 4), ("memopt.cost_model", 4), ("memopt.plan", 4),
-    ("memopt.passes.candidates", 6), ("memopt.passes.planner", 6), ("memopt.passes.knapsack", 6),
+    # capture and its fix-ups; the soundness check runs training steps (layer 7)
+    ("memopt.capture.soundness", 7), ("memopt.capture", 4), ("memopt.cost_model", 4),
+    ("memopt.record.plan", 4),
+    ("memopt.passes.planning", 6),
     ("memopt.passes", 5),
-    ("memopt.report", 7), ("memopt.export", 7), ("memopt.measure", 7), ("memopt.timing", 7),
-    ("memopt.soundness", 7), ("memopt.invariance", 7),
-    ("memopt.pipeline", 8), ("memopt.partial", 8), ("memopt.fidelity", 8), ("memopt.fidelity_scope", 8),
-    ("memopt.fidelity_repair", 8),
-    ("memopt.shapes", 8),
-    ("memopt.optimized", 9),
+    ("memopt.record", 7),
+    ("memopt.fidelity.invariant_params", 7), ("memopt.fidelity", 8),
+    ("memopt.builder.optimized", 9), ("memopt.builder", 8),
     ("memopt.api", 10), ("memopt.cli", 10), ("memopt.demo", 10), ("memopt.__main__", 10), ("memopt", 10),
 ]
 # the package __init__ files that only re-export the layer below them

@@ -56,6 +56,6 @@ def test_the_wheel_has_one_top_level_package(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     top = {n.split("/")[0] for n in names if not n.split("/")[0].endswith((".dist-info", ".data"))}
     assert top == {"memopt"}, f"top-level entries in the wheel: {sorted(top)}"
-    for needed in ("memopt/passes/planner.py", "memopt/cost_model/analysis.py", "memopt/runtime/kernels.c",
+    for needed in ("memopt/passes/planning/planner.py", "memopt/cost_model/analysis.py", "memopt/runtime/kernels.c",
                    "memopt/fewbit/default_tables.json"):
         assert needed in names, f"{needed} is not in the wheel"

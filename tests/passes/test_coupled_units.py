@@ -8,15 +8,15 @@ import torch
 from torch import nn
 
 import memopt
-from memopt.capture import capture
+from memopt.capture.trace import capture
 from memopt.cost_model.analysis import annotate
-from memopt.fidelity import RandomProjection, coupled, parameter_fidelity
+from memopt.fidelity.gate import RandomProjection, coupled, parameter_fidelity
 from memopt.passes.base import PassContext
-from memopt.passes.candidates import Group, Option, candidates, couple
-from memopt.passes.knapsack import solve
-from memopt.passes.planner import apply_decision, chosen_decision
-from memopt.plan import option_decisions, option_label
-from memopt.soundness import training_step
+from memopt.passes.planning.candidates import Group, Option, candidates, couple
+from memopt.passes.planning.knapsack import solve
+from memopt.passes.planning.planner import apply_decision, chosen_decision
+from memopt.record.plan import option_decisions, option_label
+from memopt.capture.soundness import training_step
 
 
 class Inverted(nn.Module):

@@ -10,7 +10,7 @@ import memopt
 from memopt.cost_model.op_registry import op_kind
 from memopt.passes.base import PassContext, PassResult, register_pass, registered_pass
 from memopt.passes.manager import passes_for, run_passes
-from memopt.capture import capture
+from memopt.capture.trace import capture
 from memopt.testing.zoo import build
 
 

@@ -9,8 +9,8 @@ import torch
 
 import memopt
 from memopt.testing.zoo import build
-from memopt.passes.candidates import Group, Option
-from memopt.passes.knapsack import max_saving, option_cost, solve
+from memopt.passes.planning.candidates import Group, Option
+from memopt.passes.planning.knapsack import max_saving, option_cost, solve
 
 MiB = 2 ** 20
 

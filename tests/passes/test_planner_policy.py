@@ -9,10 +9,10 @@ import pytest
 import torch
 
 import memopt
-from memopt.fidelity import RandomProjection, parameter_fidelity
-from memopt.passes.candidates import Group, Option
+from memopt.fidelity.gate import RandomProjection, parameter_fidelity
+from memopt.passes.planning.candidates import Group, Option
 from memopt.config import PREFER
-from memopt.passes.knapsack import (BALANCED, FLOPS_PER_PASS, POLICIES, TIME_WEIGHT, max_nested, nesting, policy_for,
+from memopt.passes.planning.knapsack import (BALANCED, FLOPS_PER_PASS, POLICIES, TIME_WEIGHT, max_nested, nesting, policy_for,
                                    solve_nested)
 from memopt.testing.zoo import build
 
@@ -169,10 +169,10 @@ def test_the_config_and_the_planner_name_the_same_policies():
 def test_every_lossy_option_costs_time_coded_calls_too():
     """A coded call's unit is named "<node>_coded", not a node: its time proxy was 0, so the "speed" policy saw its
     extra passes as free. Now it counts the passes over its node's output."""
-    from memopt.capture import capture
+    from memopt.capture.trace import capture
     from memopt.cost_model.analysis import annotate
     from memopt.passes.base import PassContext
-    from memopt.passes.candidates import candidates
+    from memopt.passes.planning.candidates import candidates
     model, x = build("vit")
     gm = capture(model, (x,), {}).graph_module
     baseline = annotate(gm, (x,), {}, device="cpu")

@@ -1,4 +1,4 @@
-"""memopt/passes/stash_chunks.py: weight gradients over batch chunks, chosen by the cost model's step where the
+"""passes/stash/chunks.py: weight gradients over batch chunks, chosen by the cost model's step where the
 peak falls inside one (autocast's float32 rebuild of a bf16 input), left alone where it does not; estimate equal
 to the measurement, the forward bit-identical, the plan re-applied with its chunks."""
 import pytest
@@ -7,7 +7,7 @@ from torch import nn
 
 import memopt
 from memopt.cost_model.analysis import annotate
-from memopt.passes.stash_chunks import chunk_to_fit, chunks_of, consumers, set_chunks
+from memopt.passes.stash.chunks import chunk_to_fit, chunks_of, consumers, set_chunks
 from memopt.testing.zoo import build
 
 

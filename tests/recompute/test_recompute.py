@@ -144,7 +144,7 @@ def test_a_block_whose_inner_value_is_used_outside_stays_exact_with_the_reason()
 
 
 def test_units_next_to_a_recomputed_block_say_why_they_stay_exact():
-    from memopt.pipeline import _explain_exact
+    from memopt.builder.pipeline import _explain_exact
 
     def option(technique, unit, bits=None, freed=0):
         return {"technique": technique, "bits": bits, "unit": unit, "freed_bytes": freed, "fidelity": 0.0, "time": 0.0}

@@ -81,7 +81,7 @@ def _chain(act, residual, bits, shape, dtype=torch.float32, tails=False, means=F
     return _both(run)
 
 
-# (a downsample BN joins only a chain with an activation: passes/stash.py _second_bn)
+# (a downsample BN joins only a chain with an activation: passes/stash/chains.py _second_bn)
 CASES = [(act, residual, bits) for act in ("relu", "relu6", "leaky_relu", "identity")
          for residual in (None, "tensor", "bn") for bits in (2, 4) if (act, residual) != ("identity", "bn")] + \
         [("relu", None, 3), ("relu", "tensor", 8), ("relu", "bn", 8)]

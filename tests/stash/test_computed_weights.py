@@ -1,5 +1,5 @@
 """Weights computed from parameters alone (weight standardisation, weight norm): their ops' inputs are coded by the
-generic stash, the weight itself recomputed in backward instead of kept (``passes/stash_weights.py``)."""
+generic stash, the weight itself recomputed in backward instead of kept (``passes/stash/weights.py``)."""
 from __future__ import annotations
 
 import copy

@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 import memopt
-from memopt.passes.stash import _match
-from memopt.passes.stash_forms import BNForm, bn_form
+from memopt.passes.stash.chains import _match
+from memopt.passes.stash.forms import BNForm, bn_form
 
 
 def stash_config(bits=4, **kw):

@@ -1,4 +1,4 @@
-"""Coded ops (memopt/stash/coded.py, passes/stash_coded.py): norms, attention, products, softmax and gated units
+"""Coded ops (memopt/stash/coded.py, passes/stash/coded.py): norms, attention, products, softmax and gated units
 keep their activations as codes: forward bit-identical, gradients close, bytes lower and estimated exactly,
 storages kept by exact nodes left alone with the reason."""
 import copy
@@ -11,7 +11,7 @@ from torch import nn
 
 import memopt
 from memopt.core.meta import DECISION_KEY
-from memopt.fidelity import parameter_fidelity
+from memopt.fidelity.gate import parameter_fidelity
 from memopt.stash.coded import CodedSpec, coded_call, name_of, resolve
 from memopt.stash.config import CODED_OPS
 from memopt.stash.generic import generic_encode, linear_from_codes

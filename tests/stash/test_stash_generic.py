@@ -13,8 +13,8 @@ from memopt.cost_model.storage import SavedTensorRecorder
 from memopt.stash.generic import (conv_from_codes, dropout_1bit, generic_encode, group_dequantize,
                                       group_quantize, linear_from_codes, matmul_from_codes, where_1bit)
 from memopt.testing.zoo import TinyViT
-from memopt.passes.candidates import candidates
-from memopt.passes.stash_generic import stash_nbytes
+from memopt.passes.planning.candidates import candidates
+from memopt.passes.stash.generic import stash_nbytes
 
 # the generic stash alone (coded ops, which make input gradients approximate too, are tests/stash/test_stash_coded.py)
 GENERIC = memopt.Config(stash=memopt.StashConfig(generic=True, generic_bits=4, coded_ops=()), fewbit=None)
@@ -155,7 +155,7 @@ def test_planner_offers_generic_units_with_bytes_and_fidelity():
     torch.manual_seed(0)
     model, x = TinyViT().train(), torch.randn(4, 3, 16, 16)
     from memopt.cost_model.analysis import annotate
-    from memopt.capture import capture
+    from memopt.capture.trace import capture
 
     gm = capture(model, (x,), {}).graph_module
     baseline = annotate(gm, (x,), {})

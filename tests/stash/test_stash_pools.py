@@ -1,4 +1,4 @@
-"""Average pools after a chain (passes/stash.py ``pool_keeps_input``): which keep their input for backward is
+"""Average pools after a chain (passes/stash/chains.py ``pool_keeps_input``): which keep their input for backward is
 checked against PyTorch's autograd itself (saved_tensors_hooks) for every spelling, and a chain read by a pool
 that keeps its output is still rewritten (it frees its BatchNorm input) with the bytes as estimated."""
 import copy
@@ -10,7 +10,7 @@ from torch import fx, nn
 
 import memopt
 from memopt.cost_model.op_registry import op_kind
-from memopt.passes.stash import pool_keeps_input
+from memopt.passes.stash.chains import pool_keeps_input
 
 aten = torch.ops.aten
 POOLS = [  # (the op as a callable module or function, input shape)

@@ -1,5 +1,5 @@
 """Weight ops after a coded norm rebuild their input from the norm's input codes (memopt/stash/rebuild.py,
-passes/stash_generic.py ``_rewrite_rebuilt``): no codes of their own, forward bit-identical, input gradient
+passes/stash/generic.py ``_rewrite_rebuilt``): no codes of their own, forward bit-identical, input gradient
 exact, weight gradient from the norm of the rebuilt input, bytes as estimated."""
 import copy
 import pickle

@@ -4,7 +4,7 @@ Benchmark: does ``torch.compile`` keep memopt's savings (issue 24)?
 
 Why: AOT autograd re-partitions what dynamo traces and decides itself what to save, so a compiled
 memopt module could keep as much as stock; memopt's graph choice and runtime ops are opaque to dynamo
-for that reason (``memopt/core/leaf.py``, ``memopt/optimized.py``). Per model, one training step's
+for that reason (``memopt/core/leaf.py``, ``memopt/builder/optimized.py``). Per model, one training step's
 saved activations (every tensor autograd packs, distinct storages, parameters and buffers left out,
 and copies of parameters, which inductor makes for its channels-last convolutions, counted apart) of
 stock eager, memopt eager, ``torch.compile(om)`` with the aot_eager and inductor backends,

@@ -40,7 +40,7 @@ from tabulate import tabulate
 
 import memopt
 from memopt.runtime import kernels, triton_fewbit
-from memopt.timing import step_time_ratio
+from memopt.record.timing import step_time_ratio
 from tools.bench.common import RESULTS, CheckpointBlocks, write_results_file
 
 MiB = 2 ** 20

@@ -22,7 +22,7 @@ import time
 import torch
 
 import memopt
-from memopt.optimized import MAX_SIGNATURES
+from memopt.builder.optimized import MAX_SIGNATURES
 from tools.bench.common import RESULTS, write_results_file
 
 OUT = RESULTS / "dynamic" / "dynamic_shapes.md"

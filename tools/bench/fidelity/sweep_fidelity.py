@@ -8,11 +8,11 @@ family, Hugging Face architectures from tiny configs; random weights, train mode
 the smallest larger size the model accepts (torchvision ViTs: their fixed patch grid), where BatchNorm sees
 enough elements per channel to be a fair test). Per model: `memopt.optimize(model, example_inputs=x)` with `memopt.Config()` defaults (the
 fidelity gate on), then one training step of om and of a deep copy run eagerly from the same RNG seed, loss =
-the floating outputs times fixed random weights (memopt.fidelity.RandomProjection, seed 11: not the gate's
-seed 0), and the per-parameter gradient cosine (memopt.fidelity.parameter_fidelity) over the parameters not
+the floating outputs times fixed random weights (memopt.fidelity.gate.RandomProjection, seed 11: not the gate's
+seed 0), and the per-parameter gradient cosine (memopt.fidelity.gate.parameter_fidelity) over the parameters not
 listed apart: `worst` and `p5` (5th percentile) cosine, `< 0.99` how many miss 0.99; parameters whose exact
 gradient is below 1e-3 of the median norm, and those the gate lists as cancelled by a training-mode
-BatchNorm (memopt.fidelity.invariant_parameters), are counted in `apart`. `gate` is om.plan.fidelity:
+BatchNorm (memopt.fidelity.gate.invariant_parameters), are counted in `apart`. `gate` is om.plan.fidelity:
 passed or not, its training steps and changes (the first one shown), `-` where no lossy unit was planned
 and `per-submodule` where the model was captured per submodule with no lossy rewrite (each submodule gated on its
 own; with lossy rewrites the model is then gated as a whole: `per-submodule, whole model passed, ...`).
@@ -61,8 +61,8 @@ def run_one(family: str, name: str) -> Dict[str, Any]:
     from torch.fx.passes.shape_prop import ShapeProp
 
     import memopt
-    from memopt.capture import capture
-    from memopt.fidelity import RandomProjection, invariant_parameters, parameter_fidelity
+    from memopt.capture.trace import capture
+    from memopt.fidelity.gate import RandomProjection, invariant_parameters, parameter_fidelity
 
     row: Dict[str, Any] = {"family": family, "model": name}
     start = time.time()

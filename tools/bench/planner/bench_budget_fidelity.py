@@ -15,7 +15,7 @@ The ViT is the memopt zoo's TinyViT at ViT-S width (pre-LN blocks, GELU MLP, dro
 timm's vit_small_patch16_224 blocks take ``attn_mask=None`` as an input, which the recompute pass refuses ("it
 reads attn_mask, which is not a single tensor"), so no policy could recompute them.
 
-The calibration line fits ``memopt.passes.knapsack.FLOPS_PER_PASS`` (FLOPs per element pass) on this machine:
+The calibration line fits ``memopt.passes.planning.knapsack.FLOPS_PER_PASS`` (FLOPs per element pass) on this machine:
 with every lossy technique at its defaults (no budget), k = (ratio - 1) x 3 x forward FLOPs / element passes,
 where the element passes are the plan's (``Option.time`` of its lossy units) and a stock step takes about three
 forwards' FLOPs (backward ~ twice forward).
@@ -36,11 +36,11 @@ from torch import nn
 import memopt
 from memopt.core.inputs import normalize_inputs
 from memopt.core.units import fmt_bytes
-from memopt.fidelity import RandomProjection, parameter_fidelity
-from memopt.plan import option_decisions
-from memopt.passes.knapsack import FLOPS_PER_PASS
+from memopt.fidelity.gate import RandomProjection, parameter_fidelity
+from memopt.record.plan import option_decisions
+from memopt.passes.planning.knapsack import FLOPS_PER_PASS
 from memopt.testing.zoo import TinyViT
-from memopt.timing import step_time_ratio
+from memopt.record.timing import step_time_ratio
 from tools.bench.common import write_results
 
 MiB = 2 ** 20
@@ -98,7 +98,7 @@ def calibrate(name: str, make, inputs, repeats: int) -> Dict[str, Any]:
     model, x = make().train(), inputs()
     om = memopt.optimize(model, example_inputs=x, optimizer="sgd")
     passes = sum(u["chosen"]["time"] for u in om.plan.units if u["chosen"]["technique"] in ("stash", "fewbit"))
-    from memopt.capture import capture
+    from memopt.capture.trace import capture
     from memopt.cost_model.analysis import annotate
 
     args, kwargs = normalize_inputs(x)

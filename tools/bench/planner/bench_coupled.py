@@ -7,7 +7,7 @@ In an inverted-residual block (BN A -> ReLU6 -> depthwise conv -> BN B), A's Bat
 scale-invariant through the depthwise conv and B: its true gradient is only B's eps and ReLU6's clip terms. With B
 stashed and A left exact, B's codes' error in dL/dz swamps that small gradient; with both stashed, A's weight
 gradient is solved from B's by the scale identity (memopt/stash/identity.py). The planner takes such units as one
-group of joint options (passes/candidates.py ``couple``), and the fidelity gate keeps the coupling through its
+group of joint options (passes/planning/candidates.py ``couple``), and the fidelity gate keeps the coupling through its
 repairs.
 
 Per model (torchvision, random weights, batch 4, 128x128, SGD) and budget (a fraction of the way from the default
@@ -31,7 +31,7 @@ from tabulate import tabulate
 from torch import nn
 
 import memopt
-from memopt.fidelity import RandomProjection, parameter_fidelity
+from memopt.fidelity.gate import RandomProjection, parameter_fidelity
 from tools.bench.common import RESULTS, write_results
 
 MiB = 2 ** 20

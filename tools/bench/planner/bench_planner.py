@@ -24,7 +24,7 @@ from torch import nn
 
 import memopt
 from memopt.core.units import fmt_bytes
-from memopt.timing import step_time_ratio
+from memopt.record.timing import step_time_ratio
 from memopt.testing.zoo import PreActResNet
 from tools.bench.common import CheckpointBlocks
 

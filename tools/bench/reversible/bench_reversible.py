@@ -53,7 +53,7 @@ from memopt import Config
 from memopt.reversible.ops import relative_error, reversible_segment, run_forward, undo_steps
 from memopt.reversible.check import Examples, true_values
 from memopt.core.state import preserved_state
-from memopt.timing import step_time_ratio
+from memopt.record.timing import step_time_ratio
 from memopt.testing.reversible_zoo import RevBlock, RevNetCNN
 from tools.bench.common import RESULTS, digits, fit_and_test, write_results_file
 from tools.bench.reversible.common import (MiB, ONLY_REVERSIBLE, calls_of, couplings_rewritten, depth_sweep, header,
@@ -329,7 +329,7 @@ def step_time(args) -> None:
     text = header("Reversible segments: step time",
                   f"RevNetCNN((4, 4), width=16) (8 RevBlocks, 16 couplings), 32x32, forward + backward of the "
                   f"output sum, median of {args.repeats} interleaved steps after a warm-up "
-                  f"(memopt.timing.step_time_ratio). Expected near 1.3 (one extra forward of each F and G); "
+                  f"(memopt.record.timing.step_time_ratio). Expected near 1.3 (one extra forward of each F and G); "
                   f"checkpointing every block also recomputes each block once. Load before: `{load}`; after: "
                   f"`{load_after}` (other jobs shared the 2 cores: the ratios are interleaved step by step, the "
                   f"absolute times are not reliable).")

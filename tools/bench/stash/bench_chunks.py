@@ -27,8 +27,8 @@ from tabulate import tabulate
 import memopt
 from memopt.core.units import fmt_bytes
 from memopt.cost_model.analysis import annotate
-from memopt.passes.stash_chunks import set_chunks
-from memopt.plan import PartialPlan
+from memopt.passes.stash.chunks import set_chunks
+from memopt.record.plan import PartialPlan
 from memopt.runtime import kernels
 from tools.bench.capture.zoo import TIMM_MODELS, build_timm, build_torchvision, hf_models, torchvision_names
 from tools.bench.common import RESULTS, write_results

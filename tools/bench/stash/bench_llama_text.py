@@ -14,7 +14,7 @@ float32 logits) measured by ``memopt.measure`` for the stock model and for ``mem
 example_inputs=x, optimizer="adamw")`` (``memopt.Config()``, every default), the peak of a step with an AdamW
 step (``measure(..., optimizer="adamw")``: parameters, gradients and AdamW state included), whether the training
 forward's logits are bit-identical to stock's, and each parameter's gradient cosine against stock autograd on that
-loss (``memopt.fidelity.parameter_fidelity``, tiny=1e-3: parameters whose exact gradient norm is at most 1e-3 of
+loss (``memopt.fidelity.gate.parameter_fidelity``, tiny=1e-3: parameters whose exact gradient norm is at most 1e-3 of
 the median are listed apart).
 
 Part 2, training: the text is the standard library's own top-level ``.py`` files (the directory of
@@ -48,7 +48,7 @@ from tabulate import tabulate
 
 import memopt
 from memopt.core.units import fmt_bytes
-from memopt.fidelity import parameter_fidelity
+from memopt.fidelity.gate import parameter_fidelity
 from tools.bench.common import RESULTS, write_results
 
 OUT = RESULTS / "stash" / "llama_text.md"

@@ -40,7 +40,7 @@ from tabulate import tabulate
 import memopt
 import memopt.stash.ops as stash_ops
 import memopt.stash.grid as stash_grid
-import memopt.passes.stash as stash_pass
+import memopt.passes.stash.chains as stash_pass
 from tools.bench.common import write_results_file
 
 MODELS = ("resnet18", "resnet50", "vgg11_bn", "mobilenet_v2", "densenet121")

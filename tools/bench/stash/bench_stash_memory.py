@@ -21,7 +21,7 @@ from tabulate import tabulate
 import memopt
 from memopt.runtime import native
 from memopt.core.units import fmt_bytes
-from memopt.timing import step_time_ratio
+from memopt.record.timing import step_time_ratio
 from memopt.testing.zoo import PreActResNet
 from tools.bench.common import RESULTS, CheckpointBlocks, write_results_file
 

@@ -8,7 +8,7 @@ scikit-learn's digits (8x8, upsampled to SIZE x SIZE, 3 channels, labels 0-9, st
 batch the cross-entropy gradient of each parameter with the stash (few-bit off) against exact autograd on
 a copy of the same trained model. Parameters whose exact gradient norm is below 1e-3 x the median are left
 out (as in bench_stash_gradients.py), and so are those a training-mode BatchNorm cancels (a conv bias or a
-per-channel scale right before it: memopt.fidelity.invariant_parameters, as the fidelity gate does). ``--window-scale`` multiplies every grid's half-width (stash_grid.WINDOWS,
+per-channel scale right before it: memopt.fidelity.gate.invariant_parameters, as the fidelity gate does). ``--window-scale`` multiplies every grid's half-width (stash_grid.WINDOWS,
 ±4σ at 8 bits) to show what clipping at the window costs once activations have heavy tails (at 8 bits the
 outer ends also follow the data out to stash_grid.REACH times the window, which scales with it). ``--means``
 runs each case with the bins rebuilt at their means (1, StashConfig.bin_means, the default) and at their
@@ -29,8 +29,8 @@ from tabulate import tabulate
 
 import memopt
 import memopt.stash.grid as stash_grid
-from memopt.capture import capture
-from memopt.fidelity import invariant_parameters
+from memopt.capture.trace import capture
+from memopt.fidelity.gate import invariant_parameters
 from tools.bench.common import write_results_file
 from tools.bench.stash.common import trained_case, upsampled_digits
 

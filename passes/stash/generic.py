@@ -11,8 +11,8 @@ output, the next conv its input) joins the unit and keeps its mask instead (``pa
 alone, neither the few-bit pass nor the stash would free that storage. Where every consumer reads the output
 of a coded norm that codes its own input (a pre-norm block's q / k / v), the consumers keep no codes: they rebuild
 their input as the norm of those codes (``memopt.stash.rebuild``); where a consumer's weight is computed from
-parameters alone, it is recomputed in backward too (``passes/stash_weights.py``). Only weight gradients become
-approximate. The exact extras (1-bit dropout masks, max-pool offsets) are ``passes/stash_extras.py``.
+parameters alone, it is recomputed in backward too (``passes/stash/weights.py``). Only weight gradients become
+approximate. The exact extras (1-bit dropout masks, max-pool offsets) are ``passes/stash/extras.py``.
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from torch import fx, nn
 
 from memopt.core.meta import META_KEY, STATE_CATEGORIES
 from memopt.cost_model.op_registry import op_kind
-from memopt.capture import has_hooks
+from memopt.capture.trace import has_hooks
 from memopt.runtime.bitpack import packed_nbytes
 from memopt.stash.generic import (conv_from_codes, generic_encode, linear_from_codes, row_group,
                                       matmul_from_codes)
@@ -35,9 +35,9 @@ from memopt.stash.config import StashConfig
 from memopt.stash.rebuild import RebuildSpec, weight_op_from_rebuild
 from memopt.passes.base import PassContext
 from memopt.passes.fewbit import exact_masks, replace_with_mask
-from memopt.passes.stash_weights import Recipe, parameter_only, recipe_of, rewrite_with_recipe
+from memopt.passes.stash.weights import Recipe, parameter_only, recipe_of, rewrite_with_recipe
 from memopt.stash.weights import WeightOpSpec
-from memopt.passes.stash_coded import (NORMS, Call, call_unit, find_call, live, members, norm_rows, rewrite_call,
+from memopt.passes.stash.coded import (NORMS, Call, call_unit, find_call, live, members, norm_rows, rewrite_call,
                                        savers_by_storage, settle)
 
 aten = torch.ops.aten

@@ -21,7 +21,7 @@ from typing import Dict, List, Optional, Set
 import torch
 from torch import fx, nn
 
-from memopt.masks import _RANDOM, attribute
+from memopt.capture.attention_masks import _RANDOM, attribute
 
 log = logging.getLogger("memopt")
 

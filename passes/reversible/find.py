@@ -1,4 +1,4 @@
-"""Find reversible segments in a captured graph (analysis only; passes/reversible.py rewrites them).
+"""Find reversible segments in a captured graph (analysis only; passes/reversible/segments.py rewrites them).
 
 A scan starts at a split/chunk of a tensor into a partition (its parts are the *streams*) and walks
 the graph in order. Each node that reads a stream or a pending value is one of:

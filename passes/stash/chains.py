@@ -14,7 +14,7 @@ pools, which keep it (``pool_keeps_input``): the chain then frees its BatchNorm 
 whose freed bytes count a storage only when every node keeping it is in the unit, counts no more. Anything
 else keeps the output, so the chain stays exact and the report says which consumer blocked it.
 
-Then, in ``passes/stash_generic.py``: the generic stash of the remaining conv / linear / matmul inputs
+Then, in ``passes/stash/generic.py``: the generic stash of the remaining conv / linear / matmul inputs
 (``StashConfig.generic``) and the exact 1-bit extras (``StashConfig.compact_extras``).
 """
 from __future__ import annotations
@@ -31,7 +31,7 @@ from torch import fx, nn
 
 from memopt.core.meta import CHAIN_KEY, META_KEY
 from memopt.cost_model.op_registry import op_kind
-from memopt.capture import has_hooks
+from memopt.capture.trace import has_hooks
 from memopt.stash.generic import generic_encode
 from memopt.stash.grid import x_grid_half
 from memopt.stash.ops import ChainSpec, bn_act_stash, conv_from_stash, linear_from_stash, split_by_mask
@@ -43,10 +43,10 @@ from memopt.core.meta import DECISION_KEY
 from memopt.cost_model.analysis import Estimate
 from memopt.stash.config import StashConfig
 from memopt.passes.base import PassContext, PassResult, PlannerHooks, node_numel, register_pass
-from memopt.passes.stash_extras import compact_extras
-from memopt.passes.stash_generic import generic_stash
-from memopt.passes.stash_weights import recompute_weights
-from memopt.passes.stash_forms import (BNForm, bn_form, consumer, consumer_reason, in_place_add, max_pool,
+from memopt.passes.stash.extras import compact_extras
+from memopt.passes.stash.generic import generic_stash
+from memopt.passes.stash.weights import recompute_weights
+from memopt.passes.stash.forms import (BNForm, bn_form, consumer, consumer_reason, in_place_add, max_pool,
                                        rebuild_kind, trainable_weight)
 
 _ACTS = ("relu", "relu6", "leaky_relu")
@@ -69,7 +69,7 @@ def _keeps_nothing(user: fx.Node, end: fx.Node, modules) -> bool:
     """Users that read the chain's output without keeping it for backward: an add, the model output, another
     chain's residual, an average pool that keeps no input (``pool_keeps_input``). A pool that keeps it is a
     user that needs no rewrite: the chain still frees its BatchNorm input, and the planner counts the output
-    as kept (a storage is freed only when every node keeping it is in the unit: passes/candidates.py)."""
+    as kept (a storage is freed only when every node keeping it is in the unit: passes/planning/candidates.py)."""
     if user.op == "output" or op_kind(user, modules) == "add":
         return True
     if op_kind(user, modules) == "avg_pool":
@@ -280,7 +280,7 @@ def stash_pass(gm: fx.GraphModule, cfg: StashConfig, ctx: PassContext) -> PassRe
     order = {n: i for i, n in enumerate(graph.nodes)}
     joined = set()
     for bn in list(graph.nodes):
-        form = bn_form(bn, modules) if bn not in joined else None  # a BatchNorm in any form (passes/stash_forms.py)
+        form = bn_form(bn, modules) if bn not in joined else None  # a BatchNorm in any form (passes/stash/forms.py)
         if form is None:
             continue
         chosen = ctx.chosen("stash", bn.name)  # a unit left out of a decision says why only if it could be rewritten

@@ -18,11 +18,11 @@ from torch import fx, nn
 from torch.func import functional_call
 from torch.nn.utils import parametrize
 
-from memopt.capture import has_hooks
+from memopt.capture.trace import has_hooks
 
 from memopt.core.meta import DECISION_KEY, META_KEY, STATE_CATEGORIES
 from memopt.cost_model.op_registry import op_kind
-from memopt.passes.stash_coded import _arg
+from memopt.passes.stash.coded import _arg
 from memopt.stash.weights import WeightOpSpec, weight_op_recomputed
 
 aten = torch.ops.aten

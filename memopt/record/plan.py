@@ -66,9 +66,9 @@ class Plan:
     units: List[Dict[str, Any]] = field(default_factory=list)
     # How the budget planner got here (empty without a budget to plan for).
     planner: Dict[str, Any] = field(default_factory=dict)
-    # The capture check (memopt/soundness.py): {"checked", "slice", "eager_saved_bytes", "captured_saved_bytes"}
+    # The capture check (memopt/capture/soundness.py): {"checked", "slice", "eager_saved_bytes", "captured_saved_bytes"}
     soundness: Dict[str, Any] = field(default_factory=dict)
-    # The fidelity gate (memopt/fidelity.py): per-parameter cosines, what it changed, on which slice
+    # The fidelity gate (memopt/fidelity/gate.py): per-parameter cosines, what it changed, on which slice
     fidelity: Dict[str, Any] = field(default_factory=dict)
     # Batch chunks of the weight gradients read from rebuilt inputs (memopt.passes.stash_chunks; 1: one piece),
     # chosen where the cost model said they lower the peak; re-applied with the plan

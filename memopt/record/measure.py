@@ -45,7 +45,7 @@ class Measurement:
 def _plan_first(model: nn.Module, args: tuple, kwargs: dict) -> None:
     """An OptimizedModule captures and plans at its first training forward for new inputs: do that
     before the saved-tensor hooks below, or the cost model's own runs inside it would be recorded
-    as what the training step saves. (Duck-typed: this layer sits below ``memopt.optimized``.)"""
+    as what the training step saves. (Duck-typed: this layer sits below ``memopt.builder.optimized``.)"""
     build = getattr(model, "_build_for", None)
     if build is not None and torch.is_grad_enabled():
         build(args, kwargs)

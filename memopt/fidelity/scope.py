@@ -14,7 +14,7 @@ from typing import Dict, List, Optional, Set, Tuple
 
 from torch import fx
 
-from memopt.canonical import proxy_name
+from memopt.capture.fused_norms import proxy_name
 from memopt.core.meta import DECISION_KEY
 
 # rewritten ops whose approximation reaches only the weight gradients of the arguments at these positions

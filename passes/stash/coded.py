@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 from torch.utils._pytree import tree_flatten
 
-from memopt.capture import has_hooks
+from memopt.capture.trace import has_hooks
 from memopt.core.meta import DECISION_KEY, META_KEY, STATE_CATEGORIES
 from memopt.cost_model.op_registry import op_kind
 from memopt.stash.config import CODED_OPS

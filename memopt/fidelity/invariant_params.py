@@ -22,7 +22,7 @@ from typing import Any, Dict, FrozenSet, List, Optional, Set, Tuple
 import torch
 from torch import fx, nn
 
-from memopt.canonical import OWNER_ATTRIBUTE
+from memopt.capture.fused_norms import OWNER_ATTRIBUTE
 from memopt.core.meta import META_KEY
 from memopt.cost_model.op_registry import op_kind
 

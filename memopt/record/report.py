@@ -7,7 +7,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from tabulate import tabulate
 
 from memopt.core.units import MiB, fmt_bytes
-from memopt.plan import NodePlan, PartialPlan, Plan, option_label
+from memopt.record.plan import NodePlan, PartialPlan, Plan, option_label
 
 def _group_key(n: NodePlan) -> Tuple:
     # repeated blocks differ only in the numbers of their names (layer1_0_conv1, layer1_1_conv1)
@@ -44,7 +44,7 @@ def render(plan: Plan, *, top: Optional[int] = None, group: bool = True, fmt: st
         lines += [_planner_table(plan, top, fmt), ""]
     if getattr(plan, "fidelity", None):
         lines += _fidelity_lines(plan.fidelity) + [""]
-    if getattr(plan, "submodules", None):  # a model captured per submodule (memopt/partial.py)
+    if getattr(plan, "submodules", None):  # a model captured per submodule (memopt/builder/per_submodule.py)
         lines += ["captured per submodule: the whole model could not be captured; its other code runs exact",
                   tabulate(submodule_table(plan), headers=["submodule", "class", "captured by", "calls",
                                                            "saved before", "saved after", "why"], tablefmt=fmt),

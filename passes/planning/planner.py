@@ -1,6 +1,6 @@
 """The budget planner: the least harmful set of rewrites whose estimated peak fits the budget.
 
-The graph adapter of the solvers in ``memopt.passes.knapsack`` (which say what an option costs and how a
+The graph adapter of the solvers in ``memopt.passes.planning.knapsack`` (which say what an option costs and how a
 choice is found). The peak of a training step is not just the saved bytes: when the peak falls inside
 backward, the last layers' activations are already released by then. So the knapsack first counts each
 option's ``peak_freed_bytes`` (its freed bytes scaled by the share whose producer is alive at the
@@ -23,12 +23,12 @@ from memopt.cost_model.analysis import Estimate, annotate
 from memopt.core.errors import MemoptError
 from memopt.techniques import TECHNIQUES
 from memopt.passes.base import Decision, PassContext, registered_pass
-from memopt.passes.candidates import (Group, candidates, copy_graph_module, make_option, rewritten_units,
+from memopt.passes.planning.candidates import (Group, candidates, copy_graph_module, make_option, rewritten_units,
                                      unit_couplings)
-from memopt.passes.knapsack import (BALANCED, Policy, Solution, _solution, max_nested, max_saving, nesting,
+from memopt.passes.planning.knapsack import (BALANCED, Policy, Solution, _solution, max_nested, max_saving, nesting,
                                     policy_for, solve_nested_or_max, solve_or_max, weighted)
 from memopt.passes.manager import passes_for, run_passes
-from memopt.passes.stash_chunks import chunk_to_fit
+from memopt.passes.stash.chunks import chunk_to_fit
 
 MAX_ROUNDS = 6
 TOLERANCE = 0.03  # stop refining when the bytes asked for are known within 3%

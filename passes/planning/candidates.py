@@ -56,7 +56,7 @@ class Option:
     proxy (mean squared error per element, times elements); ``time`` is extra work counted one per element
     of each extra elementwise pass plus one per recomputed FLOP; ``flops``, the recomputed FLOPs inside
     ``time`` (recompute and reversible: one more forward of the block), lets the planner's policy weigh a
-    FLOP against an element pass (``memopt.passes.knapsack.FLOPS_PER_PASS``)."""
+    FLOP against an element pass (``memopt.passes.planning.knapsack.FLOPS_PER_PASS``)."""
 
     technique: str
     bits: Optional[int]

@@ -35,16 +35,16 @@ from torch import fx, nn
 from torch.export import Dim, ShapesCollection
 from torch.utils._pytree import keystr, tree_flatten_with_path
 
-from memopt.capture import Captured, capture, export_capture, export_module, flat_inputs, on_model
+from memopt.capture.trace import Captured, capture, export_capture, export_module, flat_inputs, on_model
 from memopt.config import Config
 from memopt.core.errors import MemoptError, TraceError
 from memopt.core.meta import DECISION_KEY
 from memopt.cost_model.analysis import annotate
 from memopt.passes.base import PassContext
-from memopt.passes.candidates import copy_graph_module
+from memopt.passes.planning.candidates import copy_graph_module
 from memopt.passes.manager import passes_for, run_passes
-from memopt.passes.planner import apply_decision
-from memopt.pipeline import Built, autocast_state, build, decision_set, make_plan
+from memopt.passes.planning.planner import apply_decision
+from memopt.builder.pipeline import Built, autocast_state, build, decision_set, make_plan
 from memopt.reversible.check import real_examples
 
 log = logging.getLogger("memopt")

@@ -10,9 +10,9 @@ and the model's structure (which module and parameter objects sit where, which r
 replacing a submodule or a parameter, adding one, freezing one or registering a hook re-captures
 and re-plans at the next training forward, so a stale graph never trains the old objects. Inputs that
 differ from a planned signature only in their sizes reuse its captured graph and plan where that is what a
-new plan would run (``memopt/shapes.py``; ``shape_stats`` counts reuses and re-plans). Modules
+new plan would run (``memopt/builder/shape_reuse.py``; ``shape_stats`` counts reuses and re-plans). Modules
 with hooks are captured as one call and never rewritten, so their hooks fire as in stock PyTorch.
-A model that cannot be captured whole is captured per submodule (``memopt/partial.py``): its own
+A model that cannot be captured whole is captured per submodule (``memopt/builder/per_submodule.py``): its own
 forward runs, with the captured submodules' forwards routed through their graphs for that call only.
 ``torch.compile(om)`` keeps the savings: choosing the graph (``_route``) and memopt's runtime ops
 (``memopt/core/leaf.py``) are opaque to dynamo and run eagerly; the code between them compiles.
@@ -29,19 +29,19 @@ from typing import Any, Optional, Tuple, Union
 import torch
 from torch import nn
 
-from memopt.capture import capture, has_hooks
+from memopt.capture.trace import capture, has_hooks
 from memopt.core.inputs import normalize_inputs
 from memopt.config import Config
 from memopt.core.errors import MemoptError, TraceError
-from memopt.pipeline import Built, build, input_signature
-from memopt.plan import Plan
+from memopt.builder.pipeline import Built, build, input_signature
+from memopt.record.plan import Plan
 from memopt.core.state import share_module_state
-from memopt.partial import build_partial
-from memopt.report import render
-from memopt.shapes import (MAX_REFERENCES, DynamicExport, Recaptured, Reference, ShapeStats, changed_dims, describe,
+from memopt.builder.per_submodule import build_partial
+from memopt.record.report import render
+from memopt.builder.shape_reuse import (MAX_REFERENCES, DynamicExport, Recaptured, Reference, ShapeStats, changed_dims, describe,
                            distance, input_shapes, reapplied, replan_key, reuse, shape_free_signature, timed)
-from memopt.soundness import Soundness, attribute_fingerprint, changed_attributes
-from memopt.export import export_directory, export_partial
+from memopt.capture.soundness import Soundness, attribute_fingerprint, changed_attributes
+from memopt.record.export import export_directory, export_partial
 
 log = logging.getLogger("memopt")
 
@@ -70,7 +70,7 @@ class OptimizedModule(nn.Module):
         self._init_shapes()
 
     def _init_shapes(self) -> None:
-        # shape-free signature + structure -> [Reference] (memopt/shapes.py), most recently used first
+        # shape-free signature + structure -> [Reference] (memopt/builder/shape_reuse.py), most recently used first
         object.__setattr__(self, "_memopt_families", OrderedDict())
         object.__setattr__(self, "_memopt_shape_stats", ShapeStats())
         object.__setattr__(self, "_memopt_logged", set())
@@ -97,7 +97,7 @@ class OptimizedModule(nn.Module):
                                 type(self._memopt_model).__name__)
                 elif self._memopt_built or cause is not None:
                     self._log_replan(signature, cause or (
-                        "captured per submodule (memopt/partial.py), whose plans are made for one signature each"
+                        "captured per submodule (memopt/builder/per_submodule.py), whose plans are made for one signature each"
                         if not isinstance(self._memopt_last, Built) else
                         "no plan yet for these ranks, dtypes, devices, non-tensor inputs and modules"))
                 built = self._plan_new(family, signature, args, kwargs, cause, served)
@@ -136,7 +136,7 @@ class OptimizedModule(nn.Module):
         try:
             return build(self._memopt_model, args, kwargs, self._memopt_config, self._memopt_budget,
                          self._memopt_optimizer, plan, capture_fn=capture_fn, checked=checked)
-        except TraceError as whole:  # optimize the submodules that can be captured (memopt/partial.py)
+        except TraceError as whole:  # optimize the submodules that can be captured (memopt/builder/per_submodule.py)
             log.warning("memopt: %s cannot be captured whole; capturing its submodules instead (%s)",
                         type(self._memopt_model).__name__, whole.summary)
             return build_partial(self._memopt_model, args, kwargs, self._memopt_config, self._memopt_budget,
@@ -144,7 +144,7 @@ class OptimizedModule(nn.Module):
 
     def _reuse(self, family: tuple, signature: tuple, args: tuple, kwargs: dict) -> tuple:
         """(a reference plan of ``family`` applied at these sizes, None, None) when one serves them
-        (memopt/shapes.py); else (None, why not: the re-plan's cause or None when the family has no plan yet, a
+        (memopt/builder/shape_reuse.py); else (None, why not: the re-plan's cause or None when the family has no plan yet, a
         reference whose captured graph serves these sizes, whose decisions differ, or None)."""
         references = self._memopt_families.get(family)
         served = None
@@ -325,7 +325,7 @@ class OptimizedModule(nn.Module):
     @property
     def graph_modules(self) -> "dict[str, torch.fx.GraphModule]":
         """{submodule path: rewritten graph}: {"": graph} for a model captured whole, one entry per
-        captured submodule for a model captured per submodule (``memopt/partial.py``)."""
+        captured submodule for a model captured per submodule (``memopt/builder/per_submodule.py``)."""
         built = self._last()
         return {"": built.graph_module} if isinstance(built, Built) else built.graph_modules
 

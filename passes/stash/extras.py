@@ -10,11 +10,11 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-from memopt.capture import has_hooks
+from memopt.capture.trace import has_hooks
 from memopt.core.meta import DECISION_KEY, META_KEY
 from memopt.cost_model.op_registry import op_kind
 from memopt.passes.fewbit import exact_masks, replace_with_mask
-from memopt.passes.stash_generic import _arg, _dtype, _kept, _keeping_only
+from memopt.passes.stash.generic import _arg, _dtype, _kept, _keeping_only
 from memopt.stash.config import StashConfig
 from memopt.stash.generic import dropout_1bit, where_1bit
 from memopt.stash.pool import max_pool2d_indices_only

@@ -1,7 +1,7 @@
-"""The spellings of a stash chain's BatchNorm and of its consumers, so ``passes/stash.py`` matches every capture.
+"""The spellings of a stash chain's BatchNorm and of its consumers, so ``passes/stash/chains.py`` matches every capture.
 
 A BatchNorm reaches the stash pass in one of three forms:
-- a module call (``torch.fx``): ``nn.BatchNorm1d/2d/3d``, or the stock twin ``memopt/canonical.py`` puts in
+- a module call (``torch.fx``): ``nn.BatchNorm1d/2d/3d``, or the stock twin ``memopt/capture/fused_norms.py`` puts in
   place of a fused norm-act module's traced ``F.batch_norm`` (timm's ``BatchNormAct2d``);
 - ``aten.batch_norm.default`` with ``training=True`` (``torch.export``'s training IR: Hugging Face models that
   symbolic tracing cannot capture). Its weight, bias and running statistics are ``get_attr`` arguments; the batch
@@ -25,10 +25,10 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-from memopt.capture import has_hooks
+from memopt.capture.trace import has_hooks
 from memopt.core.meta import META_KEY
-from memopt.passes.stash_extras import _max_pool_args
-from memopt.passes.stash_generic import _arg, _parameter
+from memopt.passes.stash.extras import _max_pool_args
+from memopt.passes.stash.generic import _arg, _parameter
 
 aten = torch.ops.aten
 BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)

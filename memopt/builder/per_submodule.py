@@ -34,17 +34,17 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
 
-from memopt.capture import trace_error
+from memopt.capture.trace import trace_error
 from memopt.config import Config
 from memopt.core.errors import BudgetError, MemoptError, TraceError
 from memopt.core.state import preserved_state
-from memopt.measure import measure
-from memopt.pipeline import build, input_signature
-from memopt.plan import PartialPlan, Plan
+from memopt.record.measure import measure
+from memopt.builder.pipeline import build, input_signature
+from memopt.record.plan import PartialPlan, Plan
 from memopt.core.units import fmt_bytes
-from memopt.fidelity import PROJECTIONS, RandomProjection, gate_report, has_lossy_units, parameter_fidelity, \
+from memopt.fidelity.gate import PROJECTIONS, RandomProjection, gate_report, has_lossy_units, parameter_fidelity, \
     per_min, shortest_passing, worst_over
-from memopt.soundness import training_step
+from memopt.capture.soundness import training_step
 
 log = logging.getLogger("memopt")
 

@@ -19,13 +19,13 @@ import torch
 from torch import fx, nn
 from torch.utils._pytree import tree_flatten
 
-from memopt.canonical import canonical_batch_norms
+from memopt.capture.fused_norms import canonical_batch_norms
 from memopt.core.errors import TraceError
 from memopt.core.leaf import LEAF_FUNCTIONS
 from memopt.core.state import preserved_state
-from memopt.constants import share_repeated_constants
-from memopt.functions import as_operator, function_of
-from memopt.masks import drop_constant_masks
+from memopt.capture.cached_constants import share_repeated_constants
+from memopt.capture.autograd_functions import as_operator, function_of
+from memopt.capture.attention_masks import drop_constant_masks
 
 log = logging.getLogger("memopt")
 
@@ -258,7 +258,7 @@ class _HookAwareTracer(fx.Tracer):
 
 def _as_operators(applied: Dict[type, str]):
     """A ``_patched_apply`` hook for export: each custom autograd Function becomes one opaque operator call
-    (``memopt.functions``), replaced by its ``FunctionCall`` after export; one the operator cannot describe is
+    (``memopt.capture.autograd_functions``), replaced by its ``FunctionCall`` after export; one the operator cannot describe is
     recorded in ``applied`` (with where and why) and left to export, which inlines it."""
     def hook(cls: type, args: tuple, kwargs: dict) -> Any:
         # memopt's own ops; torch.library's Function for a custom operator's autograd (the operator stays one node)
@@ -329,7 +329,7 @@ def _defaults_left_out(model: nn.Module, args: tuple, kwargs: dict) -> Dict[str,
 
 def export_module(model: nn.Module, args: tuple, kwargs: dict, dynamic_shapes: Any = None) -> fx.GraphModule:
     """``torch.export`` (non-strict) of ``model``: its module, each custom autograd Function kept as one operator
-    (``memopt.functions``); raises what export raises, and ``TraceError`` for a Function export would inline (its
+    (``memopt.capture.autograd_functions``); raises what export raises, and ``TraceError`` for a Function export would inline (its
     own backward would not run). The model's attributes and mode are restored."""
     was_training = model.training
     applied: Dict[type, str] = {}

@@ -1,6 +1,6 @@
 """The planner's solvers: pure functions on groups of options (numbers), no graph.
 
-Given the groups of ``memopt.passes.candidates`` (each: exact, or one of its options), choose one option
+Given the groups of ``memopt.passes.planning.candidates`` (each: exact, or one of its options), choose one option
 per group so that the saved bytes freed reach ``required`` while the total cost
 
     cost(option) = fidelity + time_weight * time
@@ -28,7 +28,7 @@ error of a 3-bit code (codecs first, down to 3 bits, then whichever costs less t
 everywhere, which the gate would give back through recomputation); a number w at w; "memory" asks every
 lossy unit for its most bytes. No policy relaxes the fidelity gate.
 
-The graph adapter (candidates, re-estimation, the search for the bytes to ask) is ``memopt.passes.planner``.
+The graph adapter (candidates, re-estimation, the search for the bytes to ask) is ``memopt.passes.planning.planner``.
 """
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from memopt.passes.candidates import Group, Option
+from memopt.passes.planning.candidates import Group, Option
 
 TIME_WEIGHT = 1e-3
 DEFAULT_RESOLUTION = 2048

@@ -13,21 +13,21 @@ from torch import fx, nn
 from torch.utils._pytree import tree_flatten_with_path, keystr
 
 from memopt.cost_model.analysis import Estimate, annotate
-from memopt.capture import Captured, capture, check_inputs, export_capture, flat_inputs, opaque_functions
+from memopt.capture.trace import Captured, capture, check_inputs, export_capture, flat_inputs, opaque_functions
 from memopt.config import Config
 from memopt.core.errors import BudgetError, MemoptError
-from memopt.plan import NodePlan, Plan, node_plans, option_label
-from memopt.fidelity import fidelity_gate, has_lossy_units
-from memopt.soundness import Soundness, check_capture
-from memopt.passes.candidates import copy_graph_module
+from memopt.record.plan import NodePlan, Plan, node_plans, option_label
+from memopt.fidelity.gate import fidelity_gate, has_lossy_units
+from memopt.capture.soundness import Soundness, check_capture
+from memopt.passes.planning.candidates import copy_graph_module
 from memopt.core.meta import DECISION_KEY
 from memopt.core.units import fmt_bytes
 from memopt.reversible.check import real_examples
 from memopt.passes.base import PassContext
-from memopt.passes.candidates import rewritten_units
+from memopt.passes.planning.candidates import rewritten_units
 from memopt.passes.manager import passes_for, run_passes
-from memopt.passes.planner import BudgetPlan, apply_decision, fit_decision, plan_for_budget, plan_units
-from memopt.passes.stash_chunks import chunk_to_fit, chunks_of, set_chunks
+from memopt.passes.planning.planner import BudgetPlan, apply_decision, fit_decision, plan_for_budget, plan_units
+from memopt.passes.stash.chunks import chunk_to_fit, chunks_of, set_chunks
 from memopt.cost_model.histograms import record_input_histograms
 from memopt.fewbit.activations import TABLE_ACTIVATIONS
 from memopt.fewbit.activations import ACTIVATIONS
@@ -43,7 +43,7 @@ class Built:
     baseline: Estimate
     estimate: Estimate
     planned: Optional[BudgetPlan] = None  # the budget planner's choice (None without a budget)
-    # what another input shape needs to reuse this plan (memopt/shapes.py): the captured graph before any
+    # what another input shape needs to reuse this plan (memopt/builder/shape_reuse.py): the captured graph before any
     # rewrite (histograms kept), how it was captured, and the decisions before the fidelity gate
     captured: Optional[fx.GraphModule] = None
     method: str = ""
@@ -112,7 +112,7 @@ def build(model: nn.Module, args: tuple, kwargs: dict, config: Config, budget_by
     ``plan`` (a saved ``Plan`` for these inputs) replaces planning: its chosen units are applied
     as they are. Otherwise no budget applies every enabled technique at its defaults, a budget the
     baseline meets changes nothing, and any other budget goes to the planner. ``capture_fn`` captures
-    (``memopt/shapes.py`` passes a torch.export with some dimensions dynamic, or a graph captured and
+    (``memopt/builder/shape_reuse.py`` passes a torch.export with some dimensions dynamic, or a graph captured and
     checked before that serves these sizes: ``checked`` is then its soundness check, not run again).
     """
     check_inputs(model, args, kwargs)

@@ -1,4 +1,4 @@
-"""The fidelity gate's repairs of a decision (``memopt/fidelity.py``): raise a unit's bits or make it exact,
+"""The fidelity gate's repairs of a decision (``memopt/fidelity/gate.py``): raise a unit's bits or make it exact,
 a technique's units all at once, coupled units together, and the last resort's fewest exact units. Pure
 functions of decisions (``{technique: {unit: bits}}``) and numbers; measuring is the gate's."""
 from __future__ import annotations

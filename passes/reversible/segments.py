@@ -1,6 +1,6 @@
 """The reversible pass: checked pieces of reversible segments become one call that keeps its outputs.
 
-Segments come from ``passes/reversible_find.py``; each is turned into a ``ReversibleSegment``
+Segments come from ``passes/reversible/find.py``; each is turned into a ``ReversibleSegment``
 (memopt/reversible/ops.py: one sub-graph per step, H for a coupling, the op for glue), checked on
 the example inputs (memopt/reversible/check.py) and cut into pieces; every piece with a coupling is
 replaced in the graph by one ``reversible_segment`` call. Steps that fail the check, and whole
@@ -24,7 +24,7 @@ from memopt.core.meta import DECISION_KEY
 from memopt.reversible.check import check_segment, sub_segment, true_values
 from memopt.reversible.config import ReversibleConfig
 from memopt.passes.base import PassContext, PassResult, PlannerHooks, node_numel, register_pass
-from memopt.passes.reversible_find import CATS, SPLITS, FoundStep, Segment, find_segments, is_random, op_key
+from memopt.passes.reversible.find import CATS, SPLITS, FoundStep, Segment, find_segments, is_random, op_key
 
 aten = torch.ops.aten
 

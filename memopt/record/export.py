@@ -7,12 +7,12 @@ from typing import TYPE_CHECKING, Dict
 import networkx as nx
 from torch import fx
 
-from memopt.plan import NodePlan
-from memopt.report import render
+from memopt.record.plan import NodePlan
+from memopt.record.report import render
 from memopt.core.units import fmt_bytes
 
 if TYPE_CHECKING:
-    from memopt.optimized import OptimizedModule
+    from memopt.builder.optimized import OptimizedModule
 
 GRAPH_HEADER = "# memopt: rewritten training graph of {model} (captured by {capture})\n"
 

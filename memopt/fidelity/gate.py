@@ -20,20 +20,20 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 import torch
 from torch import fx, nn
 
-from memopt.capture import capture, flat_inputs
+from memopt.capture.trace import capture, flat_inputs
 from memopt.config import Config
 from memopt.core.errors import MemoptError
 from memopt.core.meta import HISTOGRAM_KEY, META_KEY
-from memopt.invariance import invariant_parameters
+from memopt.fidelity.invariant_params import invariant_parameters
 from memopt.cost_model.step import default_loss, output_tensors
-from memopt.fidelity_repair import _LEVELS, _fewest_exact, _key, _raise, _raise_all, _without, coupled, freed_by, \
-    freed_table, shortest_passing  # noqa: F401 (re-exported: tests reach them as memopt.fidelity.*)
-from memopt.fidelity_scope import after, responsible, weight_only_units, within_reach
+from memopt.fidelity.repair import _LEVELS, _fewest_exact, _key, _raise, _raise_all, _without, coupled, freed_by, \
+    freed_table, shortest_passing  # noqa: F401 (re-exported: tests reach them as memopt.fidelity.gate.*)
+from memopt.fidelity.scope import after, responsible, weight_only_units, within_reach
 from memopt.passes.base import Decision, PassContext
-from memopt.passes.candidates import copy_graph_module, rewritten_units
-from memopt.passes.planner import apply_decision
+from memopt.passes.planning.candidates import copy_graph_module, rewritten_units
+from memopt.passes.planning.planner import apply_decision
 from memopt.reversible.check import real_examples
-from memopt.soundness import batch_slice, training_step
+from memopt.capture.soundness import batch_slice, training_step
 
 log = logging.getLogger("memopt")
 

@@ -1,0 +1,1 @@
+"""The reversible pass: find reversible segments (find), check and rewrite them (segments)."""
