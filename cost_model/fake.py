@@ -32,9 +32,13 @@ def fake_copy(gm: fx.GraphModule, args: tuple, kwargs: dict, mode: FakeTensorMod
         # a 0-dim integer buffer stays real (a copy): BatchNorm(momentum=None) reads its batch counter as a Python
         # float, which a fake tensor cannot give
         memo[id(b)] = b.detach().clone() if b.dim() == 0 and not b.is_floating_point() else _fake_like(b, mode, device)
-    for name, value in gm.__dict__.items():  # plain tensor attributes (export's lifted constants)
-        if isinstance(value, torch.Tensor) and id(value) not in memo:
-            memo[id(value)] = _fake_like(value, mode, device)
+    # plain tensor attributes: export's lifted constants on the graph module, and on the model's own modules the
+    # tensors hooks compute (the old torch.nn.utils.weight_norm / spectral_norm set ``weight`` as a non-leaf,
+    # which deepcopy refuses)
+    for module in gm.modules():
+        for value in module.__dict__.values():
+            if isinstance(value, torch.Tensor) and id(value) not in memo:
+                memo[id(value)] = _fake_like(value, mode, device)
     fake_gm = copy.deepcopy(gm, memo)
 
     def to_fake(x):

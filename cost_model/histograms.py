@@ -13,7 +13,7 @@ from torch import fx
 
 from memopt.core.meta import HISTOGRAM_KEY
 from memopt.cost_model.op_registry import op_kind
-from memopt.core.state import preserved_state
+from memopt.core.state import preserved_state, train_as_user
 
 
 
@@ -41,6 +41,6 @@ def record_input_histograms(gm: fx.GraphModule, flat_inputs: list, kinds: Collec
             return super().run_node(n)
 
     with preserved_state(gm), torch.no_grad():
-        gm.train(True)
+        train_as_user(gm)
         _Recorder(gm).run(*flat_inputs, enable_io_processing=False)
     return recorded

@@ -16,6 +16,7 @@ from memopt.capture.trace import capture, check_inputs
 from memopt.core.inputs import normalize_inputs
 from memopt.config import Config
 from memopt.core.errors import MemoptError, TraceError
+from memopt.core.state import module_flags, restore_flags, train_as_user
 from memopt.record.export import GRAPH_HEADER, graph_code
 from memopt.builder.optimized import OptimizedModule
 from memopt.builder.pipeline import validate_budget
@@ -153,8 +154,8 @@ def estimate(model: nn.Module, example_inputs: Any, *, device: Optional[str] = N
     resolve_optimizer(optimizer)
     args, kwargs = normalize_inputs(example_inputs)
     check_inputs(model, args, kwargs)
-    was_training = model.training
-    model.train(True)
+    flags = module_flags(model)
+    train_as_user(model)
     try:
         captured = capture(model, args, kwargs)
         est: Estimate = annotate(captured.graph_module, args, kwargs, device=config.device,
@@ -163,7 +164,7 @@ def estimate(model: nn.Module, example_inputs: Any, *, device: Optional[str] = N
         saved, peak, nodes, plan = estimate_partial(model, args, kwargs, device, optimizer, loss_fn, whole)
         return EstimateReport(saved, peak, nodes, {}, plan)
     finally:
-        model.train(was_training)
+        restore_flags(flags)
     plan = Plan(model=type(model).__name__, capture=captured.method, device=est.device,
                 input_signature=input_signature(args, kwargs), torch_version=torch.__version__,
                 config=config.to_dict(), budget_bytes=None, baseline_saved_bytes=est.saved_bytes,

@@ -20,6 +20,7 @@ forward runs, with the captured submodules' forwards routed through their graphs
 from __future__ import annotations
 
 import builtins
+import functools
 import logging
 import sys
 from collections import OrderedDict
@@ -35,7 +36,7 @@ from memopt.config import Config
 from memopt.core.errors import MemoptError, TraceError
 from memopt.builder.pipeline import Built, build, input_signature
 from memopt.record.plan import Plan
-from memopt.core.state import share_module_state
+from memopt.core.state import module_flags, preserved_buffers, restore_flags, share_module_state, train_as_user
 from memopt.builder.per_submodule import build_partial
 from memopt.record.report import render
 from memopt.builder.shape_reuse import (MAX_REFERENCES, DynamicExport, Recaptured, Reference, ShapeStats, changed_dims, describe,
@@ -56,9 +57,9 @@ class OptimizedModule(nn.Module):
         super().__init__()
         # the model's own dicts, not copies: a module or parameter the user adds or replaces later is ours too
         share_module_state(self, model)
-        self.training = model.training
         # Plain attributes (object.__setattr__), not registered: they hold the same objects again.
         object.__setattr__(self, "_memopt_model", model)
+        self._stand_in_forward()
         object.__setattr__(self, "_memopt_config", config)
         object.__setattr__(self, "_memopt_budget", budget_bytes)
         object.__setattr__(self, "_memopt_optimizer", optimizer)
@@ -68,6 +69,49 @@ class OptimizedModule(nn.Module):
         object.__setattr__(self, "_memopt_last", None)
         object.__setattr__(self, "_memopt_layout_warned", False)
         self._init_shapes()
+
+    # ---------------------------------------------------------------- standing in for the model
+    @property
+    def training(self) -> bool:  # type: ignore[override]
+        """The model's own flag: ``model.eval()`` on the original module is ``om.eval()`` too (an evaluation
+        with autograd on runs the model, not the training graph)."""
+        model = self.__dict__.get("_memopt_model")
+        return model.training if model is not None else self.__dict__.get("_memopt_training", True)
+
+    @training.setter
+    def training(self, mode: bool) -> None:
+        model = self.__dict__.get("_memopt_model")
+        if model is None:  # nn.Module.__init__, before the model is attached
+            self.__dict__["_memopt_training"] = mode
+        else:
+            model.training = mode
+
+    def _stand_in_forward(self) -> None:
+        """``forward`` with the model's signature (``inspect.signature(om.forward)``), as ``torch.compile``'s
+        wrapper has: the Hugging Face Trainer drops the dataset columns the signature does not name."""
+        owner = self
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            return OptimizedModule.forward(owner, *args, **kwargs)
+
+        functools.update_wrapper(forward, self._memopt_model.forward)
+        object.__setattr__(self, "forward", forward)
+
+    def __getattr__(self, name: str) -> Any:
+        """Parameters, buffers and submodules as ``nn.Module`` finds them (the model's own dicts); any other
+        attribute is the model's (``config``, ``save_pretrained``, ``generate``, ``device``...)."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            model = self.__dict__.get("_memopt_model")
+            if model is None or name.startswith("_memopt"):
+                raise
+            return getattr(model, name)
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state.pop("forward", None)  # a closure over self: rebuilt on unpickling
+        return state
 
     def _init_shapes(self) -> None:
         # shape-free signature + structure -> [Reference] (memopt/builder/shape_reuse.py), most recently used first
@@ -79,6 +123,8 @@ class OptimizedModule(nn.Module):
         super().__setstate__(state)
         if "_memopt_families" not in self.__dict__:  # pickled before shapes were reused
             self._init_shapes()
+        if "_memopt_model" in self.__dict__:
+            self._stand_in_forward()
 
     # ---------------------------------------------------------------- capture and planning
     def _build_for(self, args: tuple, kwargs: dict) -> Built:
@@ -87,20 +133,10 @@ class OptimizedModule(nn.Module):
         built, guards_failed = self._cached(key)
         if built is None:
             family = (shape_free_signature(args, kwargs), structure)
-            built, cause, served = self._reuse(family, signature, args, kwargs)
-            if built is None:
-                if guards_failed:
-                    pass  # _cached said what changed
-                elif any(k[0] == signature for k in self._memopt_built):
-                    log.warning("memopt: %s changed since it was captured (a module or parameter was added, replaced "
-                                "or frozen, or a hook registered); capturing and planning again",
-                                type(self._memopt_model).__name__)
-                elif self._memopt_built or cause is not None:
-                    self._log_replan(signature, cause or (
-                        "captured per submodule (memopt/builder/per_submodule.py), whose plans are made for one signature each"
-                        if not isinstance(self._memopt_last, Built) else
-                        "no plan yet for these ranks, dtypes, devices, non-tensor inputs and modules"))
-                built = self._plan_new(family, signature, args, kwargs, cause, served)
+            # planning reads module attributes: a parametrised weight (spectral norm) read in training mode runs
+            # its power iteration, which moves its buffers; the user's buffers stay as eager leaves them
+            with preserved_buffers(self._memopt_model):
+                built = self._plan_or_reuse(family, signature, args, kwargs, guards_failed)
             self._memopt_built[key] = built
             self._memopt_guards[key] = attribute_fingerprint(self._memopt_model, _guarded_paths(built))
             while len(self._memopt_built) > MAX_SIGNATURES:
@@ -109,6 +145,23 @@ class OptimizedModule(nn.Module):
         else:
             self._memopt_built.move_to_end(key)
         object.__setattr__(self, "_memopt_last", built)
+        return built
+
+    def _plan_or_reuse(self, family: tuple, signature: tuple, args: tuple, kwargs: dict, guards_failed: bool) -> Any:
+        built, cause, served = self._reuse(family, signature, args, kwargs)
+        if built is None:
+            if guards_failed:
+                pass  # _cached said what changed
+            elif any(k[0] == signature for k in self._memopt_built):
+                log.warning("memopt: %s changed since it was captured (a module or parameter was added, replaced "
+                            "or frozen, a submodule's training flag changed, or a hook registered); capturing and planning again",
+                            type(self._memopt_model).__name__)
+            elif self._memopt_built or cause is not None:
+                self._log_replan(signature, cause or (
+                    "captured per submodule (memopt/builder/per_submodule.py), whose plans are made for one signature each"
+                    if not isinstance(self._memopt_last, Built) else
+                    "no plan yet for these ranks, dtypes, devices, non-tensor inputs and modules"))
+            built = self._plan_new(family, signature, args, kwargs, cause, served)
         return built
 
     def _cached(self, key: tuple) -> Tuple[Any, bool]:
@@ -252,12 +305,12 @@ class OptimizedModule(nn.Module):
     def prepare(self, example_inputs: Any) -> "OptimizedModule":
         """Capture and plan for ``example_inputs`` now (``optimize`` calls this when given inputs)."""
         args, kwargs = normalize_inputs(example_inputs)
-        was_training = self._memopt_model.training
-        self._memopt_model.train(True)  # we plan the training graph
+        flags = module_flags(self._memopt_model)
+        train_as_user(self._memopt_model)  # we plan the training graph, under the user's submodule flags
         try:
             self._build_for(args, kwargs)
         finally:
-            self._memopt_model.train(was_training)
+            restore_flags(flags)
         return self
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -280,7 +333,7 @@ class OptimizedModule(nn.Module):
         Dynamo breaks the graph here and traces the rewritten graph this returns."""
         # torch.func transforms (grad, vmap, jacrev, ...) run the original model: memopt's autograd
         # Functions have no functorch rules, and a transform's forward is not the training step planned
-        if not (self.training and torch.is_grad_enabled()) or torch._C._functorch.peek_interpreter_stack() is not None \
+        if not (self._memopt_model.training and torch.is_grad_enabled()) or torch._C._functorch.peek_interpreter_stack() is not None \
                 or not _trains_anything(self._memopt_model, args, kwargs):
             return None
         built = self._build_for(args, kwargs)
@@ -371,7 +424,7 @@ def _structure(model: nn.Module) -> tuple:
     """Which module and parameter objects sit where in ``model``, which require grad and which modules
     have hooks: a graph captured for one structure must not run on another (it would call the old
     objects, or skip hooks registered since)."""
-    modules = tuple((name, id(m), has_hooks(m)) for name, m in model.named_modules(remove_duplicate=False))
+    modules = tuple((name, id(m), has_hooks(m), m.training) for name, m in model.named_modules(remove_duplicate=False))
     params = tuple((name, id(p), p.requires_grad) for name, p in model.named_parameters(remove_duplicate=False))
     buffers = tuple((name, id(b)) for name, b in model.named_buffers(remove_duplicate=False))
     return modules + params + buffers

@@ -37,7 +37,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from memopt.capture.trace import trace_error
 from memopt.config import Config
 from memopt.core.errors import BudgetError, MemoptError, TraceError
-from memopt.core.state import preserved_state
+from memopt.core.state import preserved_state, train_as_user
 from memopt.record.measure import measure
 from memopt.builder.pipeline import build, input_signature
 from memopt.record.plan import PartialPlan, Plan
@@ -121,7 +121,7 @@ def record_calls(model: nn.Module, args: tuple, kwargs: dict) -> Dict[str, list]
             handles.append(module.register_forward_pre_hook(hook(path), with_kwargs=True))
     try:
         with preserved_state(model), torch.enable_grad():
-            model.train(True)
+            train_as_user(model)
             model(*args, **kwargs)
     finally:
         for h in handles:

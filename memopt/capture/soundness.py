@@ -26,7 +26,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_map
 
 from memopt.core.errors import MemoptError, TraceError
-from memopt.core.state import preserved_state
+from memopt.core.state import preserved_state, train_as_user
 from memopt.core.storage import storage_key
 from memopt.cost_model.step import compute_loss, output_tensors
 from memopt.cost_model.storage import SavedTensorRecorder, distinct_saved_bytes
@@ -128,7 +128,7 @@ def training_step(fn, model: nn.Module, args: tuple, kwargs: dict, rng: torch.Te
     state = {storage_key(t) for t in params + list(model.buffers())}
     args, kwargs, inputs = _fresh_inputs(args, kwargs)
     with preserved_state(model):
-        model.train(True)
+        train_as_user(model)
         torch.set_rng_state(rng)
         seed_host_rngs(rng)
         for p in params:

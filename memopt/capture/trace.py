@@ -22,7 +22,7 @@ from torch.utils._pytree import tree_flatten
 from memopt.capture.fused_norms import canonical_batch_norms
 from memopt.core.errors import TraceError
 from memopt.core.leaf import LEAF_FUNCTIONS
-from memopt.core.state import preserved_state
+from memopt.core.state import module_flags, preserved_state, restore_flags
 from memopt.capture.cached_constants import share_repeated_constants
 from memopt.capture.autograd_functions import as_operator, function_of
 from memopt.capture.attention_masks import drop_constant_masks
@@ -331,7 +331,7 @@ def export_module(model: nn.Module, args: tuple, kwargs: dict, dynamic_shapes: A
     """``torch.export`` (non-strict) of ``model``: its module, each custom autograd Function kept as one operator
     (``memopt.capture.autograd_functions``); raises what export raises, and ``TraceError`` for a Function export would inline (its
     own backward would not run). The model's attributes and mode are restored."""
-    was_training = model.training
+    flags = module_flags(model)
     applied: Dict[type, str] = {}
     snapshot = _attribute_snapshot(model)  # export runs the forward's Python too
     try:
@@ -340,7 +340,7 @@ def export_module(model: nn.Module, args: tuple, kwargs: dict, dynamic_shapes: A
             exported = torch.export.export(model, args, kwargs=kwargs, strict=False, dynamic_shapes=dynamic_shapes)
     finally:
         _restore_attributes(*snapshot)
-        model.train(was_training)
+        restore_flags(flags)
     if applied:
         names = ", ".join(f"{cls.__qualname__} ({where})" for cls, where in list(applied.items())[:3])
         raise TraceError(f"torch.export inlines the custom autograd Function {names}: its own backward would "

@@ -4,6 +4,8 @@ from __future__ import annotations
 import random
 import sys
 
+from typing import List, Tuple
+
 import torch
 from torch import nn
 
@@ -26,7 +28,7 @@ class preserved_state:
         self.python_rng = random.getstate()
         numpy = sys.modules.get("numpy")  # only when the process uses numpy already
         self.numpy_rng = (numpy, numpy.random.get_state()) if numpy is not None else None
-        self.training = self.model.training
+        self.flags = module_flags(self.model)
         return self
 
     def __exit__(self, *exc) -> None:
@@ -45,7 +47,44 @@ class preserved_state:
         random.setstate(self.python_rng)
         if self.numpy_rng is not None:
             self.numpy_rng[0].random.set_state(self.numpy_rng[1])
-        self.model.train(self.training)
+        restore_flags(self.flags)
+
+
+class preserved_buffers:
+    """Context manager: every buffer of ``module`` as it was. Rewriting a graph reads module attributes, and
+    reading a parametrised weight (``torch.nn.utils.parametrizations.spectral_norm``) in training mode runs its
+    power iteration, which updates the buffers ``_u`` / ``_v`` in place."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    def __enter__(self) -> "preserved_buffers":
+        self.values = [(b, b.detach().clone()) for b in self.module.buffers()]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        with torch.no_grad():
+            for b, v in self.values:
+                if not torch.equal(b, v):
+                    b.copy_(v)
+
+
+def module_flags(model: nn.Module) -> List[Tuple[nn.Module, bool]]:
+    """Every submodule's training flag: fine-tuning code freezes some (``bn.eval()`` while the rest trains), and
+    ``model.train(mode)`` would overwrite them all, so memopt restores each one, never only the top-level flag."""
+    return [(m, m.training) for m in model.modules()]
+
+
+def restore_flags(flags: List[Tuple[nn.Module, bool]]) -> None:
+    for module, flag in flags:
+        module.training = flag
+
+
+def train_as_user(model: nn.Module) -> None:
+    """Put ``model`` in the mode its training step runs in: as the user left it when it is training (a frozen
+    BatchNorm stays frozen), else what ``model.train()`` gives. Callers restore ``module_flags`` afterwards."""
+    if not model.training:
+        model.train(True)
 
 
 def share_module_state(target: nn.Module, model: nn.Module) -> None:

@@ -30,7 +30,7 @@ from memopt.cost_model.optimizers import resolve_optimizer
 from memopt.cost_model.step import LossFn, compute_loss
 from memopt.cost_model.storage import LiveStorageTracker, SavedTensorRecorder, distinct_bytes, distinct_saved_bytes, storage_key
 from memopt.core.inputs import normalize_inputs
-from memopt.core.state import preserved_state
+from memopt.core.state import preserved_state, train_as_user
 from torch.utils._pytree import tree_flatten
 
 
@@ -68,7 +68,7 @@ def measure(model: nn.Module, example_inputs: Any, loss_fn: Optional[LossFn] = N
     device = params[0].device if params else (inputs[0].device if inputs else torch.device("cpu"))
 
     with preserved_state(model):
-        model.train(True)
+        train_as_user(model)
         for p in params:
             p.grad = None
         _plan_first(model, args, kwargs)

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import memopt
-from memopt import fidelity
+from memopt.fidelity import gate as fidelity
 from memopt.fidelity.gate import RandomProjection, parameter_fidelity
 
 
