@@ -20,7 +20,7 @@ forward runs, with the captured submodules' forwards routed through their graphs
 from __future__ import annotations
 
 import builtins
-import functools
+import inspect
 import logging
 import sys
 from collections import OrderedDict
@@ -59,7 +59,6 @@ class OptimizedModule(nn.Module):
         share_module_state(self, model)
         # Plain attributes (object.__setattr__), not registered: they hold the same objects again.
         object.__setattr__(self, "_memopt_model", model)
-        self._stand_in_forward()
         object.__setattr__(self, "_memopt_config", config)
         object.__setattr__(self, "_memopt_budget", budget_bytes)
         object.__setattr__(self, "_memopt_optimizer", optimizer)
@@ -86,17 +85,6 @@ class OptimizedModule(nn.Module):
         else:
             model.training = mode
 
-    def _stand_in_forward(self) -> None:
-        """``forward`` with the model's signature (``inspect.signature(om.forward)``), as ``torch.compile``'s
-        wrapper has: the Hugging Face Trainer drops the dataset columns the signature does not name."""
-        owner = self
-
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            return OptimizedModule.forward(owner, *args, **kwargs)
-
-        functools.update_wrapper(forward, self._memopt_model.forward)
-        object.__setattr__(self, "forward", forward)
-
     def __getattr__(self, name: str) -> Any:
         """Parameters, buffers and submodules as ``nn.Module`` finds them (the model's own dicts); any other
         attribute is the model's (``config``, ``save_pretrained``, ``generate``, ``device``...)."""
@@ -108,10 +96,14 @@ class OptimizedModule(nn.Module):
                 raise
             return getattr(model, name)
 
-    def __getstate__(self) -> dict:
-        state = dict(self.__dict__)
-        state.pop("forward", None)  # a closure over self: rebuilt on unpickling
-        return state
+    def __new__(cls, model: nn.Module, *args: Any, **kwargs: Any) -> "OptimizedModule":
+        # an instance of the model class's stand-in subclass, whose forward has the model's signature
+        return super().__new__(stand_in_class(type(model)) if cls is OptimizedModule else cls)
+
+    def __reduce_ex__(self, protocol: int) -> tuple:
+        """Pickled (and deep-copied) as its stand-in class rebuilt from the model's class: the subclass is made at
+        run time, so pickle cannot find it by name."""
+        return _rebuild, (type(self._memopt_model),), self.__getstate__()
 
     def _init_shapes(self) -> None:
         # shape-free signature + structure -> [Reference] (memopt/builder/shape_reuse.py), most recently used first
@@ -123,8 +115,6 @@ class OptimizedModule(nn.Module):
         super().__setstate__(state)
         if "_memopt_families" not in self.__dict__:  # pickled before shapes were reused
             self._init_shapes()
-        if "_memopt_model" in self.__dict__:
-            self._stand_in_forward()
 
     # ---------------------------------------------------------------- capture and planning
     def _build_for(self, args: tuple, kwargs: dict) -> Built:
@@ -418,6 +408,35 @@ class OptimizedModule(nn.Module):
         if self._memopt_last is None:
             return f"OptimizedModule({type(self._memopt_model).__name__}, not captured yet)"
         return self.report()
+
+
+_STAND_INS: dict = {}
+
+
+def stand_in_class(model_class: type) -> type:
+    """``OptimizedModule``'s subclass for ``model_class``: its ``forward`` has the model class's signature, as
+    ``inspect.signature`` reads it on the class or on an instance (the Hugging Face Trainer reads the class: it keeps
+    the dataset columns and finds the label arguments that signature names; without them it drops every column and
+    reports no ``eval_loss``)."""
+    cls = _STAND_INS.get(model_class)
+    if cls is None:
+        def forward(self, *args: Any, **kwargs: Any) -> Any:
+            return OptimizedModule.forward(self, *args, **kwargs)
+
+        try:
+            forward.__signature__ = inspect.signature(model_class.forward)
+        except (TypeError, ValueError):  # a forward inspect cannot read keeps (*args, **kwargs)
+            pass
+        forward.__doc__ = model_class.forward.__doc__
+        cls = type(f"Optimized{model_class.__name__}", (OptimizedModule,),
+                   {"forward": forward, "__module__": __name__, "__doc__": OptimizedModule.__doc__})
+        _STAND_INS[model_class] = cls
+    return cls
+
+
+def _rebuild(model_class: type) -> "OptimizedModule":
+    cls = stand_in_class(model_class)
+    return nn.Module.__new__(cls)
 
 
 def _structure(model: nn.Module) -> tuple:
