@@ -97,6 +97,14 @@ class PlannerHooks:
     fidelity: Callable[[fx.Node, Estimate, str], float]
     levels: Callable[[Any], Tuple[Optional[int], ...]] = lambda cfg: cfg.plan_bits
     last_resort: bool = False
+    # the time proxy: extra element passes per element of the unit (encode + decode + the backward's reads), or, when
+    # ``reruns_forward``, the unit's forward FLOPs again plus one pass over each output (recompute, reversible)
+    extra_passes: float = 0.0
+    reruns_forward: bool = False
+
+    def bit_levels(self, technique_config: Any) -> Tuple[int, ...]:
+        """The bit widths the gate's repair may raise a unit through (none: it can only be made exact)."""
+        return tuple(sorted(b for b in self.levels(technique_config) if b is not None))
 
 
 @dataclass(frozen=True)
@@ -131,6 +139,11 @@ def register_pass(config_type: Type, name: Optional[str] = None, *,
 
 def registered_pass(config_type: Type) -> Optional[Handler]:
     return _HANDLERS.get(config_type)
+
+
+def planner_hooks(technique: str) -> Optional[PlannerHooks]:
+    """The planner hooks registered under a technique's name (its Config field), None for none."""
+    return next((h.planner for h in _HANDLERS.values() if h.name == technique), None)
 
 
 def node_numel(baseline: Estimate, node: str) -> int:

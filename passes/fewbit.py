@@ -7,7 +7,6 @@ left exact gets its reason too.
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import Dict, Optional, Tuple, Union
 
 import torch
@@ -156,7 +155,7 @@ def _fewbit_fidelity(new: fx.Node, baseline: Estimate, unit: str) -> float:
 
 
 _PLANNER = PlannerHooks(
-    fidelity=_fewbit_fidelity)
+    fidelity=_fewbit_fidelity, extra_passes=2.0)  # encode in forward, decode + multiply in backward
 
 
 @register_pass(FewBitConfig, planner=_PLANNER)

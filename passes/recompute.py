@@ -127,7 +127,7 @@ def _extract(gm: fx.GraphModule, block: Block, inputs: List[fx.Node], output: fx
 
 _PLANNER = PlannerHooks(
     fidelity=lambda new, baseline, unit: 0.0,  # exact
-    levels=lambda cfg: (None,), last_resort=True)
+    levels=lambda cfg: (None,), last_resort=True, reruns_forward=True)
 
 
 @register_pass(RecomputeConfig, planner=_PLANNER)

@@ -26,7 +26,7 @@ from memopt.core.errors import MemoptError
 from memopt.core.meta import HISTOGRAM_KEY, META_KEY
 from memopt.fidelity.invariant_params import invariant_parameters
 from memopt.cost_model.step import default_loss, output_tensors
-from memopt.fidelity.repair import _LEVELS, _fewest_exact, _key, _raise, _raise_all, _without, coupled, freed_by, \
+from memopt.fidelity.repair import _fewest_exact, _key, _raise, _raise_all, _without, coupled, freed_by, \
     freed_table, shortest_passing  # noqa: F401 (re-exported: tests reach them as memopt.fidelity.gate.*)
 from memopt.fidelity.scope import after, responsible, weight_only_units, within_reach
 from memopt.passes.base import Decision, PassContext

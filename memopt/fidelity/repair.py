@@ -6,13 +6,15 @@ from __future__ import annotations
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 from memopt.config import Config
-from memopt.passes.base import Decision
+from memopt.passes.base import Decision, planner_hooks
 
-# techniques whose units have bit widths the gate can raise, within the widths the planner may choose
-# (``plan_bits``, 8 included by default: the error of 3-4-bit tables compounds with depth in SiLU / hard-swish
-# CNNs where 8 bits, still a quarter of float32's bytes, do not); the other techniques can only be made exact
-_LEVELS = {"stash": lambda config: config.stash.plan_bits, "fewbit": lambda config: config.fewbit.plan_bits}
-
+def _levels(config: Config, technique: str) -> Tuple[int, ...]:
+    """The bit widths the gate may raise ``technique``'s units through, from its registered planner hooks (within
+    the widths the planner may choose: ``plan_bits``, 8 included by default, since the error of 3-4-bit tables
+    compounds with depth in SiLU / hard-swish CNNs where 8 bits, still a quarter of float32's bytes, do not); a
+    technique without bit widths can only be made exact."""
+    hooks, technique_config = planner_hooks(technique), getattr(config, technique, None)
+    return hooks.bit_levels(technique_config) if hooks is not None and technique_config is not None else ()
 
 
 def _raise(decision: Decision, config: Config, technique: str, unit: str,
@@ -20,8 +22,7 @@ def _raise(decision: Decision, config: Config, technique: str, unit: str,
     """Raise ``unit`` to its technique's next bit width, or drop it from the decision (exact); says which.
     ``weights`` (the fidelity proxies) follow: each extra bit quarters a code's squared error, exact is 0."""
     bits = decision[technique][unit]
-    levels = sorted(b for b in _LEVELS[technique](config) if bits is not None and b > bits) \
-        if technique in _LEVELS else []
+    levels = [b for b in _levels(config, technique) if bits is not None and b > bits]
     if levels:
         decision[technique][unit] = levels[0]
         if weights is not None and (technique, unit) in weights:
@@ -101,7 +102,7 @@ def _raise_all(decision: Decision, config: Config, technique: str, lossy: Set[Tu
     for nothing) and the fidelity proxies that follow; exact units (1-bit masks) stay."""
     raised, followed = {t: dict(us) for t, us in decision.items()}, dict(weights)
     moves: Dict[str, int] = {}
-    top = max(_LEVELS[technique](config)) if technique in _LEVELS else None
+    top = max(_levels(config, technique), default=None)
     for unit in [u for u in raised.get(technique, {}) if (technique, u) in lossy]:
         bits = raised[technique][unit]
         if not to_exact and (top is None or bits is None or bits >= top):

@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple, Union
 
-from memopt.core.meta import DECISION_KEY
 from memopt.cost_model.analysis import Estimate, NodeCost
 
 # Passes write {"technique", "bits", "replaces", "reason"} into node.meta[DECISION_KEY]: on the

@@ -6,7 +6,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from tabulate import tabulate
 
-from memopt.core.units import MiB, fmt_bytes
+from memopt.core.units import fmt_bytes
 from memopt.record.plan import NodePlan, PartialPlan, Plan, option_label
 
 def _group_key(n: NodePlan) -> Tuple:

@@ -2,7 +2,6 @@
 temporary beyond the ones it must."""
 from __future__ import annotations
 
-from typing import List, Tuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode

@@ -23,83 +23,17 @@ import copy
 import dataclasses
 import itertools
 import math
-from statistics import NormalDist
-from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
-import torch
 from torch import fx
 
 from memopt.cost_model.analysis import Estimate, annotate
-from memopt.core.meta import CHAIN_KEY, META_KEY
-from memopt.fewbit.activations import ACTIVATIONS
-from memopt.fewbit.config import FewBitConfig
-from memopt.fewbit.tables import table_error
-from memopt.fewbit.ops import fewbit_activation
-from memopt.stash.ops import bn_act_stash, split_by_mask, x_grid_half
-from memopt.stash.generic import generic_encode
 from memopt.core.meta import DECISION_KEY
-from memopt.reversible.ops import reversible_segment
-from memopt.recompute.config import RecomputeConfig
-from memopt.reversible.config import ReversibleConfig
-from memopt.stash.config import StashConfig
-from memopt.passes.base import Handler, PassContext, node_numel, registered_pass
+from memopt.passes.base import Handler, PassContext, node_numel, planner_hooks, registered_pass
+from memopt.passes.planning.options import Group, Option  # noqa: F401 (re-exported)
 
 # Extra elementwise passes over a unit's activation that its rewrite adds (encode in forward, decode
 # in backward): the time proxy. Stash also rebuilds the conv input from the codes.
-_EXTRA_PASSES = {"stash": 3.0, "fewbit": 2.0}
-
-
-@dataclass(frozen=True)
-class Option:
-    """One way to run a unit. ``freed_bytes`` is relative to exact; ``fidelity`` is a gradient-error
-    proxy (mean squared error per element, times elements); ``time`` is extra work counted one per element
-    of each extra elementwise pass plus one per recomputed FLOP; ``flops``, the recomputed FLOPs inside
-    ``time`` (recompute and reversible: one more forward of the block), lets the planner's policy weigh a
-    FLOP against an element pass (``memopt.passes.planning.knapsack.FLOPS_PER_PASS``)."""
-
-    technique: str
-    bits: Optional[int]
-    unit: str
-    freed_bytes: int
-    fidelity: float
-    time: float
-    # the part of freed_bytes that is alive at the baseline's forward/backward peak (what lowers it)
-    peak_freed_bytes: int = 0
-    flops: float = 0.0
-    # a joint option of coupled units (``technique`` "joint"): the units' own options, taken together
-    parts: Tuple["Option", ...] = ()
-
-    def to_dict(self) -> Dict[str, Any]:
-        """A JSON-ready record (lists, not tuples: it survives a plan's save and load unchanged)."""
-        return {**dataclasses.asdict(self), "parts": [p.to_dict() for p in self.parts]}
-
-    @staticmethod
-    def from_dict(entry: Dict[str, Any]) -> "Option":
-        return Option(**{**entry, "parts": tuple(Option.from_dict(p) for p in entry.get("parts", ()))})
-
-    def label(self) -> str:
-        if self.parts:
-            return " + ".join(f"{p.label()} {p.unit}" for p in self.parts)
-        return "exact" if self.technique == "exact" else f"{self.technique}@{self.bits}"
-
-    def decisions(self) -> List[Tuple[str, str, Optional[int]]]:
-        """(technique, unit, bits) of every unit this option rewrites (none for exact)."""
-        if self.parts:
-            return [d for p in self.parts for d in p.decisions()]
-        return [] if self.technique == "exact" else [(self.technique, self.unit, self.bits)]
-
-
-@dataclass
-class Group:
-    """Units that exclude each other, with every option; ``options[0]`` is exact."""
-
-    name: str
-    units: Tuple[str, ...]
-    nodes: Tuple[str, ...]
-    options: List[Option]
-    # (needing, needed) "technique:unit" keys: an option that rewrites the first rewrites the second too
-    couplings: Tuple[Tuple[str, str], ...] = ()
 
 
 def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
@@ -182,18 +116,19 @@ def _peak_freed(baseline: Estimate, nodes: Set[str], freed: int) -> int:
 def _time(technique: str, unit: str, nodes: Set[str], baseline: Estimate) -> float:
     """Extra work, in element passes (about one FLOP per element): a recomputed block repeats its
     forward FLOPs plus one pass over each of its outputs."""
-    if technique in ("recompute", "reversible"):  # one extra forward of the block / of each H
+    hooks = planner_hooks(technique)
+    if hooks.reruns_forward:  # one extra forward of the block / of each H
         costs = [baseline.nodes[n] for n in nodes if n in baseline.nodes]
         return float(sum(c.flops for c in costs) + sum(math.prod(s) for c in costs for s in c.shapes))
     # a coded call's unit is named after its node ("<node>_coded"); else its storage's producer or its chain's BN
     numel = node_numel(baseline, unit) or node_numel(baseline, unit.removesuffix("_coded")) or \
         max((node_numel(baseline, n) for n in nodes), default=0)
-    return _EXTRA_PASSES[technique] * numel
+    return hooks.extra_passes * numel
 
 
 def _flops(technique: str, nodes: Set[str], baseline: Estimate) -> float:
     """The FLOPs (matmuls, convolutions, attention: the cost model's FLOP counter) a rewrite runs again."""
-    if technique in ("recompute", "reversible"):
+    if planner_hooks(technique).reruns_forward:
         return float(sum(baseline.nodes[n].flops for n in nodes if n in baseline.nodes))
     return 0.0
 

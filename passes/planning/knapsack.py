@@ -38,7 +38,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from memopt.passes.planning.candidates import Group, Option
+from memopt.passes.planning.options import Group, Option
 
 TIME_WEIGHT = 1e-3
 DEFAULT_RESOLUTION = 2048

@@ -203,7 +203,7 @@ def _reversible_fidelity(new: fx.Node, baseline: Estimate, unit: str) -> float:
 
 _PLANNER = PlannerHooks(
     fidelity=_reversible_fidelity,
-    levels=lambda cfg: (None,))
+    levels=lambda cfg: (None,), reruns_forward=True)
 
 
 @register_pass(ReversibleConfig, planner=_PLANNER)

@@ -269,7 +269,7 @@ def _code_error(data: fx.Node, bits: int, group: int, divisor: int) -> float:
 
 
 _PLANNER = PlannerHooks(
-    fidelity=_stash_fidelity)
+    fidelity=_stash_fidelity, extra_passes=3.0)  # encode, decode, the rebuilt input's read
 
 
 @register_pass(StashConfig, planner=_PLANNER)

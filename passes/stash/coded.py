@@ -23,7 +23,6 @@ import operator
 from typing import Dict, List, NamedTuple, Optional, Set, Tuple
 
 import torch
-import torch.nn.functional as F
 from torch import fx, nn
 from torch.utils._pytree import tree_flatten
 

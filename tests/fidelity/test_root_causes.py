@@ -6,7 +6,6 @@ the gate lists them apart instead of chasing a noise cosine."""
 import copy
 import re
 
-import pytest
 import torch
 from torch import nn
 

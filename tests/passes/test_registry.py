@@ -31,3 +31,25 @@ def test_a_config_type_outside_the_registry_must_name_its_pass():
     with pytest.raises(ValueError, match=r"Unregistered is not a technique of memopt.techniques.TECHNIQUES: pass "
                                          r"name= to register_pass"):
         register_pass(Unregistered)(lambda gm, cfg, ctx: None)
+
+
+def test_the_planner_and_the_gate_read_technique_facts_from_the_registry(monkeypatch):
+    """No side tables: the time proxy and the gate's bit levels follow a technique's registered PlannerHooks."""
+    from memopt.fidelity.repair import _levels
+    from memopt.passes.base import _HANDLERS, planner_hooks
+    from memopt.passes.planning import candidates
+    from memopt.fewbit.config import FewBitConfig
+
+    assert _levels(memopt.Config(), "fewbit") == tuple(sorted(memopt.Config().fewbit.plan_bits))
+    assert _levels(memopt.Config(), "recompute") == ()  # exact only
+    handler = _HANDLERS[FewBitConfig]
+    hooks = dataclasses.replace(handler.planner, extra_passes=7.0, levels=lambda cfg: (2, None, 5))
+    monkeypatch.setitem(_HANDLERS, FewBitConfig, dataclasses.replace(handler, planner=hooks))
+    assert planner_hooks("fewbit") is hooks
+    assert _levels(memopt.Config(), "fewbit") == (2, 5)
+
+    class Baseline:
+        nodes = {}
+
+    monkeypatch.setattr(candidates, "node_numel", lambda baseline, unit: 10)
+    assert candidates._time("fewbit", "relu", {"relu"}, Baseline()) == 70.0
