@@ -179,11 +179,14 @@ class OptimizedModule(nn.Module):
         try:
             return build(self._memopt_model, args, kwargs, self._memopt_config, self._memopt_budget,
                          self._memopt_optimizer, plan, capture_fn=capture_fn, checked=checked)
-        except TraceError as whole:  # optimize the submodules that can be captured (memopt/builder/per_submodule.py)
-            log.warning("memopt: %s cannot be captured whole; capturing its submodules instead (%s)",
-                        type(self._memopt_model).__name__, whole.summary)
-            return build_partial(self._memopt_model, args, kwargs, self._memopt_config, self._memopt_budget,
-                                 self._memopt_optimizer, plan, whole)
+        except TraceError as error:  # optimize the submodules that can be captured (memopt/builder/per_submodule.py)
+            whole = error
+        # outside the except block: a refusal of the fallback is one message (it quotes the whole capture's), not a
+        # traceback chained to the first
+        log.warning("memopt: %s cannot be captured whole; capturing its submodules instead (%s)",
+                    type(self._memopt_model).__name__, whole.summary)
+        return build_partial(self._memopt_model, args, kwargs, self._memopt_config, self._memopt_budget,
+                             self._memopt_optimizer, plan, whole)
 
     def _reuse(self, family: tuple, signature: tuple, args: tuple, kwargs: dict) -> tuple:
         """(a reference plan of ``family`` applied at these sizes, None, None) when one serves them

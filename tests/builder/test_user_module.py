@@ -137,3 +137,23 @@ def test_the_gate_holds_under_a_loss_it_did_not_see():
     worst = min(cosine(p.grad, q.grad) for p, q in zip(model.parameters(), reference.parameters())
                 if q.grad.norm() > 1e-6)
     assert worst >= 0.99, worst
+
+
+class Checkpointed(nn.Module):
+    """Every block under torch.utils.checkpoint, as Hugging Face's gradient_checkpointing_enable() runs them."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.GELU()) for _ in range(2))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+        return x
+
+
+def test_a_model_checkpointed_everywhere_is_refused_in_one_message():
+    with pytest.raises(memopt.TraceError) as info:
+        memopt.optimize(Checkpointed(), example_inputs=torch.randn(4, 8))
+    assert info.value.__context__ is None and info.value.__cause__ is None, "a chained traceback"
+    assert "checkpoint" in str(info.value) and "blocks.0" in str(info.value)
