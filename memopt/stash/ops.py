@@ -43,10 +43,12 @@ The grids and codecs live in ``memopt/stash/grid.py``.
 """
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import _disable_current_modes
 
 from memopt.core.errors import MemoptError
 from memopt.core.leaf import graph_leaf
@@ -139,12 +141,58 @@ def _channel_max(z: torch.Tensor) -> torch.Tensor:
     return z.amax([d for d in range(z.dim()) if d != 1]).float()
 
 
+def _meta(t: torch.Tensor) -> tuple:
+    return tuple(t.shape), tuple(t.stride()), t.dtype
+
+
+@functools.lru_cache(maxsize=1024)
+def _sum_layout(first: tuple, second: tuple, in_place: bool) -> tuple:
+    """(shape, strides, dtype) of ``first + second`` (``first.add_(second)`` when ``in_place``) for operands of
+    these (shape, strides, dtype), as the add's own structured meta function computes them: the same
+    TensorIterator code that lays out the output on every device. Run on meta tensors outside any dispatch mode
+    (the cost model's fake tensors, the storage trackers): no data, nothing allocated that a tracker would count."""
+    with _disable_current_modes():
+        a, b = (torch.empty_strided(shape, stride, dtype=dtype, device="meta") for shape, stride, dtype in
+                (first, second))
+        return _meta(a.add_(b) if in_place else a + b)
+
+
+def residual_sum(out: torch.Tensor, residual: torch.Tensor, residual_first: bool, in_place: bool) -> torch.Tensor:
+    """z, the residual add of a chain's BatchNorm output ``out`` (ours: it may be overwritten) and ``residual``,
+    with the values, shape, dtype and strides of the graph's add (operands in the graph's order; ``in_place``:
+    the graph added into its first operand).
+
+    The values of a float add do not depend on the operands' order or layout, but the layout of the sum does:
+    TensorIterator lays an out-of-place output out like its first operand where the operands' layouts differ,
+    and the layout then decides the reduction order of every BatchNorm downstream, whose batch statistics and
+    running buffers differ in the last bits between a channels-last and a contiguous input. Issue 39: in timm's
+    iFormer the attention's projection conv gives a channels-last BN output at 4x4, added to a contiguous
+    residual as ``x + bn(...)`` (a contiguous sum in eager); ``out.add_(residual)`` kept it channels-last, and
+    the next block's BatchNorms (1x1 conv-BN-GELU-1x1 conv-BN) computed their statistics in another order.
+
+    So ``out`` is overwritten (one full-size tensor fewer at the forward peak) only where the graph's add gives
+    exactly out's shape, strides and dtype (the common case: both operands of one layout); else z is a new
+    tensor laid out as the graph's add lays it out, the sum computed by the same add."""
+    first, second = (residual, out) if residual_first else (out, residual)
+    key = (_meta(first), _meta(second), in_place)
+    try:
+        want = _sum_layout(*key)
+    except TypeError:  # symbolic sizes: not hashable, laid out afresh
+        want = _sum_layout.__wrapped__(*key)
+    if want == _meta(out):
+        return out.add_(residual)
+    if not in_place:
+        return first + second
+    shape, stride, dtype = want
+    return torch.add(first, second, out=torch.empty_strided(shape, stride, dtype=dtype, device=out.device))
+
+
 class BNActStash(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, running_mean, running_var, num_batches_tracked, residual, momentum, eps,
                 act, act_params, bits, need_y, node, x2=None, weight2=None, bias2=None, running_mean2=None,
                 running_var2=None, num_batches_tracked2=None, momentum2=None, eps2=1e-5, link=None, link_groups=0,
-                means=False):
+                means=False, residual_first=False, add_in_place=False):
         out, mean, invstd, _, _ = batch_norm_train(x, weight, bias, running_mean, running_var, num_batches_tracked,
                                                    momentum, eps)
         if x2 is not None:  # the residual is a second BatchNorm's output (a downsample): its x̂ is split by our mask
@@ -152,13 +200,9 @@ class BNActStash(torch.autograd.Function):
                                                               num_batches_tracked2, momentum2, eps2)
         residual_input, has_residual = residual is not None and x2 is None, residual is not None
         # out is our own temporary: the residual add and (where z is not coded afterwards) the activation
-        # overwrite it, one full-size tensor fewer at the forward peak, same kernels and values
-        if residual is None:
-            z = out
-        elif residual.shape == out.shape and torch.result_type(out, residual) == out.dtype:
-            z = out.add_(residual)
-        else:
-            z = out + residual
+        # overwrite it, one full-size tensor fewer at the forward peak, same kernels and values, where the
+        # graph's add gives z out's layout; else z is the graph's add as it ran (``residual_sum``)
+        z = out if residual is None else residual_sum(out, residual, residual_first, add_in_place)
         del out, residual
         mask = _mask(z, act, act_params)
         # a residual chain whose z is coded applies its activation (in place) once the code is taken
@@ -319,7 +363,7 @@ class BNActStash(torch.autograd.Function):
         return (grad_x.to(dtype), None if grad_w is None else grad_w.to(weight.dtype),
                 None if grad_b is None else grad_b.to(weight.dtype if weight is not None else dtype),
                 None, None, None, grad_r, None, None, None, None, None, None, None, *grads2, None, None, None, None, None,
-                grad_link, None, None)
+                grad_link, None, None, None, None)
 
 
 _CONVS = {3: F.conv1d, 4: F.conv2d, 5: F.conv3d}  # by the input's dimensions (batched)
@@ -398,6 +442,9 @@ class ChainSpec(NamedTuple):
         link_groups: > 0 when this chain's weight gradient is solved by the scale identity from the chain its
             depthwise conv feeds (``identity.py``): a sixth output, the link, of that many channels.
         means: rebuild each bin at the mean of the values it coded (``StashConfig.bin_means``).
+        residual_first: the graph's residual add reads the residual (or the joined BatchNorm's output) first
+            (``x + bn(y)``); add_in_place: it adds into its first operand (``x += y``, ``aten.add_``). The two
+            decide the layout of the sum (``residual_sum``), not its values.
     """
 
     act: str
@@ -414,6 +461,8 @@ class ChainSpec(NamedTuple):
     pool: Optional[tuple] = None
     link_groups: int = 0
     means: bool = False
+    residual_first: bool = False
+    add_in_place: bool = False
 
 
 @graph_leaf
@@ -438,7 +487,7 @@ def bn_act_stash(x, weight, bias, running_mean, running_var, num_batches_tracked
     return BNActStash.apply(x, weight, bias, running_mean, running_var, num_batches_tracked, residual, spec.momentum,
                             spec.eps, spec.act, spec.act_params, spec.bits, spec.need_y, spec.node, x2, weight2, bias2,
                             running_mean2, running_var2, num_batches_tracked2, spec.momentum2, spec.eps2, link,
-                            spec.link_groups, spec.means)
+                            spec.link_groups, spec.means, spec.residual_first, spec.add_in_place)
 
 
 @graph_leaf

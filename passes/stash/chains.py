@@ -249,7 +249,7 @@ def _generic_fidelity(new: fx.Node) -> float:
     values the range is about 2·Φ⁻¹((G − 3/8)/(G + 1/4)) (Blom; 5.6 for G = 256), the step that over
     2^K − 1, the mean squared error step²/12 (nearest) or step²/6 (stochastic), times the elements."""
     _, bits, group, stochastic = new.args
-    return _code_error(new.args[0], bits, group, 6 if stochastic else 12)
+    return code_error(new.args[0], bits, group, 6 if stochastic else 12)
 
 
 def _rebuild_fidelity(new: fx.Node) -> float:
@@ -257,10 +257,10 @@ def _rebuild_fidelity(new: fx.Node) -> float:
     its weight gradient sees the rebuilt input: priced as a nearest-rounded code of that (normalised) input at
     the rebuild's bits, so that the planner and the fidelity gate never take it for exact."""
     spec = new.args[6]
-    return _code_error(new.args[0], spec.bits, spec.group, 12)
+    return code_error(new.args[0], spec.bits, spec.group, 12)
 
 
-def _code_error(data: fx.Node, bits: int, group: int, divisor: int) -> float:
+def code_error(data: fx.Node, bits: int, group: int, divisor: int) -> float:
     cost = data.meta.get(META_KEY) if isinstance(data, fx.Node) else None
     numel = math.prod(cost.shapes[0]) if cost is not None and cost.shapes else 0
     span = 2 * NormalDist().inv_cdf((group - 0.375) / (group + 0.25)) if group > 1 else 0.0
@@ -416,7 +416,9 @@ def _rewrite(gm: fx.GraphModule, modules, form: BNForm, add: Optional[fx.Node], 
         spec = ChainSpec(kind, bits, form.momentum, form.eps, params, need_y, bn.format_node(),
                          residual=residual is not None, joined=second is not None,
                          momentum2=second.momentum if second is not None else None,
-                         eps2=second.eps if second is not None else 1e-5, means=means)
+                         eps2=second.eps if second is not None else 1e-5, means=means,
+                         residual_first=add is not None and add.args[0] is not bn,
+                         add_in_place=add is not None and in_place_add(add))
         stash = graph.create_node("call_function", bn_act_stash, (form.input, *attrs, residual, spec, *extra),
                                   name=f"{bn.name}_stash")
         stash.meta[CHAIN_KEY] = spec
