@@ -14,6 +14,7 @@ from memopt.record.plan import NodePlan, Plan
 from memopt.builder.optimized import OptimizedModule
 from memopt.api import EstimateReport, estimate, load, optimize
 from memopt.record.measure import Measurement, measure
+from memopt import kernel_probes  # noqa: F401 (registers the Triton kernels' first-use probes: memopt.runtime.verify)
 
 __version__ = "0.1.0"
 

@@ -128,7 +128,10 @@ class _FewBit(torch.autograd.Function):
             ctx.save_for_backward(pack_bits(act.mask(dense, dict(params)), bits))
             return y
         packed = pack_bits(_encode(dense, borders), bits)
-        level_t = torch.tensor(levels, dtype=torch.float32, device=x.device)
+        # copied to the device once per table (triton_fewbit.constants), not per call: a host-to-device copy of a
+        # Python list makes a CUDA host wait; tensor subclasses (fake, functional) get a fresh tensor of their mode
+        level_t = (triton_fewbit.constants(levels, x.device) if type(x) is torch.Tensor
+                   else torch.tensor(levels, dtype=torch.float32, device=x.device))
         # One float32 sum, no host sync: NaN and inf propagate into it, so a non-finite input
         # poisons the levels with NaN (finite activations would need a sum above 3e38 to trip it).
         finite = torch.isfinite(x.sum(dtype=torch.float32))

@@ -11,7 +11,7 @@ Chunks (``chunks`` > 1, with ``Rows``): the weight gradient is summed over range
 range rebuilt from its own slice of the codes, so no full-size rebuilt input exists at all. The whole rebuilt
 input costs as much as the input gradient allocated next, so chunks lower the op's moment only by what the
 rebuild needs beyond its output: the float32 copy a bf16 / fp16 input is rebuilt through (autocast), and the
-unpacked codes and mask of the plain-PyTorch decode (CUDA without ``MEMOPT_KERNELS=triton``). The planner
+unpacked codes and mask of the plain-PyTorch decode (CUDA where the Triton kernels are not taken). The planner
 (``memopt.passes.stash_chunks``) turns chunks on only where the cost model's step says the peak falls. The
 weight gradient's sum then runs in another order (chunked rounding, on an already approximate gradient); the
 bias and input gradients are the unchunked ones.

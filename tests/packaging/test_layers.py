@@ -28,7 +28,7 @@ LAYERS = [
     ("memopt.testing", 10),
     ("memopt.fewbit", 2), ("memopt.stash", 2), ("memopt.reversible", 2), ("memopt.recompute", 2),
     ("memopt.optim", 2),
-    ("memopt.techniques", 3), ("memopt.config", 3),
+    ("memopt.techniques", 3), ("memopt.config", 3), ("memopt.kernel_probes", 3),
     # capture and its fix-ups; the soundness check runs training steps (layer 7)
     ("memopt.capture.soundness", 7), ("memopt.capture", 4), ("memopt.cost_model", 4),
     ("memopt.record.plan", 4),
