@@ -17,9 +17,10 @@ from torch import fx
 
 from memopt.core.meta import META_KEY
 from memopt.cost_model.op_registry import op_kind
-from memopt.recompute.ops import recompute_block
+from memopt.recompute.ops import RecomputeSpec, recompute_block, recompute_from_codes
 from memopt.core.meta import DECISION_KEY
 from memopt.recompute.config import RecomputeConfig
+from memopt.passes.stash.chains import code_error
 from memopt.passes.base import PassContext, PassResult, PlannerHooks, register_pass
 
 
@@ -125,8 +126,25 @@ def _extract(gm: fx.GraphModule, block: Block, inputs: List[fx.Node], output: fx
     return fx.GraphModule(gm, graph, class_name=f"Recomputed_{block.name}")
 
 
+GROUP = 256  # the generic stash's group: a float32 minimum and step per 256 codes
+
+
+def _fidelity(new: fx.Node, baseline, unit: str) -> float:
+    """0 for an exact recomputation; from codes, the squared error of nearest rounding at the code's step over
+    the coded inputs' elements (the stash's proxy, ``code_error``), so that the gate never takes it for exact."""
+    if new.target is not recompute_from_codes:
+        return 0.0
+    spec: RecomputeSpec = new.args[1]
+    total = 0.0
+    for arg in new.args[2:]:
+        cost = arg.meta.get(META_KEY) if isinstance(arg, fx.Node) else None
+        if cost is not None and cost.shapes and cost.dtypes and cost.dtypes[0].startswith(("float", "bfloat")):
+            total += code_error(arg, spec.bits, spec.group, 12)
+    return total
+
+
 _PLANNER = PlannerHooks(
-    fidelity=lambda new, baseline, unit: 0.0,  # exact
+    fidelity=_fidelity,
     levels=lambda cfg: (None,), last_resort=True, reruns_forward=True)
 
 
@@ -149,13 +167,21 @@ def recompute_pass(gm: fx.GraphModule, cfg: RecomputeConfig, ctx: PassContext) -
         attr = f"memopt_recompute_{block.name}"
         gm.add_submodule(attr, sub)
         random = any(op_kind(n, modules) == "dropout" for n in block.nodes)
+        bits = ctx.bits("recompute", block.name, cfg.bits)
         with gm.graph.inserting_before(block.nodes[0]):
             module_node = gm.graph.get_attr(attr)
-            new = gm.graph.create_node("call_function", recompute_block, (module_node, random, block.path, *inputs),
-                                       name=f"{block.name}_recompute")
-        new.meta[DECISION_KEY] = {"technique": "recompute", "bits": None, "unit": block.name,
+            if bits is None:
+                new = gm.graph.create_node("call_function", recompute_block,
+                                           (module_node, random, block.path, *inputs), name=f"{block.name}_recompute")
+            else:
+                spec = RecomputeSpec(random, block.path, bits, GROUP)
+                new = gm.graph.create_node("call_function", recompute_from_codes, (module_node, spec, *inputs),
+                                           name=f"{block.name}_recompute")
+        new.meta[DECISION_KEY] = {"technique": "recompute", "bits": bits, "unit": block.name,
                                   "replaces": [n.name for n in block.nodes],
-                                  "reason": "recomputed in backward from its inputs (exact; one extra forward)"}
+                                  "reason": "recomputed in backward from its inputs (exact; one extra forward)"
+                                  if bits is None else f"recomputed in backward from its inputs' {bits}-bit codes "
+                                  f"(approximate gradients; one extra forward)"}
         if META_KEY in output.meta:  # shapes for the next block's checks (the re-annotation replaces it)
             new.meta[META_KEY] = dataclasses.replace(output.meta[META_KEY], name=new.name, saved=[], flops=0)
         output.replace_all_uses_with(new)

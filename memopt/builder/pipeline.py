@@ -27,6 +27,7 @@ from memopt.passes.base import PassContext
 from memopt.passes.planning.candidates import rewritten_units
 from memopt.passes.manager import passes_for, run_passes
 from memopt.passes.planning.planner import BudgetPlan, apply_decision, fit_decision, plan_for_budget, plan_units
+from memopt.passes.planning.peak_first import peak_first, peak_first_trial
 from memopt.passes.stash.chunks import chunk_to_fit, chunks_of, set_chunks
 from memopt.cost_model.histograms import record_input_histograms
 from memopt.fewbit.activations import TABLE_ACTIVATIONS
@@ -278,12 +279,15 @@ def _rewrite(model: nn.Module, captured: Any, args: tuple, kwargs: dict, config:
     """Apply ``plan``, every technique, or the planner's choice (real example inputs visible to checks)."""
     gm = captured.graph_module
     planned: Optional[BudgetPlan] = None
+    trial = None
     target = None if budget_bytes is None else budget_bytes - config.workspace_bytes(baseline.device)
     if plan is not None:
         gm, records = apply_decision(gm, config, plan.chosen_units(), ctx)
         _check_applied(gm, plan)
         set_chunks(gm, plan.weight_grad_chunks)
     elif budget_bytes is None:
+        trial = peak_first_trial(gm, config, ctx, baseline)
+        pristine = copy_graph_module(gm) if trial is not None else None  # the default run rewrites gm in place
         gm, records = run_passes(gm, passes_for(config), ctx)
     elif baseline.peak_bytes <= target:
         records = []
@@ -298,6 +302,14 @@ def _rewrite(model: nn.Module, captured: Any, args: tuple, kwargs: dict, config:
     modified = any(r.modified for r in records)
     estimate = planned.estimate if planned is not None else (
         annotate(gm, args, kwargs, device=config.device, optimizer=optimizer) if modified else baseline)
+    if plan is None and budget_bytes is None and trial is not None:  # peak first: blocks recomputed from codes
+        found = peak_first(pristine, trial, ctx, estimate, _annotator(args, kwargs, config, optimizer))
+        if found is not None:
+            log.info("memopt: %s: recomputing %d blocks from %d-bit codes lowers the estimated peak %s -> %s at "
+                     "about %.2fx a stock step's FLOPs", type(model).__name__, len(found.blocks),
+                     config.recompute.peak_first_bits, fmt_bytes(estimate.peak_bytes),
+                     fmt_bytes(found.estimate.peak_bytes), found.time_ratio)
+            gm, records, estimate, modified = found.graph_module, found.records, found.estimate, True
     if modified and plan is None and budget_bytes is None:  # no budget: chunks wherever they lower the peak
         estimate, _ = chunk_to_fit(gm, estimate, None, _annotator(args, kwargs, config, optimizer))
     result = make_plan(model, captured.method, args, kwargs, config, budget_bytes, baseline, estimate, records, gm,

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
-from memopt.core.validation import normalise_node_names
+from memopt.core.validation import check_bits, normalise_node_names
 
 
 @dataclass(frozen=True)
@@ -20,12 +20,43 @@ class RecomputeConfig:
     with tensor inputs and a single tensor output used outside. Blocks are named by their module
     path with dots as underscores (``layer1_0``).
 
+    Recompute from codes: with ``bits`` a recomputed block keeps its inputs that carry gradient (its stream)
+    as the generic stash's ``bits``-bit group codes, not as they are (a quarter of float32's bytes at 8 bits, a
+    half of bf16's); backward runs the block again from the rebuilt input, so its gradients are approximate and
+    the fidelity gate checks them. The forward is the block's own, bit for bit.
+
     Attributes:
-        segments: the blocks to recompute. ``()`` (default): none unless the planner picks some;
-            None: every eligible block (checkpoint everything); a tuple: exactly those.
+        segments: the blocks to recompute. ``()`` (default): none unless a planner picks some (the budget
+            planner, or the default plan's peak-first step below); None: every eligible block (checkpoint
+            everything); a tuple: exactly those.
+        bits: code width of the inputs of the blocks ``segments`` names, 1..8 (None, the default: kept as they
+            are, exact).
+        peak_first_bits: without a budget and with ``segments=()``, the default plan also tries recomputing
+            blocks from ``peak_first_bits``-bit codes on top of the other techniques, and keeps that where the
+            cost model's estimated peak of the training step falls by at least ``peak_first_gain`` (8, the
+            default; None: the default plan never recomputes).
+        peak_first_gain: the least fraction of the estimated peak the peak-first step must free, in (0, 1)
+            (default 0.05): recomputation costs a block's forward again, worth it only for a real fall.
+        time_allowance: the estimated step time the peak-first step may reach, in stock steps, >= 1 (default
+            1.25): blocks are taken by bytes freed per recomputed FLOP until the cost model's FLOPs of a step
+            (forward, twice the forward for backward, and the forwards recomputed) would pass it.
     """
 
     segments: Optional[Tuple[str, ...]] = ()
+    bits: Optional[int] = None
+    peak_first_bits: Optional[int] = 8
+    peak_first_gain: float = 0.05
+    time_allowance: float = 1.25
 
     def __post_init__(self) -> None:
         normalise_node_names(self, "segments")
+        for name in ("bits", "peak_first_bits"):
+            if getattr(self, name) is not None:
+                check_bits(getattr(self, name), f"RecomputeConfig.{name}")
+        gain = self.peak_first_gain
+        if isinstance(gain, bool) or not isinstance(gain, (int, float)) or not 0 < gain < 1:
+            raise ValueError(f"RecomputeConfig.peak_first_gain must be a fraction in (0, 1), got {gain!r}")
+        allowance = self.time_allowance
+        if isinstance(allowance, bool) or not isinstance(allowance, (int, float)) or not 1 <= allowance < float("inf"):
+            raise ValueError(f"RecomputeConfig.time_allowance must be a finite number of stock steps >= 1, got "
+                             f"{allowance!r}")

@@ -6,10 +6,18 @@ blocks with random ops, and restores BatchNorm running statistics after the seco
 they are updated once per step as in the original model. The forward runs the same ops in the same
 order under ``no_grad``: outputs are bit-identical; gradients are exact up to the determinism of
 the kernels (CPU kernels are deterministic).
+
+``recompute_from_codes`` keeps the block's inputs that carry gradient (its stream: the residual input of a
+transformer layer or a ResNet stage's block) as the generic stash's K-bit group codes instead
+(``memopt.stash.generic``: one byte per element at 8 bits, where checkpointing keeps two or four), and backward
+runs the block again from the rebuilt input. Its forward is still the block's own, bit for bit; its gradients are
+approximate (the second forward sees the rebuilt input), so the fidelity gate checks them. Inputs without
+gradient (masks, rotary tables, shared by every block) are kept as they are: coding what other blocks keep
+frees nothing and would only add error.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, List, NamedTuple, Optional, Tuple
 
 import torch
 from torch import nn
@@ -17,6 +25,7 @@ from torch import nn
 from memopt.core.leaf import graph_leaf
 from memopt.runtime.autocast import autocast_state, replayed_autocast
 from memopt.runtime.rng import replayed_rng, rng_state
+from memopt.stash.generic import group_dequantize, group_quantize
 
 _BatchNorm = nn.modules.batchnorm._BatchNorm
 
@@ -34,37 +43,88 @@ class _Value:
         self.value = value
 
 
+class RecomputeSpec(NamedTuple):
+    """What a coded recomputation needs besides its block and inputs (a graph constant, read by name).
+
+    ``random``: the block has random ops (its RNG state is saved and replayed); ``where``: the block's module path,
+    for errors; ``bits`` / ``group``: the generic stash's code width and group size for the inputs that carry
+    gradient (None bits: every input kept as it is, ``recompute_block``'s behaviour)."""
+
+    random: bool
+    where: str
+    bits: Optional[int] = None
+    group: int = 256
+
+
+_Layout = Optional[Tuple[torch.Size, Tuple[int, ...], torch.dtype]]
+
+
+def _keep(ctx, spec: RecomputeSpec, inputs: Tuple[torch.Tensor, ...], first: int) -> List[torch.Tensor]:
+    """What backward needs of ``inputs`` (``first``: the index of the first one among forward's arguments): the
+    tensor itself, or, for a floating input that needs its gradient when ``spec.bits`` is set, its codes and group
+    parameters; ``ctx.layouts`` says which (None: kept as it is)."""
+    kept: List[torch.Tensor] = []
+    ctx.layouts: List[_Layout] = []
+    for i, t in enumerate(inputs):
+        if spec.bits is not None and t.is_floating_point() and ctx.needs_input_grad[first + i]:
+            kept.extend(group_quantize(t, spec.bits, spec.group, stochastic=False))
+            ctx.layouts.append((t.shape, t.stride(), t.dtype))
+        else:
+            kept.append(t)
+            ctx.layouts.append(None)
+    return kept
+
+
+def _rebuilt(ctx, spec: RecomputeSpec, saved: Tuple[torch.Tensor, ...]) -> List[torch.Tensor]:
+    """The block's inputs again: kept ones as they are, coded ones rebuilt at their levels, layout and dtype."""
+    saved_iter, out = iter(saved), []
+    for layout in ctx.layouts:
+        if layout is None:
+            out.append(next(saved_iter))
+            continue
+        packed, params = next(saved_iter), next(saved_iter)
+        shape, stride, dtype = layout
+        like = torch.empty_strided(shape, stride, dtype=dtype, device=packed.device)
+        out.append(group_dequantize(packed, params, spec.bits, spec.group, like))
+    return out
+
+
 class _Recompute(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, block: nn.Module, values: tuple, random: bool, where: str, *tensors: torch.Tensor):
+    def forward(ctx, block: nn.Module, values: tuple, spec: RecomputeSpec, *tensors: torch.Tensor):
         n_inputs = sum(v is None for v in values)
         inputs = tensors[:n_inputs]
-        ctx.block, ctx.n_inputs, ctx.values, ctx.random, ctx.where = block, n_inputs, values, random, where
-        rng = rng_state(inputs) if random else []
+        ctx.block, ctx.values, ctx.spec = block, values, spec
+        rng = rng_state(inputs) if spec.random else []
         with torch.no_grad():
             out = block(*_merged(values, [t.detach() for t in inputs]))  # hooks must not see inputs needing grad
         if not isinstance(out, torch.Tensor):
-            raise TypeError(f"memopt recompute: block {where} returned {type(out).__name__}, expected one tensor")
-        ctx.n_rng = len(rng)
+            raise TypeError(f"memopt recompute: block {spec.where} returned {type(out).__name__}, expected one "
+                            f"tensor")
+        kept = _keep(ctx, spec, inputs, 3)
+        ctx.n_kept, ctx.n_inputs = len(kept), n_inputs
         ctx.autocast = autocast_state()
-        ctx.save_for_backward(*inputs, *rng)
+        ctx.save_for_backward(*kept, *rng)
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
+        spec = ctx.spec
         if torch.is_grad_enabled():  # create_graph=True: a second derivative was asked for
-            raise RuntimeError(f"memopt: double backward through the recomputed block {ctx.where} is not "
+            raise RuntimeError(f"memopt: double backward through the recomputed block {spec.where} is not "
                                f"supported; exclude it (RecomputeConfig(segments=...) without it, or "
                                f"Config(recompute=None)) to take second derivatives")
         saved = ctx.saved_tensors
-        inputs, rng = saved[:ctx.n_inputs], list(saved[ctx.n_inputs:])
+        inputs, rng = _rebuilt(ctx, spec, saved[:ctx.n_kept]), list(saved[ctx.n_kept:])
         params = [p for p in ctx.block.parameters() if p.requires_grad]
-        detached = [t.detach().requires_grad_(t.requires_grad) for t in inputs]
+        needs = ctx.needs_input_grad[3:3 + ctx.n_inputs]
+        detached = [t.detach().requires_grad_(need) for t, need in zip(inputs, needs)]
         stats = [(b, b.clone()) for m in ctx.block.modules() if isinstance(m, _BatchNorm) and m.training
                  for b in (m.running_mean, m.running_var, m.num_batches_tracked) if b is not None]
-        with replayed_rng(rng if ctx.random else None, inputs):
+        with replayed_rng(rng if spec.random else None, inputs):
             with torch.enable_grad(), replayed_autocast(ctx.autocast):  # the forward's precision, not fp32
                 out = ctx.block(*_merged(ctx.values, detached))
+        del inputs
         wanted = [t for t in detached if t.requires_grad] + params
         grads = iter(torch.autograd.grad(out, wanted, grad, allow_unused=True) if wanted else ())
         del out
@@ -73,16 +133,27 @@ class _Recompute(torch.autograd.Function):
                 buffer.copy_(before)
         input_grads = [next(grads) if t.requires_grad else None for t in detached]
         param_grads = list(grads)
-        return (None, None, None, None, *input_grads, *param_grads)
+        return (None, None, None, *input_grads, *param_grads)
 
 
-@graph_leaf
-def recompute_block(block: nn.Module, random: bool, where: str, *inputs: Any) -> torch.Tensor:
-    """Run ``block(*inputs)`` keeping only ``inputs`` for backward (``where`` names the block in errors)."""
+def _run(block: nn.Module, spec: RecomputeSpec, inputs: tuple) -> torch.Tensor:
     params = [p for p in block.parameters() if p.requires_grad]
     if not torch.is_grad_enabled() or not (params or any(isinstance(t, torch.Tensor) and t.requires_grad
                                                          for t in inputs)):
         return block(*inputs)
     values = tuple(None if isinstance(t, torch.Tensor) else _Value(t) for t in inputs)
     tensors = [t for t in inputs if isinstance(t, torch.Tensor)]
-    return _Recompute.apply(block, values, random, where, *tensors, *params)
+    return _Recompute.apply(block, values, spec, *tensors, *params)
+
+
+@graph_leaf
+def recompute_block(block: nn.Module, random: bool, where: str, *inputs: Any) -> torch.Tensor:
+    """Run ``block(*inputs)`` keeping only ``inputs`` for backward (``where`` names the block in errors)."""
+    return _run(block, RecomputeSpec(random, where), inputs)
+
+
+@graph_leaf
+def recompute_from_codes(block: nn.Module, spec: RecomputeSpec, *inputs: Any) -> torch.Tensor:
+    """Run ``block(*inputs)`` keeping its gradient-carrying inputs as ``spec.bits``-bit codes for backward, which
+    runs the block again from them (approximate gradients; the forward is the block's own)."""
+    return _run(block, spec, inputs)

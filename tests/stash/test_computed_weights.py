@@ -117,7 +117,7 @@ def test_exact_recomputation_is_bit_identical_over_steps():
     torch.manual_seed(0)
     model, x = NormFree().train(), torch.randn(2, 3, 16, 16)
     reference = copy.deepcopy(model)
-    config = memopt.Config(stash=memopt.StashConfig(generic=False, coded_ops=()), fewbit=None)
+    config = memopt.Config(stash=memopt.StashConfig(generic=False, coded_ops=()), fewbit=None, recompute=None)
     om = memopt.optimize(model, example_inputs=x, config=config)
     assert sum(n.op == "weight_op_recomputed" for n in om.plan.nodes) == 5
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, reference)]

@@ -104,8 +104,9 @@ def test_vit_forward_identical_bytes_equal_measure_and_report():
     model, x = TinyViT().train(), torch.randn(8, 3, 16, 16)
     reference = copy.deepcopy(model)
     om = memopt.optimize(model, example_inputs=x, config=GENERIC)
-    exact = memopt.optimize(copy.deepcopy(model), example_inputs=x,
-                            config=memopt.Config(stash=memopt.StashConfig(generic=False, coded_ops=()), fewbit=None))
+    exact = memopt.optimize(copy.deepcopy(model), example_inputs=x,  # no recomputation from codes either
+                            config=memopt.Config(stash=memopt.StashConfig(generic=False, coded_ops=()), fewbit=None,
+                                                 recompute=None))
     torch.manual_seed(1)
     out = om(x)
     torch.manual_seed(1)
@@ -211,9 +212,9 @@ def test_models_with_dropout_get_one_bit_masks_and_stay_exact():
     torch.manual_seed(0)
     model, x = TinyViT().train(), torch.randn(4, 3, 16, 16)
     reference = copy.deepcopy(model)
-    # the exact extras alone (the default also codes what the dropouts feed)
+    # the exact extras alone (the default also codes what the dropouts feed, and recomputes blocks from codes)
     om = memopt.optimize(model, example_inputs=x, config=memopt.Config(
-        fewbit=None, stash=memopt.StashConfig(generic=False, coded_ops=())))
+        fewbit=None, stash=memopt.StashConfig(generic=False, coded_ops=()), recompute=None))
     on = [n for n in om.plan.nodes if n.name.endswith("_1bit")]
     assert len(on) == 4 and all(n.technique == "stash" and n.bits == 1 for n in on)
     torch.manual_seed(1)

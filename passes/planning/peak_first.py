@@ -1,0 +1,89 @@
+"""The default plan's peak-first step: recompute blocks from coded inputs where that lowers the step's peak.
+
+Without a budget every technique runs at its defaults, which shrinks what autograd keeps; but what decides
+whether a batch fits is the peak of the whole step, and on transformers the codes of every saved tensor keep
+more than checkpointing, which keeps only each block's input. Recomputing a block from its input's codes
+(``memopt.recompute``, ``RecomputeConfig.bits``) keeps less than both: a quarter of float32's bytes per
+boundary element at 8 bits. It costs one more forward of the block, so blocks are taken by the bytes they keep
+per FLOP until the cost model's FLOPs of a step reach ``RecomputeConfig.time_allowance`` stock steps, and the
+result is kept only when the estimated peak falls by at least ``peak_first_gain``; otherwise the default plan
+stands. Two more cost-model runs at most (every block; the share within the allowance).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from torch import fx
+
+from memopt.cost_model.analysis import Estimate
+from memopt.passes.base import PassContext
+from memopt.passes.manager import PassRecord, passes_for, run_passes
+from memopt.passes.recompute import find_blocks, why_not
+
+STEP_FORWARDS = 3.0  # a training step's FLOPs in forwards: the forward and a backward of about twice its FLOPs
+
+
+@dataclass
+class PeakFirst:
+    graph_module: fx.GraphModule
+    records: List[PassRecord]
+    estimate: Estimate
+    blocks: Tuple[str, ...]
+    time_ratio: float  # the step's FLOPs with the blocks recomputed, in stock steps
+
+
+def eligible_blocks(gm: fx.GraphModule, baseline: Estimate) -> Dict[str, Tuple[int, int]]:
+    """{block: (bytes its nodes keep in the baseline, FLOPs of its forward)} of every block the recompute pass
+    can take (annotated ``gm``: the baseline's node costs)."""
+    out = {}
+    for block in find_blocks(gm):
+        if isinstance(why_not(block), str):
+            continue
+        costs = [baseline.nodes[n.name] for n in block.nodes if n.name in baseline.nodes]
+        out[block.name] = (sum(c.saved_bytes for c in costs), sum(c.flops for c in costs))
+    return out
+
+
+def within_allowance(blocks: Dict[str, Tuple[int, int]], forward_flops: int, allowance: float
+                     ) -> Tuple[Tuple[str, ...], float]:
+    """The blocks taken by kept bytes per FLOP (most first) while the step's FLOPs stay within ``allowance`` stock
+    steps, and the ratio they reach (a pure function on numbers)."""
+    step = STEP_FORWARDS * max(forward_flops, 1)
+    taken, extra = [], 0
+    for name, (kept, flops) in sorted(blocks.items(), key=lambda kv: (-kv[1][0] / max(kv[1][1], 1), kv[0])):
+        if kept <= 0 or (step + extra + flops) / step > allowance:
+            continue
+        taken.append(name)
+        extra += flops
+    return tuple(sorted(taken)), (step + extra) / step
+
+
+def peak_first_trial(gm: fx.GraphModule, config: Any, ctx: PassContext, baseline: Estimate
+                     ) -> Optional[Tuple[Any, Tuple[str, ...], float]]:
+    """(the config that recomputes the blocks within the time allowance from codes, those blocks, the step's FLOPs
+    in stock steps), or None when the config asks for no peak-first step (recomputation off, blocks named,
+    ``peak_first_bits=None``, an exact config, a decision to apply) or no block can be taken. ``gm``: the captured
+    graph, annotated (the baseline)."""
+    cfg = getattr(config, "recompute", None)
+    if cfg is None or cfg.segments != () or cfg.peak_first_bits is None or ctx.decision is not None:
+        return None
+    forward = sum(c.flops for c in baseline.nodes.values())
+    taken, ratio = within_allowance(eligible_blocks(gm, baseline), forward, cfg.time_allowance)
+    if not taken:
+        return None
+    return dataclasses.replace(config, recompute=dataclasses.replace(cfg, segments=taken, bits=cfg.peak_first_bits)
+                               ), taken, ratio
+
+
+def peak_first(pristine: fx.GraphModule, trial: Tuple[Any, Tuple[str, ...], float], ctx: PassContext,
+               default: Estimate, annotate: Callable[[fx.GraphModule], Estimate]) -> Optional[PeakFirst]:
+    """``peak_first_trial``'s config run on ``pristine`` (a copy of the captured graph: it is rewritten in place)
+    and estimated; kept when its peak is at least ``peak_first_gain`` below ``default``'s, else None."""
+    config, taken, ratio = trial
+    gm, records = run_passes(pristine, passes_for(config), ctx)
+    estimate = annotate(gm)
+    if estimate.peak_bytes > (1 - config.recompute.peak_first_gain) * default.peak_bytes:
+        return None
+    return PeakFirst(gm, records, estimate, taken, ratio)

@@ -1,0 +1,92 @@
+"""The default plan's peak-first step (passes/planning/peak_first.py): without a budget, blocks are recomputed from
+8-bit codes of their inputs where the estimated step peak falls by at least ``peak_first_gain`` within the time
+allowance; otherwise the default plan stands. The solver is a pure function on numbers; the pipeline's use is
+checked on a small decoder-shaped language model (a large head after the blocks, as in an LM)."""
+import copy
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import memopt
+from memopt.passes.planning.peak_first import STEP_FORWARDS, within_allowance
+from memopt.testing.zoo import EncoderBlock
+
+OFF = memopt.Config(recompute=memopt.RecomputeConfig(peak_first_bits=None))
+
+
+class _LM(nn.Module):
+    def __init__(self, vocab=1024, d=64, depth=6, heads=4):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.blocks = nn.Sequential(*[EncoderBlock(d, heads) for _ in range(depth)])
+        self.norm, self.head = nn.LayerNorm(d), nn.Linear(d, vocab)
+
+    def forward(self, ids):
+        return self.head(self.norm(self.blocks(self.embed(ids))))
+
+
+def _lm(vocab=1024, depth=6):
+    torch.manual_seed(0)
+    return _LM(vocab=vocab, depth=depth).train(), torch.randint(0, vocab, (8, 64))
+
+
+def test_blocks_are_taken_by_kept_bytes_per_flop_within_the_allowance():
+    forward = 1000
+    step = STEP_FORWARDS * forward
+    blocks = {"a": (100, 300), "b": (400, 300), "c": (50, 100), "d": (0, 10)}
+    # by bytes per FLOP: b (1.33), c (0.5), a (0.33); 700 extra FLOPs are within 1.25 steps (750 of 3000)
+    assert within_allowance(blocks, forward, 1.25) == (("a", "b", "c"), (step + 700) / step)
+    # at 1.15 (450 extra FLOPs): b, then c; a no longer fits
+    assert within_allowance(blocks, forward, 1.15) == (("b", "c"), (step + 400) / step)
+    assert within_allowance(blocks, forward, 1.0) == ((), 1.0)  # nothing fits; a block that keeps nothing (d) is never taken
+    assert within_allowance({}, 0, 2.0) == ((), 1.0)
+
+
+def test_the_default_recomputes_blocks_from_codes_where_the_peak_falls(caplog):
+    model, x = _lm()
+    reference = copy.deepcopy(model)
+    off = memopt.optimize(copy.deepcopy(model), example_inputs=x, config=OFF)
+    with caplog.at_level(logging.INFO, logger="memopt"):
+        om = memopt.optimize(model, example_inputs=x)
+    chosen = om.plan.chosen_units().get("recompute", {})
+    assert chosen and set(chosen.values()) == {8}, chosen
+    assert any(f"recomputing {len(chosen)} blocks from 8-bit codes lowers the estimated peak" in r.getMessage()
+               for r in caplog.records)
+    assert om.plan.estimated_peak_bytes <= 0.95 * off.plan.estimated_peak_bytes
+    real = memopt.measure(om, x)
+    assert (real.peak_bytes, real.saved_bytes) == (om.plan.estimated_peak_bytes, om.plan.estimated_saved_bytes)
+    # the forward is eager's bit for bit (dropout replayed); the gradients, under a loss the gate did not use, close
+    torch.manual_seed(1)
+    out = om(x)
+    torch.manual_seed(1)
+    ref = reference(x)
+    assert torch.equal(out, ref)
+    target = torch.randint(0, 1024, (8, 64))
+    F.cross_entropy(out.flatten(0, 1), target.flatten()).backward()
+    F.cross_entropy(ref.flatten(0, 1), target.flatten()).backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert F.cosine_similarity(p.grad.flatten(), q.grad.flatten(), 0) > 0.99, name
+    # a saved plan replays the same decision, without planning
+    again = memopt.optimize(copy.deepcopy(reference), example_inputs=x, plan=om.plan)
+    assert again.plan.chosen_units() == om.plan.chosen_units()
+    assert again.plan.estimated_peak_bytes == om.plan.estimated_peak_bytes
+
+
+@pytest.mark.parametrize("config", [OFF, memopt.Config.exact(), memopt.Config(recompute=None)],
+                         ids=["peak_first_bits=None", "exact", "recompute=None"])
+def test_the_step_is_off_when_the_config_says_so(config):
+    model, x = _lm()
+    om = memopt.optimize(model, example_inputs=x, config=config)
+    assert "recompute" not in om.plan.chosen_units()
+
+
+def test_a_step_that_frees_too_little_is_not_kept(caplog):
+    # a smaller head: one block's recomputation in backward costs about what the codes free, so the default stands
+    model, x = _lm(vocab=512, depth=4)
+    with caplog.at_level(logging.INFO, logger="memopt"):
+        om = memopt.optimize(model, example_inputs=x)
+    assert "recompute" not in om.plan.chosen_units()
+    assert not any("from 8-bit codes" in r.getMessage() for r in caplog.records)
