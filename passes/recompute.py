@@ -13,6 +13,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple, Union
 
+import torch
 from torch import fx
 
 from memopt.core.meta import META_KEY
@@ -103,6 +104,9 @@ def _inplace_on(node: fx.Node, inside: set) -> bool:
         return False
     if node.kwargs.get("inplace") is True:
         return True
+    if isinstance(node.target, torch._ops.OpOverload):  # an export graph's ATen op: its schema says what it writes
+        arguments = node.target._schema.arguments
+        return bool(arguments) and arguments[0].alias_info is not None and arguments[0].alias_info.is_write
     target = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
     if node.op in ("call_method", "call_function") and target.endswith("_") and not target.endswith("__"):
         return True

@@ -107,6 +107,7 @@ def test_planner_recomputes_when_nothing_else_fits():
                         config=memopt.Config(fewbit=None, stash=None, recompute=None), optimizer="sgd")
 
 
+@pytest.mark.slow
 def test_planner_does_not_recompute_when_the_other_techniques_fit():
     model, x = build("tiny_resnet")
     default = memopt.optimize(model, example_inputs=x, optimizer="sgd").plan.estimated_peak_bytes
@@ -219,3 +220,41 @@ def test_recompute_passes_values_that_hold_no_tensor_through():
     got = torch.autograd.grad(out, [x, *block.parameters()], g)
     want = torch.autograd.grad(ref, [x, *block.parameters()], g)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+class _InPlaceFirst(nn.Module):
+    """Blocks whose first op writes the block's input: an in-place dropout (ATen ``dropout_`` in an export graph,
+    as torchvision EfficientNet's classifier has) and ``add_`` (a method call in a symbolic trace, ATen ``add_`` in
+    an export graph)."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.Sequential(nn.Sequential(nn.Dropout(0.2, inplace=True), nn.Linear(4, 4)), _AddsInPlace())
+
+    def forward(self, x):
+        return self.blocks(x * 2)
+
+
+class _AddsInPlace(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        x.add_(1)
+        return self.fc(x)
+
+
+@pytest.mark.parametrize("capture", ["symbolic_trace", "export"])
+def test_blocks_that_write_their_input_in_place_are_never_recomputed(capture):
+    from memopt.capture.trace import capture as symbolic, export_capture
+    from memopt.cost_model.analysis import annotate
+    from memopt.passes.recompute import find_blocks, why_not
+    model, x = _InPlaceFirst().train(), torch.randn(2, 4)
+    gm = (symbolic if capture == "symbolic_trace" else export_capture)(model, (x,), {}).graph_module
+    annotate(gm, (x,), {}, device="cpu")  # what the pass reads: which values are tensors
+    reasons = {b.name: why_not(b) for b in find_blocks(gm)}
+    assert reasons and all(isinstance(r, str) and "modifies an input of the block in place" in r
+                           for r in reasons.values()), reasons
+    om = memopt.optimize(copy.deepcopy(model), example_inputs=x, config=ALL)  # every block asked for: none taken
+    assert "recompute" not in om.plan.chosen_units()
