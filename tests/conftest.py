@@ -1,4 +1,5 @@
 import importlib.util
+import os
 
 import pytest
 import torch
@@ -8,11 +9,23 @@ from memopt.testing.zoo import ZOO
 HAS_TORCHVISION = importlib.util.find_spec("torchvision") is not None
 
 
+def pytest_configure(config):
+    # pytest-xdist runs one worker process per core (pyproject's -n auto): one torch thread each, or the workers'
+    # OpenMP pools oversubscribe the cores and spin (a test of 4 s alone took 144 s with 2 workers of 2 threads)
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        torch.set_num_threads(1)
+
+
+# real-size zoo models (torchvision's, and a 20-layer ResNet): most of a zoo-wide test's time, so the fast tier
+# (`pytest -q`) runs the small models and the slow tier (`pytest -q -m slow`) these
+HEAVY = ("preact_resnet20", "resnet18", "resnet50", "mobilenet_v2", "vgg11_bn", "densenet121")
+
+
 def zoo_params(names=None):
-    """pytest params over the zoo, skipping torchvision models when it is missing."""
+    """pytest params over the zoo, skipping torchvision models when it is missing; ``HEAVY`` ones are slow."""
     out = []
     for name in names or ZOO:
-        marks = []
+        marks = [pytest.mark.slow] if name in HEAVY else []
         if ZOO[name].needs_torchvision and not HAS_TORCHVISION:
             marks.append(pytest.mark.skip(reason="torchvision is not installed"))
         out.append(pytest.param(name, marks=marks, id=name))

@@ -4,6 +4,7 @@ import pytest
 from memopt.cli import build_parser, main
 
 
+@pytest.mark.slow
 def test_report_export_bench_and_estimate_run(tmp_path, capsys):
     assert main(["report", "tiny_resnet", "--batch", "2", "--top", "3"]) == 0
     assert "memopt report: TinyResNet" in capsys.readouterr().out

@@ -46,6 +46,7 @@ def test_plan_is_json_and_round_trips(om):
     assert Plan.from_dict(data) == plan
 
 
+@pytest.mark.slow
 def test_export_writes_readable_files_and_reloads_the_same_module(om, tmp_path):
     model, inputs = om.original_module, torch.randn(4, 3, 32, 32)
     om.export(tmp_path)

@@ -82,6 +82,7 @@ def test_a_call_that_differs_from_the_modules_settings_is_left_as_it_is():
     assert F.batch_norm in _targets(gm) and proxy_name("bn1") not in _targets(gm)
 
 
+@pytest.mark.slow
 def test_timm_batch_norm_act_models_get_the_stash():
     timm = pytest.importorskip("timm")
     torch.manual_seed(0)

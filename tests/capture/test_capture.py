@@ -41,6 +41,7 @@ def test_exact_config_gradients_and_buffers_match_stock_training(name):
         assert torch.equal(b, c), n  # BN running stats updated exactly once
 
 
+@pytest.mark.slow
 def test_shares_parameters_buffers_and_state_dict_keys():
     model, inputs = build("tiny_resnet")
     om = memopt.optimize(model, example_inputs=inputs)

@@ -254,6 +254,7 @@ def test_buffer_updates_and_no_grad_regions_are_kept_and_optimize_leaves_state_a
     assert model2.count.item() == 3 and model2.ema.grad_fn is None
 
 
+@pytest.mark.slow
 def test_timm_batchnormact_counts_batches_as_stock():
     timm = pytest.importorskip("timm")
     torch.manual_seed(0)

@@ -26,6 +26,7 @@ def test_estimated_saved_and_peak_match_a_real_cpu_run(name):
     assert within(est.peak_bytes, real.peak_bytes), (est.peak_bytes, real.peak_bytes)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("optimizer", ["sgd", "adam", torch.optim.AdamW])
 def test_peak_with_optimizer_state_matches_a_real_run(optimizer):
     model, inputs = build("tiny_resnet")

@@ -122,6 +122,7 @@ def test_non_default_hyper_parameters_get_their_own_tables():
     assert not torch.equal(a, b) and not torch.equal(erf, tanh)
 
 
+@pytest.mark.slow
 def test_shipped_tables_equal_a_fresh_computation():
     shipped = json.loads(SHIPPED.read_text())
     names = {key.split("|")[0] for key in shipped}

@@ -31,6 +31,7 @@ def _build(name):
     return model, inputs(), key
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_optimize_and_train(name, tmp_path):
     model, x, key = _build(name)
@@ -58,6 +59,7 @@ def test_optimize_and_train(name, tmp_path):
     assert (tmp_path / "plan.json").exists()
 
 
+@pytest.mark.slow
 def test_a_budget_recomputes_transformer_layers_exactly():
     model, _, key = _build("bert")
     x = {"input_ids": torch.randint(0, 1000, (16, 64))}  # activations, not the weights, dominate the peak

@@ -17,6 +17,7 @@ MODELS = {  # small inputs keep the suite fast; the families are what matters
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_optimize_and_train(name):
     kwargs, shape = MODELS[name]

@@ -1,6 +1,7 @@
 """Shampoo under DistributedDataParallel: gloo, 2 CPU processes, each rank with the full state."""
 import os
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -41,6 +42,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_ddp_ranks_stay_identical(tmp_path):
     spawn(_worker, (2, free_port(), str(tmp_path)), timeout=120)
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]

@@ -157,6 +157,7 @@ def test_tensor_layout_cannot_change_once_state_exists():
     assert torch.equal(p, before)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kw", [{"tensor_layout": "modes"}, {"vector_bits": 8}])
 def test_cost_model_estimates_the_new_options_exactly(kw):
     # the cost model runs the step on fake tensors: state and transients must match a real run

@@ -66,6 +66,7 @@ def resnet():
     return model, x, baseline, full
 
 
+@pytest.mark.slow
 def test_budget_at_or_above_baseline_changes_nothing(resnet):
     model, x, baseline, _ = resnet
     om = memopt.optimize(model, baseline / MiB, example_inputs=x, optimizer="sgd")
@@ -73,6 +74,7 @@ def test_budget_at_or_above_baseline_changes_nothing(resnet):
     assert om.plan.estimated_peak_bytes == baseline and om.plan.planner == {}
 
 
+@pytest.mark.slow
 def test_budget_is_met_by_estimate_and_measurement(resnet):
     model, x, baseline, full = resnet
     budget = full + 0.5 * (baseline - full)
@@ -105,6 +107,7 @@ def test_report_shows_choices_alternatives_and_budget(resnet):
     assert node.reason.startswith("planner: the budget is met without it")
 
 
+@pytest.mark.slow
 def test_budget_below_minimum_raises_with_minimum_and_consumers(resnet):
     model, x, baseline, full = resnet
     with pytest.raises(memopt.BudgetError) as info:
@@ -119,6 +122,7 @@ def test_budget_below_minimum_raises_with_minimum_and_consumers(resnet):
     assert "torch.utils.checkpoint" in message or "plan_bits" in message
 
 
+@pytest.mark.slow
 def test_plan_is_deterministic_and_reapplies_without_planning(resnet, tmp_path):
     model, x, baseline, full = resnet
     budget = (full + 0.3 * (baseline - full)) / MiB
@@ -148,6 +152,7 @@ def test_a_reapplied_plan_keeps_the_reason_a_batchnorm_chain_stays_exact():
     assert any("4 elements per channel" in (r or "") for r in reasons.values()), reasons
 
 
+@pytest.mark.slow
 def test_a_hand_edited_plan_is_applied_as_edited(resnet, tmp_path):
     model, x, baseline, full = resnet
     om = memopt.optimize(model, (full + 0.3 * (baseline - full)) / MiB, example_inputs=x, optimizer="sgd")
@@ -162,6 +167,7 @@ def test_a_hand_edited_plan_is_applied_as_edited(resnet, tmp_path):
     assert bits[f"{exact['chosen']['unit']}_stash"] == 3
 
 
+@pytest.mark.slow
 def test_a_plan_naming_a_missing_node_is_refused(resnet):
     model, x, _, _ = resnet
     data = memopt.optimize(model, example_inputs=x, optimizer="sgd").plan.to_dict()
@@ -172,6 +178,7 @@ def test_a_plan_naming_a_missing_node_is_refused(resnet):
         memopt.optimize(model, example_inputs=x, plan=data)
 
 
+@pytest.mark.slow
 def test_plan_and_budget_together_are_refused(resnet):
     model, x, _, _ = resnet
     plan = memopt.optimize(model, example_inputs=x).plan
@@ -190,6 +197,7 @@ def test_planner_config_errors_quote_the_value(field, value, match):
         memopt.StashConfig(**{field: value})
 
 
+@pytest.mark.slow
 def test_cuda_budget_keeps_workspace_headroom(resnet):
     # planning for CUDA (fake tensors, no GPU needed): the planner keeps Config.workspace_mb free for the cuDNN
     # workspaces the estimate does not count (measured up to 37 MiB above the estimate on an H200, docs/results/cuda/cuda.md)

@@ -119,6 +119,7 @@ def resnet():
     return model, x, budget, plans
 
 
+@pytest.mark.slow
 def test_fidelity_recomputes_where_balanced_codes(resnet):
     model, x, budget, plans = resnet
     om = plans["fidelity"]
@@ -139,6 +140,7 @@ def test_speed_codes_where_fidelity_recomputes(resnet):
     assert extra["speed"] < extra["fidelity"]  # the least extra work, on the scale both policies share
 
 
+@pytest.mark.slow
 def test_memory_frees_the_most_and_keeps_the_gate(resnet):
     model, x, budget, plans = resnet
     om = memopt.optimize(copy.deepcopy(model), budget / MiB, example_inputs=x, optimizer="sgd",

@@ -170,6 +170,7 @@ def test_config_errors_quote_the_value(bad, message):
         ReversibleConfig(**bad)
 
 
+@pytest.mark.slow
 def test_planner_offers_reversible_pieces_and_the_estimate_holds():
     model, x = revnet((4,), batch=8, size=16)
     baseline = memopt.estimate(model, x).peak_bytes
@@ -180,6 +181,7 @@ def test_planner_offers_reversible_pieces_and_the_estimate_holds():
     assert memopt.measure(om, x).peak_bytes == om.plan.estimated_peak_bytes
 
 
+@pytest.mark.slow
 def test_aggressive_mode_inverts_batchnorm_and_leaky_relu_on_the_spine():
     saved = {}
     for mode in ("safe", "aggressive"):
@@ -271,6 +273,7 @@ class _SpineLayerNorm(torch.nn.Module):
         return self.head(x.mean(1))
 
 
+@pytest.mark.slow
 def test_aggressive_mode_inverts_layer_norm_and_constant_scale():
     torch.manual_seed(0)
     model, x = _SpineLayerNorm().train(), torch.randn(4, 10, 8)

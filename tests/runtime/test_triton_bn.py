@@ -56,6 +56,7 @@ def _close(a, b, reference, what):
     assert (b.double() - reference).abs().max().item() <= tolerance, what
 
 
+@pytest.mark.slow
 @requires_triton
 @pytest.mark.parametrize("bits", [1, 2, 4, 8])
 @pytest.mark.parametrize("grid_kind", ["rows2", "rows4", "book2", "book1"])
@@ -128,6 +129,7 @@ def _act_case(shape, act, dtype, grid_kind="rows4", packed=False):
     return case, codes, grad_y, given, slope, want
 
 
+@pytest.mark.slow
 @requires_triton
 @pytest.mark.parametrize("act", ["relu", "relu6", "leaky_relu", "identity"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

@@ -23,6 +23,7 @@ CHAINS = [("relu", True, False), ("relu", True, True), ("relu6", True, False), (
           ("leaky_relu", True, False)]
 
 
+@pytest.mark.slow
 @requires_triton
 @pytest.mark.parametrize("bits", [1, 2, 4, 8])
 @pytest.mark.parametrize("act, split, residual", CHAINS)

@@ -17,6 +17,7 @@ from triton_stash_helpers import _Net, _both, _chain_input, _same, interpret, re
 
 pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 
+@pytest.mark.slow
 @requires_triton
 @pytest.mark.parametrize("bits, generic_on", [(4, False), (2, True)])  # 8 bits: test_x_code_matches_...
 def test_a_small_cnn_trains_one_step_with_the_plain_paths_outputs_buffers_and_gradients(interpret, monkeypatch, bits,

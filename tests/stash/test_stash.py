@@ -31,6 +31,7 @@ def _chain_nodes(om):
 # chains include BNs without an activation ("identity": MobileNet projection); a ResNet downsample BN joins the
 # chain of the BN it is added to (joined); BNs over fewer than StashConfig.min_per_channel elements per channel
 # stay exact (small test inputs)
+@pytest.mark.slow
 @pytest.mark.parametrize("name, chains, joined", [("cnn", 2, 0), ("tiny_resnet", 13, 2), ("preact_resnet20", 19, 0),
                                                   ("resnet18", 13, 2), ("resnet50", 41, 3), ("mobilenet_v2", 40, 0),
                                                   ("vgg11_bn", 6, 0), ("densenet121", 39, 0)])
@@ -183,6 +184,7 @@ def test_gradient_error_at_8_and_4_bits(name):
             assert F.cosine_similarity(a, b, 0) >= per_param, (bits, n)
 
 
+@pytest.mark.slow
 def test_identity_chains_and_the_per_channel_floor():
     model, x = build("resnet18")
     om = memopt.optimize(model, example_inputs=x, config=STASH_ONLY)
@@ -430,6 +432,7 @@ def test_stem_fusion_needs_consumers_that_keep_the_pooled_output():
     assert "max-pool" not in nodes["bn1_stash"].reason and nodes["maxpool_indices"].technique == "stash"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["tiny_resnet", "mobilenet_v2"])
 def test_cpu_selects_and_gpu_selects_give_identical_gradients(name, monkeypatch):
     # On CPU the stash replaces torch.where / masked_fill by exact selections (uint8 arithmetic, threshold_backward,

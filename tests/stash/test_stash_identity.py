@@ -167,6 +167,7 @@ def test_running_statistics_update_once_with_links():
         assert torch.equal(b, c), n
 
 
+@pytest.mark.slow
 def test_mobilenet_v2_links_every_expand_chain_and_codes_projections_with_one_more_bit():
     pytest.importorskip("torchvision")
     model, x = build("mobilenet_v2")
@@ -204,6 +205,7 @@ def test_fused_and_plain_paths_solve_the_same(act, beta):
         torch.testing.assert_close(grads[name], grads_p[name], rtol=1e-4, atol=1e-5 * grads_p[name].abs().max().item())
 
 
+@pytest.mark.slow
 def test_planner_levels_of_chains_without_an_activation_round_trip(tmp_path):
     # the planner's options carry the asked bits (the level); the codes of an identity chain use one more, and a
     # saved plan re-applies to the same graph
