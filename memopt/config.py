@@ -66,9 +66,10 @@ class Config:
             checked on the example inputs first. Runs first; models without such blocks are
             unchanged.
         recompute: recomputation of whole blocks in backward (``RecomputeConfig``; None turns it
-            off). By default it recomputes nothing: the budget planner uses it as a last resort,
-            after few-bit and stash at their fewest bits. Runs first; the other techniques rewrite
-            what is left outside the recomputed blocks.
+            off). The budget planner uses it as a last resort, after few-bit and stash at their fewest
+            bits; without a budget the default plan recomputes blocks from 8-bit codes of their inputs
+            only where that lowers the estimated step peak (``RecomputeConfig.peak_first_bits``). Runs
+            first; the other techniques rewrite what is left outside the recomputed blocks.
         stash: exact forward with a K-bit stash for BatchNorm-activation chains (``StashConfig``;
             None turns it off). Runs before few-bit, which takes the activations left over.
         fewbit: few-bit backward for pointwise activations (``FewBitConfig``; None turns it off).

@@ -42,8 +42,8 @@ from memopt.record.measure import measure
 from memopt.builder.pipeline import build, input_signature
 from memopt.record.plan import PartialPlan, Plan
 from memopt.core.units import fmt_bytes
-from memopt.fidelity.gate import PROJECTIONS, RandomProjection, gate_report, has_lossy_units, parameter_fidelity, \
-    per_min, shortest_passing, worst_over
+from memopt.fidelity.gate import PROJECTIONS, gate_report, has_lossy_units, parameter_fidelity, \
+    per_min, projection, shortest_passing, worst_over
 from memopt.capture.soundness import training_step
 
 log = logging.getLogger("memopt")
@@ -239,8 +239,8 @@ def build_partial(model: nn.Module, args: tuple, kwargs: dict, config: Config, b
 def gate_whole(model: nn.Module, args: tuple, kwargs: dict, config: Config,
                units: List[Unit]) -> Tuple[List[Unit], Dict[str, Any]]:
     """(the units to run, the report) of the fidelity gate on the whole model captured per submodule: its
-    per-parameter gradients with every unit routed against eager autograd, under ``PROJECTIONS`` random
-    projections of the outputs (a fixed RNG draw, state restored), with the parameters each unit's own gate listed
+    per-parameter gradients with every unit routed against eager autograd, under the gate's first ``PROJECTIONS``
+    losses (a random projection of the outputs, their own direction) (a fixed RNG draw, state restored), with the parameters each unit's own gate listed
     apart. Where some miss ``FidelityConfig.min_cosine``, the fewest units with lossy rewrites that pass, the
     least faithful first by their own gates, run their original forward instead (found by halving); the report
     says which. No report when the gate is off or no unit is lossy."""
@@ -252,7 +252,7 @@ def gate_whole(model: nn.Module, args: tuple, kwargs: dict, config: Config,
     names = [n for n, _ in model.named_parameters()]
     invariant = {f"{u.path}.{p}": why for u in units for p, why in u.built.plan.fidelity.get("invariant", {}).items()}
     rng = torch.Generator().manual_seed(0).get_state()
-    losses = [RandomProjection(seed=seed) for seed in range(PROJECTIONS)]
+    losses = [projection(i) for i in range(PROJECTIONS)]
     exacts = [training_step(model, model, args, kwargs, rng, loss).grads for loss in losses]
     steps, cache = [len(losses)], {}
 

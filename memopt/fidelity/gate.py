@@ -3,9 +3,11 @@
 The planner's fidelity proxies are models of the error; the gate measures it. On a slice of the example batch
 (``soundness.batch_slice``, so the check fits where the plan does) it runs one training step of the eager model
 (exact: the capture check showed the captured graph is bit-identical to it) and one of the graph rewritten by
-the plan's decision, from the same state and RNG, and compares every parameter's gradient (cosine). Parameters
-whose exact gradient is tiny beside the median (``FidelityConfig.tiny``) are listed apart: their direction is
-rounding noise. For each parameter below ``min_cosine`` the lossy units nearest to it in the captured graph
+the plan's decision, from the same state and RNG, and compares every parameter's gradient (cosine), under a
+random projection of the outputs and, to confirm a passing plan, under the outputs' own direction (``OwnDirection``)
+and further projections. Parameters whose exact gradient is tiny beside the median (``FidelityConfig.tiny``), ~0 by
+construction (``invariant_params``), or not resolved by the model's own precision (float64's step against float32's,
+``conditioning``; float32's against autocast's) are listed apart with the reason: their direction is rounding. For each parameter below ``min_cosine`` the lossy units nearest to it in the captured graph
 (the nodes that use the parameter, then their neighbours, widening when the nearest are exact already) are
 raised to their technique's next bit width, or made exact; the step is repeated until every parameter passes
 or ``max_rounds`` is spent. The report records every change and the final per-parameter figures.
@@ -24,6 +26,7 @@ from memopt.capture.trace import capture, flat_inputs
 from memopt.config import Config
 from memopt.core.errors import MemoptError
 from memopt.core.meta import HISTOGRAM_KEY, META_KEY
+from memopt.fidelity.conditioning import float64_noise
 from memopt.fidelity.invariant_params import invariant_parameters
 from memopt.cost_model.step import default_loss, output_tensors
 from memopt.fidelity.repair import _fewest_exact, _key, _raise, _raise_all, _without, coupled, freed_by, \
@@ -54,6 +57,26 @@ class RandomProjection:
             t = terms[len(self.weights)]
             self.weights.append(torch.randn(t.shape, generator=self.generator, dtype=torch.float32).to(t))
         return sum((t * w).sum() for t, w in zip(terms, self.weights))
+
+
+class OwnDirection:
+    """The loss ``sum(t^2) / 2`` over the floating outputs, whose output gradient is the output itself: the
+    direction of the losses users write on the output's values (a squared error, a norm penalty, a regression head),
+    which a fixed random projection does not weigh. A plan can pass every random projection and miss this one: a
+    BN-ReLU CNN whose 4-bit chains kept cosine 0.998 under two projections gave 0.98 under ``out.square().mean()``
+    (tests/builder/test_user_module.py)."""
+
+    def __call__(self, output: Any) -> torch.Tensor:
+        terms = [t for t in output_tensors(output) if t.is_floating_point() and t.requires_grad]
+        if not terms:
+            return default_loss(output)  # says what is wrong
+        return sum(t.float().square().sum() / 2 for t in terms)
+
+
+def projection(index: int) -> Any:
+    """The gate's ``index``-th loss: a random projection first (it drives the repair), the output's own direction
+    second (every passing plan is confirmed on it), further random projections after."""
+    return OwnDirection() if index == 1 else RandomProjection(seed=index)
 
 
 def parameter_fidelity(names: List[str], exact: List[Optional[torch.Tensor]], approx: List[Optional[torch.Tensor]],
@@ -114,7 +137,7 @@ def autocast_noise(model: nn.Module, args: tuple, kwargs: dict, rng: Any, loss: 
 # not one unit's: the gate then raises every lossy unit of one technique a level at once, the technique whose
 # raise helps most (one trial step each). Otherwise it raises the units nearest to each missing parameter.
 WIDESPREAD = 0.05
-# Independent random projections a passing plan must pass: the first drives the repair, the others confirm.
+# Losses a passing plan must pass (``projection``): the first drives the repair, the others confirm.
 PROJECTIONS = 2
 # A plan whose worst cosine passes by less than MARGIN is confirmed on further projections, up to
 # MAX_PROJECTIONS: a small parameter's cosine spreads with the projection (a 16-element LayerNorm weight of a tiny
@@ -181,17 +204,21 @@ def fidelity_gate(model: nn.Module, args: tuple, kwargs: dict, config: Config, d
     names = [n for n, _ in model.named_parameters()]
     invariant = invariant_parameters(base)
     rng = torch.Generator().manual_seed(0).get_state()  # a fixed draw (dropout): the same plan, the same report
-    losses = [RandomProjection(seed=0)]
+    losses = [projection(0)]
     steps = [0]
     cache: Dict[tuple, List[Dict[str, Dict[str, Any]]]] = {}  # plan -> its figures under each projection
     first = [True]
 
     def exact_step(loss: Any) -> List[Optional[torch.Tensor]]:
-        """The eager step's gradients under ``loss``; under autocast, the parameters at its own rounding's noise
-        under that projection join those listed apart (a small one is noisy under some projections only)."""
+        """The eager step's gradients under ``loss``; the parameters its precision does not resolve under that
+        projection join those listed apart (under autocast against float32, else against float64: a small one is
+        noisy under some projections only)."""
         grads = training_step(model, model, sliced_args, sliced_kwargs, rng, loss).grads
         noisy = autocast_noise(model, sliced_args, sliced_kwargs, rng, loss, names, grads, gate.tiny,
                                gate.min_cosine)
+        if noisy is None:
+            noisy = float64_noise(model, sliced_args, sliced_kwargs, rng, loss, names, grads, gate.tiny,
+                                  gate.min_cosine, parameter_fidelity)
         steps[0] += 1 + (noisy is not None)
         new = {p: why for p, why in (noisy or {}).items() if p not in invariant}
         invariant.update(new)
@@ -294,7 +321,7 @@ def fidelity_gate(model: nn.Module, args: tuple, kwargs: dict, config: Config, d
             # one projection's cosine of a small parameter sways with the projection near the bar: a plan that
             # passes is confirmed on independent ones (more while it passes narrowly), and repaired on the worst
             # of them if it misses
-            losses.append(RandomProjection(seed=len(losses)))
+            losses.append(projection(len(losses)))
             exacts.append(exact_step(losses[-1]))  # counts its steps
             per_parameter, failing = evaluate(decision)
         before = before or {"parameter": failing[0] if failing else None,

@@ -82,13 +82,13 @@ def _fidelity_lines(gate: Dict[str, Any]) -> List[str]:
     worst = gate.get("worst") or {}
     verdict = "passed" if gate["passed"] else f"FAILED ({len(gate['below'])} parameters below)"
     projections = gate.get("projections", 1)
-    lines = [f"fidelity gate ({gate['slice']}, {gate.get('steps', '?')} training steps, {projections} random "
-             f"projection{'s' * (projections > 1)}): {verdict}; every parameter's gradient cosine against exact "
+    lines = [f"fidelity gate ({gate['slice']}, {gate.get('steps', '?')} training steps, {projections} "
+             f"loss{'es' * (projections > 1)}: random projections of the outputs and their own direction): {verdict}; every parameter's gradient cosine against exact "
              f"autograd >= {gate['min_cosine']} under each is the bar; worst "
              f"{worst.get('parameter')} at {worst.get('cosine')}"]
     lines += [f"  changed: {change}" for change in gate["changes"]]
     lines += [f"  below the bar: {entry}" for entry in gate["below"][:10]]
-    lines += [f"  listed apart, exact gradient ~0 by construction: {p}: {why}"
+    lines += [f"  listed apart: {p}: {why}"
               for p, why in gate.get("invariant", {}).items()]
     if gate.get("tiny"):
         lines.append(f"  listed apart, exact gradient below the tiny share of the median norm: "

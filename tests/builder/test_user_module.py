@@ -115,6 +115,7 @@ def normed(kind, seed=0):
                              nn.LeakyReLU(0.2), nn.Flatten(), wrap(nn.Linear(8 * 14 * 14, 1)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config,exact", CONFIGS)
 @pytest.mark.parametrize("kind", list(NORMS))
 def test_weight_and_spectral_norm_move_only_as_eager(kind, config, exact):
@@ -126,17 +127,26 @@ def test_weight_and_spectral_norm_move_only_as_eager(kind, config, exact):
     steps_as_eager(om, model, reference, x, exact)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 39, open: the fidelity gate checks cosines under its own random "
-                   "projections; under this loss, unseen by it, the first BatchNorm weight's cosine is 0.98")
-def test_the_gate_holds_under_a_loss_it_did_not_see():
-    model, x = cnn().train(), torch.randn(8, 3, 16, 16)
+LOSSES = {"square": lambda out, t: out.square().mean(), "cross_entropy": lambda out, t: F.cross_entropy(out, t),
+          "projection": lambda out, t: (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum()}
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_gate_holds_under_losses_it_did_not_see(seed):
+    # before the gate confirmed plans on the output's own direction, the square loss found a BN weight at 0.97-0.98
+    model, x = cnn(seed).train(), torch.randn(8, 3, 16, 16)
+    target = torch.arange(8) % 4
     reference = copy.deepcopy(model)
     om = memopt.optimize(model, example_inputs=x)
-    om(x).square().mean().backward()
-    reference(x).square().mean().backward()
-    worst = min(cosine(p.grad, q.grad) for p, q in zip(model.parameters(), reference.parameters())
-                if q.grad.norm() > 1e-6)
-    assert worst >= 0.99, worst
+    for name, loss in LOSSES.items():
+        for m in (model, reference):
+            m.zero_grad()
+        loss(om(x), target).backward()
+        loss(reference(x), target).backward()
+        apart = om.plan.fidelity["invariant"]  # listed apart, with the reason (the conv biases before a BN: ~0)
+        worst = min((cosine(p.grad, q.grad), n) for (n, p), q in zip(model.named_parameters(), reference.parameters())
+                    if n not in apart)
+        assert worst[0] >= 0.99, (name, worst)
 
 
 class Checkpointed(nn.Module):

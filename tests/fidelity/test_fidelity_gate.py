@@ -39,6 +39,7 @@ def _cosines(model, om, x):
                               1e-3)
 
 
+@pytest.mark.slow
 def test_a_plan_that_misses_the_gate_is_repaired_and_the_report_says_how():
     torch.manual_seed(0)
     model, x = GeluMLP(), torch.randn(64, 64)
@@ -171,7 +172,8 @@ def test_a_plan_passing_narrowly_is_confirmed_on_more_projections(monkeypatch):
     monkeypatch.setattr(fidelity, "MARGIN", 1.0)  # every pass is narrow now
     narrow = memopt.optimize(copy.deepcopy(model), example_inputs=x, config=config).plan.fidelity
     assert narrow["passed"] and narrow["projections"] == fidelity.MAX_PROJECTIONS
-    assert narrow["steps"] == wide["steps"] + 2 * (fidelity.MAX_PROJECTIONS - fidelity.PROJECTIONS)
+    # per further projection: the eager step, its float64 twin (conditioning.float64_noise), the rewritten step
+    assert narrow["steps"] == wide["steps"] + 3 * (fidelity.MAX_PROJECTIONS - fidelity.PROJECTIONS)
 
 
 class TwoBranch(nn.Module):

@@ -1,0 +1,67 @@
+"""Parameters float32 itself cannot resolve: listed apart from the fidelity gate's check, by measurement.
+
+A cosine against the eager float32 gradient means something only where that gradient is itself the gradient to
+float32's resolution. On some models at init and small batches it is not: the same step in float64 points elsewhere
+(densenet121 or efficientnet_lite0 at batch 2 and 32x32: stock float32 below cosine 0.999 to float64 on most
+parameters; issue 39), and any rewrite that rounds differently moves it as far as the rounding does, so the gate
+would chase noise, turning units exact without getting closer. So, without autocast (``autocast_noise`` in
+``gate.py`` does the same for the low precision), the eager step runs once more on a float64 copy of the model, and
+a parameter whose float32 gradient is below the gate's bar against float64's is listed apart with that figure as
+the reason: the report names it, the gate does not repair for it.
+"""
+from __future__ import annotations
+
+import copy
+import logging
+from typing import Any, Dict, List, Optional
+
+import torch
+from torch import nn
+
+from memopt.capture.soundness import training_step
+
+log = logging.getLogger("memopt")
+
+# A float64 copy of parameters and buffers larger than this is not made (the gate checks every parameter then):
+# it would double the parameters' memory on the device for one reference step.
+FLOAT64_MAX_BYTES = 256 << 20
+
+
+def _double(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.double() if value.is_floating_point() else value
+    if isinstance(value, (list, tuple)):
+        return type(value)(_double(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _double(v) for k, v in value.items()}
+    return value
+
+
+def float64_noise(model: nn.Module, args: tuple, kwargs: dict, rng: Any, loss: Any, names: List[str],
+                  exact: List[Optional[torch.Tensor]], tiny: float, bar: float,
+                  fidelity: Any) -> Optional[Dict[str, str]]:
+    """{parameter: why} of the parameters whose eager float32 gradient (``exact``, under ``loss``) is below ``bar``
+    against the same step in float64; None where this does not apply (autocast on, not every parameter float32, or
+    a bar of 1: that asks for float32 eager's own bits, which float64 does not give), {} where the float64 step could
+    not run or would be too large (logged). ``fidelity``: ``parameter_fidelity``."""
+    if bar >= 1 or any(torch.is_autocast_enabled(d) for d in ("cpu", "cuda")):
+        return None
+    tensors = list(model.parameters()) + list(model.buffers())
+    if not tensors or any(p.dtype != torch.float32 for p in model.parameters()):
+        return None
+    size = sum(t.numel() for t in tensors) * 8
+    if size > FLOAT64_MAX_BYTES:
+        log.info("memopt: no float64 reference step for %s (its float64 copy would take %d MiB); no parameter is "
+                 "listed apart as beyond float32's resolution", type(model).__name__, size >> 20)
+        return {}
+    try:
+        twin = copy.deepcopy(model).double()
+        full = training_step(twin, twin, _double(args), _double(kwargs), rng, loss).grads
+    except (RuntimeError, TypeError, NotImplementedError) as error:  # an op without a float64 kernel, a module that
+        log.info("memopt: no float64 reference step for %s (%s); no parameter is listed apart as beyond float32's "
+                 "resolution", type(model).__name__, str(error).splitlines()[0][:160] if str(error) else error)
+        return {}
+    figures = fidelity(names, full, exact, tiny)
+    return {p: (f"float32 does not resolve it here: the eager float32 gradient is at cosine {f['cosine']:.3f} to "
+                f"float64's on the same step, below the bar") for p, f in figures.items()
+            if not f["tiny"] and f["cosine"] < bar}
