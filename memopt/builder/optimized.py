@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from memopt.capture.trace import capture, has_hooks
+from memopt.core.heap import release_free_heap
 from memopt.core.inputs import normalize_inputs
 from memopt.config import Config
 from memopt.core.errors import MemoptError, TraceError
@@ -171,6 +172,12 @@ class OptimizedModule(nn.Module):
         return None, True
 
     def _build_new(self, signature: tuple, args: tuple, kwargs: dict, capture_fn=capture, checked=None):
+        try:
+            return self._capture_and_plan(signature, args, kwargs, capture_fn, checked)
+        finally:  # planning's freed memory back to the system, not left in the heap the training step then grows
+            release_free_heap()
+
+    def _capture_and_plan(self, signature: tuple, args: tuple, kwargs: dict, capture_fn, checked):
         plan = self._memopt_plan
         if plan is not None and list(signature) != plan.input_signature:
             log.warning("memopt: the given plan is for inputs %s, not %s; planning these inputs anew",

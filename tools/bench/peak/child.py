@@ -186,6 +186,12 @@ def apply(method: str, case: Case, opt, cast, budget_mb: Optional[float]):
     setup = time.perf_counter() - start
     plan = getattr(om, "plan", None)
     note = f"capture {plan.capture}" if plan is not None and hasattr(plan, "capture") else ""
+    if plan is not None and hasattr(plan, "chosen_units"):
+        blocks = plan.chosen_units().get("recompute", {})
+        bits = sorted({b for b in blocks.values() if b}, reverse=True)
+        note += (f"; recomputes {len(blocks)} blocks" + (f" from {'/'.join(map(str, bits))}-bit codes" if bits else "")
+                 if blocks else "; recomputes no block")
+        note += f"; estimated peak {plan.estimated_peak_bytes / 2**20:.1f} MiB (the cost model)"
     return om, setup, note
 
 
