@@ -35,6 +35,17 @@ class WellConditioned(nn.Module):
         return self.fc2(self.act(self.fc1(x)))
 
 
+def _eager(cls):
+    """(model, input, float64_noise's arguments up to the bar) of one eager float32 step under a projection."""
+    torch.manual_seed(0)
+    model, x = cls(), torch.randn(16, 16)
+    rng = torch.Generator().manual_seed(0).get_state()
+    loss = RandomProjection(0)
+    names = [n for n, _ in model.named_parameters()]
+    grads = training_step(model, model, (x,), {}, rng, loss).grads
+    return model, x, (model, (x,), {}, rng, loss, names, grads, 1e-3)
+
+
 def test_parameters_float32_cannot_resolve_are_listed_apart_with_the_figure():
     torch.manual_seed(0)
     model, x = IllConditioned(), torch.randn(16, 16)
@@ -48,25 +59,15 @@ def test_parameters_float32_cannot_resolve_are_listed_apart_with_the_figure():
 
 
 def test_well_conditioned_parameters_stay_gated():
-    torch.manual_seed(0)
-    model, x = WellConditioned(), torch.randn(16, 16)
-    rng = torch.Generator().manual_seed(0).get_state()
-    loss = RandomProjection(0)
-    names = [n for n, _ in model.named_parameters()]
-    grads = training_step(model, model, (x,), {}, rng, loss).grads
-    assert float64_noise(model, (x,), {}, rng, loss, names, grads, 1e-3, 0.99, parameter_fidelity) == {}
+    model, x, args = _eager(WellConditioned)
+    assert float64_noise(*args, 0.99, parameter_fidelity) == {}
     om = memopt.optimize(model, example_inputs=x)
     assert not any(why.startswith(WHY) for why in om.plan.fidelity["invariant"].values())
 
 
 def test_not_under_an_exact_bar_autocast_or_another_dtype():
-    torch.manual_seed(0)
-    model, x = IllConditioned(), torch.randn(16, 16)
-    rng = torch.Generator().manual_seed(0).get_state()
-    loss = RandomProjection(0)
-    names = [n for n, _ in model.named_parameters()]
-    grads = training_step(model, model, (x,), {}, rng, loss).grads
-    args = (model, (x,), {}, rng, loss, names, grads, 1e-3)
+    model, x, args = _eager(IllConditioned)
+    rng, loss, names, grads = args[3:7]
     assert float64_noise(*args, 0.99, parameter_fidelity).keys() >= {"s"}
     assert float64_noise(*args, 1.0, parameter_fidelity) is None  # a bar of 1 asks for float32 eager's own bits
     with torch.autocast("cpu", dtype=torch.bfloat16):
