@@ -36,7 +36,7 @@ def render(plan: Plan, *, top: Optional[int] = None, group: bool = True, fmt: st
              for n, count in rows]
     headers = ["node", "op", "output shape", "dtype", "saved before", "technique", "bits", "saved after", "why"]
     lines = [f"memopt report: {plan.model} (captured by {plan.capture}, planned for {plan.device})",
-             tabulate(table, headers=headers, tablefmt=fmt)]
+             headline(plan), tabulate(table, headers=headers, tablefmt=fmt)]
     if top is not None and len(nodes) > len(table):
         lines.append(f"(showing the top {len(table)} rows of {len(_rows(nodes, group))})")
     lines.append("")
@@ -94,6 +94,18 @@ def _fidelity_lines(gate: Dict[str, Any]) -> List[str]:
         lines.append(f"  listed apart, exact gradient below the tiny share of the median norm: "
                      f"{', '.join(gate['tiny'][:10])}{' ...' if len(gate['tiny']) > 10 else ''}")
     return lines
+
+
+def headline(plan: Plan) -> str:
+    """The step's estimated peak first (what decides whether a batch fits), what of it no activation rewrite can
+    remove, then the saved bytes (what the rewrites shrink)."""
+    e = plan.estimated_breakdown
+    fixed = sum(e.get(p) or 0 for p in ("parameters_and_buffers", "optimizer_state", "inputs"))
+    ratio = plan.baseline_peak_bytes / plan.estimated_peak_bytes if plan.estimated_peak_bytes else float("inf")
+    return (f"estimated peak of one training step {fmt_bytes(plan.baseline_peak_bytes)} -> "
+            f"{fmt_bytes(plan.estimated_peak_bytes)} ({ratio:.2f}x), of which {fmt_bytes(fixed)} parameters, "
+            f"buffers, optimizer state and inputs no rewrite removes; saved activations "
+            f"{fmt_bytes(plan.baseline_saved_bytes)} -> {fmt_bytes(plan.estimated_saved_bytes)}")
 
 
 def _totals(plan: Plan, fmt: str) -> str:

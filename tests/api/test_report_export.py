@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import memopt
+from memopt.core.units import fmt_bytes
 from memopt.record.plan import Plan
 from memopt.testing.zoo import build
 
@@ -68,3 +69,16 @@ def test_reloading_an_export_of_another_model_is_refused(om, tmp_path):
     other, inputs = build("cnn")
     with pytest.raises(memopt.MemoptError, match="differs from|cannot be applied"):
         memopt.load(other, tmp_path, example_inputs=inputs)
+
+
+def test_the_report_leads_with_the_step_peak_and_what_no_rewrite_removes():
+    model, x = build("tiny_resnet")
+    om = memopt.optimize(model, example_inputs=x, optimizer="adam")
+    plan, headline = om.plan, om.report().splitlines()[1]
+    fixed = sum(plan.estimated_breakdown[p] for p in ("parameters_and_buffers", "optimizer_state", "inputs"))
+    assert fixed > 0 and plan.estimated_peak_bytes < plan.baseline_peak_bytes
+    assert headline == (f"estimated peak of one training step {fmt_bytes(plan.baseline_peak_bytes)} -> "
+                        f"{fmt_bytes(plan.estimated_peak_bytes)} "
+                        f"({plan.baseline_peak_bytes / plan.estimated_peak_bytes:.2f}x), of which {fmt_bytes(fixed)} "
+                        f"parameters, buffers, optimizer state and inputs no rewrite removes; saved activations "
+                        f"{fmt_bytes(plan.baseline_saved_bytes)} -> {fmt_bytes(plan.estimated_saved_bytes)}")
