@@ -274,8 +274,14 @@ def fidelity_gate(model: nn.Module, args: tuple, kwargs: dict, config: Config, d
         differ silently from eager PyTorch) on copies: lossy units after the failing parameters go exact, the
         fewest that pass (_fewest_exact, in the order of their measured effect: MEASURED_ORDER); if all of them do
         not suffice, lossy units of the whole plan the same way. Returns (decision, weights, changes,
-        per_parameter, failing, its note, the missed parameters)."""
+        per_parameter, failing, its note, the missed parameters). What it ships is checked on the first
+        ``PROJECTIONS`` losses at least (the rounds confirm only plans that pass: they may have run on one)."""
         decision, weights = {t: dict(us) for t, us in decision.items()}, dict(weights)
+        if len(losses) < PROJECTIONS:
+            while len(losses) < PROJECTIONS:
+                losses.append(projection(len(losses)))
+                exacts.append(exact_step(losses[-1]))
+            per_parameter, failing = evaluate(decision)
         missed = {p: per_parameter[p]["cosine"] for p in failing}
         notes, note = [], None
         for scope in ("after the failing parameters", "of the plan"):
