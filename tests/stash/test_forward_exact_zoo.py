@@ -4,7 +4,7 @@ Each model, randomly initialised, runs one training forward eagerly and through 
 ``Config()``) at batch 4 / 64x64 and batch 2 / 32x32: outputs and every buffer (BatchNorm running statistics and
 counters) must be ``torch.equal``. The two sizes matter: at 32x32 the late stages' BatchNorms are small enough to
 stay exact (``StashConfig.min_per_channel``), at 64x64 they are rewritten, and iFormer's forward differed there
-only (a chain's residual sum laid out channels-last where eager's is contiguous: ``memopt.stash.ops.residual_sum``).
+only (a chain's residual sum laid out channels-last where eager's is contiguous: ``memopt.stash.residual.residual_sum``).
 """
 import copy
 
