@@ -39,11 +39,12 @@ def _double(value: Any) -> Any:
 
 def float64_noise(model: nn.Module, args: tuple, kwargs: dict, rng: Any, loss: Any, names: List[str],
                   exact: List[Optional[torch.Tensor]], tiny: float, bar: float,
-                  fidelity: Any) -> Optional[Dict[str, str]]:
+                  fidelity: Any, twins: Optional[Dict[str, nn.Module]] = None) -> Optional[Dict[str, str]]:
     """{parameter: why} of the parameters whose eager float32 gradient (``exact``, under ``loss``) is below ``bar``
     against the same step in float64; None where this does not apply (autocast on, not every parameter float32, or
     a bar of 1: that asks for float32 eager's own bits, which float64 does not give), {} where the float64 step could
-    not run or would be too large (logged). ``fidelity``: ``parameter_fidelity``."""
+    not run or would be too large (logged). ``fidelity``: ``parameter_fidelity``; ``twins``: where the float64 copy
+    is kept between calls (the gate calls once per loss; a training step leaves the copy's state as it found it)."""
     if bar >= 1 or any(torch.is_autocast_enabled(d) for d in ("cpu", "cuda")):
         return None
     tensors = list(model.parameters()) + list(model.buffers())
@@ -55,7 +56,11 @@ def float64_noise(model: nn.Module, args: tuple, kwargs: dict, rng: Any, loss: A
                  "listed apart as beyond float32's resolution", type(model).__name__, size >> 20)
         return {}
     try:
-        twin = copy.deepcopy(model).double()
+        twin = (twins or {}).get("float64")
+        if twin is None:
+            twin = copy.deepcopy(model).double()
+            if twins is not None:
+                twins["float64"] = twin
         full = training_step(twin, twin, _double(args), _double(kwargs), rng, loss).grads
     except (RuntimeError, TypeError, NotImplementedError) as error:  # an op without a float64 kernel, a module that
         log.info("memopt: no float64 reference step for %s (%s); no parameter is listed apart as beyond float32's "

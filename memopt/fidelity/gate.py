@@ -205,6 +205,7 @@ def fidelity_gate(model: nn.Module, args: tuple, kwargs: dict, config: Config, d
     invariant = invariant_parameters(base)
     rng = torch.Generator().manual_seed(0).get_state()  # a fixed draw (dropout): the same plan, the same report
     losses = [projection(0)]
+    twins: Dict[str, nn.Module] = {}  # the float64 copy of the model, made once for every loss
     steps = [0]
     cache: Dict[tuple, List[Dict[str, Dict[str, Any]]]] = {}  # plan -> its figures under each projection
     first = [True]
@@ -218,7 +219,7 @@ def fidelity_gate(model: nn.Module, args: tuple, kwargs: dict, config: Config, d
                                gate.min_cosine)
         if noisy is None:
             noisy = float64_noise(model, sliced_args, sliced_kwargs, rng, loss, names, grads, gate.tiny,
-                                  gate.min_cosine, parameter_fidelity)
+                                  gate.min_cosine, parameter_fidelity, twins)
         steps[0] += 1 + (noisy is not None)
         new = {p: why for p, why in (noisy or {}).items() if p not in invariant}
         invariant.update(new)
