@@ -31,6 +31,7 @@ from memopt.core.errors import MemoptError
 from memopt.core.meta import META_KEY, STATE_CATEGORIES
 
 from memopt.capture.trace import flat_inputs, structured_output
+from memopt.core import counters
 
 
 
@@ -183,6 +184,7 @@ def annotate(gm: fx.GraphModule, args: tuple, kwargs: dict, *, device: Optional[
     planner's candidate runs): ``peak_bytes`` is then 0 and ``breakdown`` empty.
     """
 
+    counters.count("cost_model_runs")
     target = torch.device(device or _model_device(gm))
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     fake_gm, fargs, fkwargs = fake_copy(gm, args, kwargs, mode, target)
@@ -293,7 +295,7 @@ class _ProducerInterpreter(fx.Interpreter):
     def run_node(self, n: fx.Node) -> Any:
         out = super().run_node(n)
         for t in _tensors(out):
-            identity = self.tracker.identity(t)  # sweeps first: a dead storage's address may be reused
+            identity = self.tracker.identity(t)
             if identity is not None:
                 self.producer.setdefault(identity, n.name)
         return out

@@ -39,6 +39,7 @@ def default_loss(output: Any) -> torch.Tensor:
 def compute_loss(output: Any, loss_fn: Optional[LossFn]) -> torch.Tensor:
     loss = (loss_fn or default_loss)(output)
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        raise ValueError(f"loss_fn must return a scalar tensor, got {type(loss).__name__} "
-                         f"{tuple(getattr(loss, 'shape', ()))}")
+        kind = "Tensor" if isinstance(loss, torch.Tensor) else type(loss).__name__  # not FakeTensor: the user's view
+        raise ValueError(f"loss_fn must return a scalar tensor, got {kind} {tuple(getattr(loss, 'shape', ()))}; "
+                         f"reduce it (.mean() or .sum())")
     return loss

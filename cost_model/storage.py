@@ -9,8 +9,8 @@ Two traps shape this file:
   reference to the storage. We keep *weak* references (``StorageWeakRef``): a weak reference
   keeps the StorageImpl object (and so its address, our key) reserved without keeping its data
   alive, so keys stay unique and lifetimes stay those of the real run;
-- the peak must be measured over real lifetimes, so ``LiveStorageTracker`` asks after every op
-  which storages have died.
+- the peak must be measured over real lifetimes, so ``LiveStorageTracker`` asks which storages have died
+  whenever the bytes it counts could be a new peak (see its docstring for why not after every op).
 """
 from __future__ import annotations
 
@@ -84,37 +84,55 @@ def distinct_saved_bytes(saved: Iterable[SavedTensor], exclude_keys: Iterable[in
 class LiveStorageTracker(TorchDispatchMode):
     """Counts the bytes of every storage created by an op while the mode is active, over its life.
 
-    After each op the tracker drops the storages that have died and records the sum of those
-    still alive; ``peak`` is the largest such sum. Storages that existed before the mode was
+    After each op that could raise the peak, the tracker drops the storages that have died and records the sum
+    of those still alive; ``peak`` is the largest such sum. Storages that existed before the mode was
     entered (parameters, inputs, optimizer state) must be passed as ``preexisting``: they are never
     counted, even when an in-place op or a view (``weight.t()``) returns them again. Callers add
     their bytes themselves. Works on real and on fake tensors alike, so the estimator and the
     measurement use one rule.
 
-    Weak references are dropped as soon as a storage dies: a ``StorageWeakRef`` keeps the freed
-    storage's memory reserved, so holding them all would grow the process by every byte the step
-    ever allocated. A storage is identified by (address, creation number), which stays unique
-    after its address is reused. ``at_peak`` lists (identity, bytes, phase) of the storages alive
-    at the peak; ``phase`` is whatever the caller set in ``tracker.phase`` when each was created.
-    ``peak_in_weight_grad``: whether the peak fell while a weight gradient read a rebuilt input
-    (``memopt.core.phase``), where batch chunks can lower it.
+    Why the sweep is lazy: asking every live storage whether it died after every op made the cost model
+    quadratic in the step's ops (a third of ``optimize()``'s time on a MobileNetV3). The bytes counted without
+    a sweep are an upper bound of those alive (deaths are only ever subtracted), so while that bound is at most
+    the peak no op can set a new peak and the sweep waits; when it exceeds the peak, a sweep makes it exact
+    before the peak is taken. A storage that died but was not yet swept keeps its key: our weak reference keeps
+    the StorageImpl object (not its data, which is freed at once) reserved, so no new storage gets its address.
+
+    A storage is identified by (address, creation number). ``at_peak`` lists (identity, bytes, phase) of the
+    storages alive at the peak, from a history of births and the sweep at which each death was seen; ``phase``
+    is whatever the caller set in ``tracker.phase`` when each was created. ``peak_in_weight_grad``: whether the
+    peak fell while a weight gradient read a rebuilt input (``memopt.core.phase``), where batch chunks can lower
+    it.
     """
 
     def __init__(self, preexisting: Iterable[torch.Tensor] = ()) -> None:
         super().__init__()
         self._preexisting_refs = [StorageWeakRef(t.untyped_storage()) for t in preexisting]
         self._preexisting = {r.cdata for r in self._preexisting_refs}
-        self._live: Dict[int, tuple] = {}  # key -> (weakref, nbytes, creation number, phase)
+        self._live: Dict[int, tuple] = {}  # key -> (weakref, nbytes, creation number, phase, history index)
+        self._history: List[list] = []  # [key, creation number, nbytes, phase, sweep at which it was seen dead]
         self._created = 0
+        self._sweeps = 0
+        self._upper = 0  # the bytes of the storages in _live: an upper bound of the live bytes until a sweep
+        self._peak_at = (0, 0)  # (creation number, sweep) at the peak
         self.phase = ""
-        self.current = 0
         self.peak = 0
-        self.at_peak: List[tuple] = []
         self.peak_in_weight_grad = False
+
+    @property
+    def current(self) -> int:
+        """The bytes alive now (exact: sweeps first)."""
+        self._sweep()
+        return self._upper
+
+    @property
+    def at_peak(self) -> List[tuple]:
+        created, sweep = self._peak_at
+        return [((key, number), nbytes, phase) for key, number, nbytes, phase, died in self._history
+                if number <= created and (died is None or died > sweep)]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        self._sweep()  # first: a storage that died inside this op may have lent its address to an output
         for t in tree_flatten(_unmasked(func, args, kwargs, out))[0]:
             if isinstance(t, torch.Tensor):
                 self._add(t)
@@ -130,31 +148,43 @@ class LiveStorageTracker(TorchDispatchMode):
         if ref.cdata not in self._live and ref.cdata not in self._preexisting:
             nbytes = int(storage.nbytes())
             self._created += 1
-            self._live[ref.cdata] = (ref, nbytes, self._created, self.phase)
-            self.current += nbytes
+            self._live[ref.cdata] = (ref, nbytes, self._created, self.phase, len(self._history))
+            self._history.append([ref.cdata, self._created, nbytes, self.phase, None])
+            self._upper += nbytes
 
     def _sweep(self) -> None:
-        dead = [k for k, entry in self._live.items() if entry[0].expired()]
+        self._sweeps += 1
+        expired = _EXPIRED
+        dead = [k for k in self._live if expired(k)]
         for k in dead:
-            self.current -= self._live.pop(k)[1]
+            entry = self._live.pop(k)
+            self._upper -= entry[1]
+            self._history[entry[4]][4] = self._sweeps
 
     def _note_peak(self) -> None:
-        if self.current > self.peak:
-            self.peak = self.current
-            self.at_peak = [((k, e[2]), e[1], e[3]) for k, e in self._live.items()]
-            self.peak_in_weight_grad = phase.in_weight_grad_from_codes()
+        if self._upper <= self.peak:  # an upper bound of the live bytes: no new peak possible
+            return
+        self._sweep()
+        if self._upper > self.peak:
+            self._take_peak()
+
+    def _take_peak(self) -> None:
+        self.peak = self._upper
+        self._peak_at = (self._created, self._sweeps)
+        self.peak_in_weight_grad = phase.in_weight_grad_from_codes()
 
     def reset_peak(self) -> None:
         self._sweep()
-        self.peak = self.current
-        self.at_peak = [((k, e[2]), e[1], e[3]) for k, e in self._live.items()]
-        self.peak_in_weight_grad = phase.in_weight_grad_from_codes()
+        self._take_peak()
 
     def identity(self, t: torch.Tensor):
-        """(address, creation number) of a live tracked storage, or None."""
-        self._sweep()
+        """(address, creation number) of a live tracked storage, or None. No sweep needed: a tracked key is not
+        reused while its entry holds the weak reference (see the class docstring)."""
         entry = self._live.get(storage_key(t))
         return None if entry is None else (storage_key(t), entry[2])
+
+
+_EXPIRED = torch.Storage._expired  # StorageWeakRef.expired without the method call, on the key (its cdata)
 
 
 _MASK_INDEX: Dict[Any, Optional[int]] = {}  # op -> position of its output_mask argument (None: none)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Callable, Dict, List, Optional, Union
 
 import torch
 from torch import nn
@@ -91,7 +91,8 @@ def _check_config(config: Any) -> Config:
 
 def optimize(model: nn.Module, budget_mb: Optional[float] = None, *, example_inputs: Any = None,
              config: Optional[Config] = None, optimizer: Any = None,
-             plan: Union[Plan, Dict[str, Any], str, Path, None] = None) -> OptimizedModule:
+             plan: Union[Plan, Dict[str, Any], str, Path, None] = None,
+             loss_fn: Optional[Callable[[Any], Any]] = None) -> OptimizedModule:
     """Rewrite ``model``'s training graph so that one training step fits ``budget_mb`` MiB.
 
     Args:
@@ -108,6 +109,12 @@ def optimize(model: nn.Module, budget_mb: Optional[float] = None, *, example_inp
             planning: its config, budget and chosen units (which may be edited by hand) are used
             for inputs of the plan's signature; other signatures are planned anew (logged). Give
             either ``plan`` or ``budget_mb``/``config``, not both.
+        loss_fn: the training step's loss of the model's output for ``example_inputs`` (e.g.
+            ``lambda out: F.cross_entropy(out, y[:len(out)])``), so that the peak estimate and the budget count
+            the loss's own memory (a language model's cross-entropy over the vocabulary can be the step's
+            largest temporaries) and the fidelity gate checks the gradients under the loss that trains. The
+            gate runs it on the output of the first samples only: index the targets by the output's length, as
+            above. Other input signatures are estimated with the default loss (the sum of the outputs).
 
     With a budget below the baseline peak the planner (``passes/planning/planner.py``) picks, per stash
     chain and activation, exact or a technique at one of its ``plan_bits``: the choice that frees
@@ -125,9 +132,15 @@ def optimize(model: nn.Module, budget_mb: Optional[float] = None, *, example_inp
     budget_bytes = validate_budget(budget_mb)
     config = _check_config(config)
     resolve_optimizer(optimizer)  # validate early
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(f"loss_fn must map the model's output to a scalar loss (a callable), got "
+                        f"{type(loss_fn).__name__}: {loss_fn!r:.60}")
+    if loss_fn is not None and example_inputs is None:
+        raise ValueError("loss_fn is the loss of the example batch's output: give example_inputs= with it (it may "
+                         "close over that batch's targets), or leave loss_fn out")
     om = OptimizedModule(model, config, budget_bytes, optimizer, plan)
     if example_inputs is not None:
-        om.prepare(example_inputs)
+        om.prepare(example_inputs, loss_fn)
     return om
 
 

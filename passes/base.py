@@ -15,7 +15,7 @@ from typing import Any, Callable, Dict, FrozenSet, NamedTuple, Optional, Tuple, 
 from torch import fx
 
 from memopt.core.inputs import Examples
-from memopt.cost_model.analysis import Estimate
+from memopt.cost_model.analysis import Estimate, annotate
 from memopt.techniques import technique_for
 
 
@@ -47,6 +47,9 @@ class PassContext:
         foreign_inputs: the graph is a submodule captured on its own (per-submodule capture): its inputs come
             from code around it, which may keep them anyway, so a rewrite that only frees an input frees nothing
             and its codes would be extra bytes.
+        optimizer, loss_fn: what the training step around the graph runs (``memopt.optimize``'s arguments), so
+            that every estimate of one build (``annotate``) counts the same whole step: the optimizer's state and
+            step, and the loss computed from the outputs (None: the sum of the outputs).
     """
 
     args: tuple = ()
@@ -58,6 +61,13 @@ class PassContext:
     explore: bool = False
     level: Optional[int] = None
     foreign_inputs: bool = False
+    optimizer: Any = None
+    loss_fn: Optional[Callable[[Any], Any]] = None
+
+    def annotate(self, gm: fx.GraphModule, simulate: bool = True) -> Estimate:
+        """The cost model on ``gm`` for this context's inputs, device, optimizer and loss (``node.meta`` written)."""
+        return annotate(gm, self.args, self.kwargs, device=self.device, optimizer=self.optimizer,
+                        loss_fn=self.loss_fn, simulate=simulate)
 
     def unchosen(self, technique: str, unit: str) -> str:
         """Why a unit the decision leaves out stays exact: the fidelity gate's repair, or the budget planner."""

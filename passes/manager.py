@@ -10,6 +10,7 @@ from torch import fx
 
 from memopt.core.errors import MemoptError, PassError
 from memopt.passes.base import PassContext, PassFn, PassResult, registered_pass
+from memopt.core import counters
 
 
 @dataclass
@@ -35,6 +36,7 @@ def passes_for(config: Any) -> List[Tuple[str, PassFn, Any]]:
 def run_passes(gm: fx.GraphModule, passes: Sequence[Tuple[str, PassFn, Any]],
                ctx: Optional[PassContext] = None) -> Tuple[fx.GraphModule, List[PassRecord]]:
     ctx = PassContext() if ctx is None else ctx
+    counters.count("pass_runs")
     records = []
     for name, fn, cfg in passes:
         try:

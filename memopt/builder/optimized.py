@@ -25,12 +25,13 @@ import logging
 import sys
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any, Optional, Tuple, Union
+from typing import Any, Callable, Optional, Tuple, Union
 
 import torch
 from torch import nn
 
 from memopt.capture.trace import capture, has_hooks
+from memopt.core import counters
 from memopt.core.heap import release_free_heap
 from memopt.core.inputs import normalize_inputs
 from memopt.config import Config
@@ -64,6 +65,9 @@ class OptimizedModule(nn.Module):
         object.__setattr__(self, "_memopt_budget", budget_bytes)
         object.__setattr__(self, "_memopt_optimizer", optimizer)
         object.__setattr__(self, "_memopt_plan", plan)
+        # optimize()'s loss_fn and the input signature of the example inputs it was given with: it may close over
+        # that batch's targets, so builds for other signatures estimate with the default loss
+        object.__setattr__(self, "_memopt_loss", (None, None))
         object.__setattr__(self, "_memopt_built", OrderedDict())
         object.__setattr__(self, "_memopt_guards", {})
         object.__setattr__(self, "_memopt_last", None)
@@ -173,7 +177,10 @@ class OptimizedModule(nn.Module):
 
     def _build_new(self, signature: tuple, args: tuple, kwargs: dict, capture_fn=capture, checked=None):
         try:
-            return self._capture_and_plan(signature, args, kwargs, capture_fn, checked)
+            with counters.tally() as counts:
+                built = self._capture_and_plan(signature, args, kwargs, capture_fn, checked)
+            built.plan.build = dict(counts)
+            return built
         finally:  # planning's freed memory back to the system, not left in the heap the training step then grows
             release_free_heap()
 
@@ -184,8 +191,10 @@ class OptimizedModule(nn.Module):
                         plan.input_signature, list(signature))
             plan = None
         try:
+            loss_signature, loss_fn = self._memopt_loss
             return build(self._memopt_model, args, kwargs, self._memopt_config, self._memopt_budget,
-                         self._memopt_optimizer, plan, capture_fn=capture_fn, checked=checked)
+                         self._memopt_optimizer, plan, capture_fn=capture_fn, checked=checked,
+                         loss_fn=loss_fn if tuple(signature) == loss_signature else None)
         except TraceError as error:  # optimize the submodules that can be captured (memopt/builder/per_submodule.py)
             whole = error
         # outside the except block: a refusal of the fallback is one message (it quotes the whole capture's), not a
@@ -302,9 +311,12 @@ class OptimizedModule(nn.Module):
         took; ``replans``: each re-plan's cause (numbers blanked) and how often."""
         return self._memopt_shape_stats.to_dict()
 
-    def prepare(self, example_inputs: Any) -> "OptimizedModule":
-        """Capture and plan for ``example_inputs`` now (``optimize`` calls this when given inputs)."""
+    def prepare(self, example_inputs: Any, loss_fn: Optional[Callable[[Any], Any]] = None) -> "OptimizedModule":
+        """Capture and plan for ``example_inputs`` now (``optimize`` calls this when given inputs); ``loss_fn``
+        maps their output to the step's loss (see ``memopt.optimize``)."""
         args, kwargs = normalize_inputs(example_inputs)
+        if loss_fn is not None:
+            object.__setattr__(self, "_memopt_loss", (tuple(input_signature(args, kwargs)), loss_fn))
         flags = module_flags(self._memopt_model)
         train_as_user(self._memopt_model)  # we plan the training graph, under the user's submodule flags
         try:

@@ -12,7 +12,7 @@ import torch
 from torch import fx, nn
 from torch.utils._pytree import tree_flatten_with_path, keystr
 
-from memopt.cost_model.analysis import Estimate, annotate
+from memopt.cost_model.analysis import Estimate
 from memopt.capture.trace import Captured, capture, check_inputs, export_capture, flat_inputs, opaque_functions
 from memopt.config import Config
 from memopt.core.errors import BudgetError, MemoptError
@@ -107,14 +107,16 @@ def _without_opaque_functions(model: nn.Module, args: tuple, kwargs: dict,
 
 def build(model: nn.Module, args: tuple, kwargs: dict, config: Config, budget_bytes: Optional[int],
           optimizer: Any = None, plan: Optional[Plan] = None, whole: bool = True,
-          capture_fn: Callable[[nn.Module, tuple, dict], Any] = capture, checked: Optional[Soundness] = None) -> Built:
+          capture_fn: Callable[[nn.Module, tuple, dict], Any] = capture, checked: Optional[Soundness] = None,
+          loss_fn: Optional[Callable[[Any], Any]] = None) -> Built:
     """Capture, annotate, choose the rewrites, apply them and re-annotate, for one input signature.
 
     ``plan`` (a saved ``Plan`` for these inputs) replaces planning: its chosen units are applied
     as they are. Otherwise no budget applies every enabled technique at its defaults, a budget the
     baseline meets changes nothing, and any other budget goes to the planner. ``capture_fn`` captures
     (``memopt/builder/shape_reuse.py`` passes a torch.export with some dimensions dynamic, or a graph captured and
-    checked before that serves these sizes: ``checked`` is then its soundness check, not run again).
+    checked before that serves these sizes: ``checked`` is then its soundness check, not run again). ``loss_fn``
+    (``memopt.optimize``'s) is the loss of every estimate's step and one of the fidelity gate's losses.
     """
     check_inputs(model, args, kwargs)
     captured = capture_fn(model, args, kwargs)
@@ -123,25 +125,25 @@ def build(model: nn.Module, args: tuple, kwargs: dict, config: Config, budget_by
     gm = captured.graph_module
     if whole:  # a submodule's graph (per-submodule capture) holds only some of the names
         warn_unknown_names(config, {n.name for n in gm.graph.nodes}, type(model).__name__)
-    baseline = annotate(gm, args, kwargs, device=config.device, optimizer=optimizer)
+    ctx = PassContext(args, kwargs, config.device,
+                      None if _has_meta(args, kwargs) else real_examples(flat_inputs(gm, args, kwargs)),
+                      foreign_inputs=not whole, optimizer=optimizer, loss_fn=loss_fn)
+    baseline = ctx.annotate(gm)
     soundness = checked or check_capture(model, gm, captured.method, args, kwargs,
                                          recapture=lambda a, k: capture_fn(model, a, k).graph_module)
     if config.fewbit is not None and config.fewbit.weight == "data" and not _has_meta(args, kwargs):
         record_input_histograms(gm, flat_inputs(gm, args, kwargs), TABLE_ACTIVATIONS, config.fewbit.domain)
-    ctx = PassContext(args, kwargs, config.device,
-                      None if _has_meta(args, kwargs) else real_examples(flat_inputs(gm, args, kwargs)),
-                      foreign_inputs=not whole)
     gated = config.fidelity is not None and plan is None and soundness.checked
     pristine = copy_graph_module(gm)  # the no-budget rewrite works on gm itself
-    built = _rewrite(model, captured, args, kwargs, config, budget_bytes, optimizer, plan, baseline, ctx)
+    built = _rewrite(model, captured, args, kwargs, config, budget_bytes, plan, baseline, ctx)
     initial = decision_set(built.graph_module)
     if gated and has_lossy_units(built.plan.units):
         # the gate's slice is captured as this graph was (an export graph is specialised to the batch size)
         recapture = (lambda a, k: capture_fn(model, a, k).graph_module) if capture_fn is not capture else \
             (lambda a, k: export_capture(model, a, k).graph_module) if captured.method == "export" else \
             (lambda a, k: capture(model, a, k).graph_module)
-        built = _gate(model, captured.method, args, kwargs, config, budget_bytes, optimizer, baseline, pristine, ctx,
-                      built, recapture)
+        built = _gate(model, captured.method, args, kwargs, config, budget_bytes, baseline, pristine, ctx, built,
+                      recapture)
     built.plan.soundness = soundness.to_dict()
     built.captured, built.method, built.initial = pristine, captured.method, initial
     return built
@@ -178,13 +180,13 @@ def warn_unknown_names(config: Config, names: set, model: str) -> None:
 
 
 def _gate(model: nn.Module, method: str, args: tuple, kwargs: dict, config: Config, budget_bytes: Optional[int],
-          optimizer: Any, baseline: Estimate, pristine: fx.GraphModule, ctx: PassContext, built: Built,
+          baseline: Estimate, pristine: fx.GraphModule, ctx: PassContext, built: Built,
           recapture: Optional[Callable[[tuple, dict], fx.GraphModule]] = None) -> Built:
     """Run the fidelity gate on ``built``'s plan; re-apply the repaired decision when it changed anything. Under a
     budget, the bytes the repair gives back are found again by exact recomputation (the planner's last resort);
     a budget that cannot be met at the gate's cosine raises ``BudgetError`` with the least peak that can."""
     decision, report = fidelity_gate(model, args, kwargs, config, built.plan.chosen_units(), built.plan.units,
-                                     pristine, recapture=recapture)
+                                     pristine, recapture=recapture, loss_fn=ctx.loss_fn)
     if report["changes"]:
         log.info("memopt: the fidelity gate changed %d units of %s: %s", len(report["changes"]),
                  type(model).__name__, "; ".join(report["changes"][:3]))
@@ -193,13 +195,12 @@ def _gate(model: nn.Module, method: str, args: tuple, kwargs: dict, config: Conf
             (t, u) for t, us in before.items() for u in us if u not in decision.get(t, {})))
         if built.planned is None:
             gm, records = apply_decision(pristine, config, decision, ctx)
-            estimate = annotate(gm, args, kwargs, device=config.device, optimizer=optimizer)
-            estimate, _ = chunk_to_fit(gm, estimate, None, _annotator(args, kwargs, config, optimizer))
+            estimate, _ = chunk_to_fit(gm, ctx.annotate(gm), None, ctx.annotate)
             plan = make_plan(model, method, args, kwargs, config, None, baseline, estimate, records, gm, None)
             built = Built(gm, plan, baseline, estimate)
         else:
-            built = _refit(model, method, args, kwargs, config, budget_bytes, optimizer, baseline, pristine, ctx,
-                           built, decision, report, recapture)
+            built = _refit(model, method, args, kwargs, config, budget_bytes, baseline, pristine, ctx, built,
+                           decision, report, recapture)
     if not report["passed"]:
         log.warning("memopt: %s: the fidelity gate could not bring every parameter to cosine %s in %d rounds: %s",
                     type(model).__name__, report["min_cosine"], report["rounds"], ", ".join(report["below"][:4]))
@@ -217,13 +218,12 @@ def _lowered(found: Dict[str, Dict[str, Any]], decision: Dict[str, Dict[str, Any
 
 
 def _refit(model: nn.Module, method: str, args: tuple, kwargs: dict, config: Config, budget_bytes: int,
-           optimizer: Any, baseline: Estimate, pristine: fx.GraphModule, ctx: PassContext, built: Built,
+           baseline: Estimate, pristine: fx.GraphModule, ctx: PassContext, built: Built,
            decision: Dict[str, Dict[str, Any]], report: Dict[str, Any],
            recapture: Optional[Callable[[tuple, dict], fx.GraphModule]] = None) -> Built:
     """The gate's repaired decision under the budget: recomputed blocks on top where it no longer fits."""
     target = budget_bytes - config.workspace_bytes(baseline.device)
-    found, best = fit_decision(pristine, ctx, args, kwargs, config, baseline, target, optimizer, built.planned,
-                               decision)
+    found, best = fit_decision(pristine, ctx, config, baseline, target, built.planned, decision)
     for _ in range(MAX_REPLANS):
         lowered = [] if found is None else _lowered(found.decision, decision)
         if not lowered:
@@ -232,7 +232,7 @@ def _refit(model: nn.Module, method: str, args: tuple, kwargs: dict, config: Con
         plan = make_plan(model, method, args, kwargs, config, budget_bytes, baseline, found.estimate, found.records,
                          found.graph_module, found)
         again, checked = fidelity_gate(model, args, kwargs, config, plan.chosen_units(), plan.units, pristine,
-                                       recapture=recapture)
+                                       recapture=recapture, loss_fn=ctx.loss_fn)
         report["steps"] += checked["steps"]
         report["changes"] += checked["changes"]  # the repairs of the plan made again are the plan's story too
         if checked["passed"] and not checked["changes"]:
@@ -240,7 +240,7 @@ def _refit(model: nn.Module, method: str, args: tuple, kwargs: dict, config: Con
             report.update({k: checked[k] for k in ("passed", "worst", "below", "parameters")})
             return Built(found.graph_module, plan, baseline, found.estimate, found)
         decision = again
-        found, best = fit_decision(pristine, ctx, args, kwargs, config, baseline, target, optimizer, found, decision)
+        found, best = fit_decision(pristine, ctx, config, baseline, target, found, decision)
     else:
         found = None
     if found is None:
@@ -264,18 +264,14 @@ def _refit(model: nn.Module, method: str, args: tuple, kwargs: dict, config: Con
         # the figures of the plan that runs: recomputed blocks replaced some lossy units by exact ones
         _, final = fidelity_gate(model, args, kwargs, dataclasses.replace(config, fidelity=dataclasses.replace(
             config.fidelity, max_rounds=1)), plan.chosen_units(), plan.units, pristine, verify_only=True,
-            recapture=recapture)
+            recapture=recapture, loss_fn=ctx.loss_fn)
         report.update({k: final[k] for k in ("passed", "worst", "below", "parameters")})
         report["steps"] += final["steps"]
     return Built(found.graph_module, plan, baseline, found.estimate, found)
 
 
-def _annotator(args: tuple, kwargs: dict, config: Config, optimizer: Any) -> Callable[[fx.GraphModule], Estimate]:
-    return lambda gm: annotate(gm, args, kwargs, device=config.device, optimizer=optimizer)
-
-
 def _rewrite(model: nn.Module, captured: Any, args: tuple, kwargs: dict, config: Config, budget_bytes: Optional[int],
-             optimizer: Any, plan: Optional[Plan], baseline: Estimate, ctx: PassContext) -> Built:
+             plan: Optional[Plan], baseline: Estimate, ctx: PassContext) -> Built:
     """Apply ``plan``, every technique, or the planner's choice (real example inputs visible to checks)."""
     gm = captured.graph_module
     planned: Optional[BudgetPlan] = None
@@ -292,7 +288,7 @@ def _rewrite(model: nn.Module, captured: Any, args: tuple, kwargs: dict, config:
     elif baseline.peak_bytes <= target:
         records = []
     else:
-        planned, best = plan_for_budget(gm, args, kwargs, config, baseline, target, optimizer, ctx)
+        planned, best = plan_for_budget(gm, config, baseline, target, ctx)
         if planned is None:
             least = make_plan(model, captured.method, args, kwargs, config, budget_bytes, baseline, best.estimate,
                               best.records, best.graph_module, best)
@@ -300,10 +296,9 @@ def _rewrite(model: nn.Module, captured: Any, args: tuple, kwargs: dict, config:
                               min(least.estimated_peak_bytes, least.baseline_peak_bytes))
         gm, records = planned.graph_module, planned.records
     modified = any(r.modified for r in records)
-    estimate = planned.estimate if planned is not None else (
-        annotate(gm, args, kwargs, device=config.device, optimizer=optimizer) if modified else baseline)
+    estimate = planned.estimate if planned is not None else (ctx.annotate(gm) if modified else baseline)
     if plan is None and budget_bytes is None and trial is not None:  # peak first: blocks recomputed from codes
-        found = peak_first(pristine, trial, ctx, estimate, _annotator(args, kwargs, config, optimizer))
+        found = peak_first(pristine, trial, ctx, estimate, ctx.annotate)
         if found is not None:
             log.info("memopt: %s: recomputing %d blocks from %d-bit codes lowers the estimated peak %s -> %s at "
                      "about %.2fx a stock step's FLOPs", type(model).__name__, len(found.blocks),
@@ -311,7 +306,7 @@ def _rewrite(model: nn.Module, captured: Any, args: tuple, kwargs: dict, config:
                      fmt_bytes(found.estimate.peak_bytes), found.time_ratio)
             gm, records, estimate, modified = found.graph_module, found.records, found.estimate, True
     if modified and plan is None and budget_bytes is None:  # no budget: chunks wherever they lower the peak
-        estimate, _ = chunk_to_fit(gm, estimate, None, _annotator(args, kwargs, config, optimizer))
+        estimate, _ = chunk_to_fit(gm, estimate, None, ctx.annotate)
     result = make_plan(model, captured.method, args, kwargs, config, budget_bytes, baseline, estimate, records, gm,
                        planned)
     if budget_bytes is not None and plan is None and result.estimated_peak_bytes > target:

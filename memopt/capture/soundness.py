@@ -30,6 +30,7 @@ from memopt.core.state import preserved_state, train_as_user
 from memopt.core.storage import storage_key
 from memopt.cost_model.step import compute_loss, output_tensors
 from memopt.cost_model.storage import SavedTensorRecorder, distinct_saved_bytes
+from memopt.core import counters
 
 log = logging.getLogger("memopt")
 
@@ -124,6 +125,7 @@ def unseen_rng_state() -> torch.Tensor:
 
 
 def training_step(fn, model: nn.Module, args: tuple, kwargs: dict, rng: torch.Tensor, loss_fn=None) -> StepResult:
+    counters.count("real_steps")
     params = list(model.parameters())
     state = {storage_key(t) for t in params + list(model.buffers())}
     args, kwargs, inputs = _fresh_inputs(args, kwargs)

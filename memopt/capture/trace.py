@@ -26,6 +26,7 @@ from memopt.core.state import module_flags, preserved_state, restore_flags
 from memopt.capture.cached_constants import share_repeated_constants
 from memopt.capture.autograd_functions import as_operator, function_of
 from memopt.capture.attention_masks import drop_constant_masks
+from memopt.core import counters
 
 log = logging.getLogger("memopt")
 
@@ -360,6 +361,7 @@ def on_model(model: nn.Module, ep_module: fx.GraphModule) -> fx.GraphModule:
 def export_capture(model: nn.Module, args: tuple, kwargs: dict) -> Captured:
     """Capture ``model`` with ``torch.export`` (``export_module``), with what a trace builds that eager does not
     replaced by what eager runs."""
+    counters.count("traces")
     gm = on_model(model, export_module(model, args, kwargs))
     drop_constant_masks(gm)
     share_repeated_constants(gm, model)  # what eager caches, the trace built per call
@@ -380,6 +382,7 @@ def opaque_functions(gm: fx.GraphModule) -> List[str]:
 
 def capture(model: nn.Module, args: tuple, kwargs: dict) -> Captured:
     """Capture ``model`` on the example inputs; raise ``TraceError`` when neither path works."""
+    counters.count("traces")
     try:
         # symbolic tracing runs the forward's Python: what it does to real tensors (a buffer counter, an EMA
         # that no traced value flows into) happens for real, and is undone here

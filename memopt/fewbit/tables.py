@@ -155,15 +155,22 @@ def _shipped() -> dict:
     return json.loads(SHIPPED.read_text()) if SHIPPED.exists() else {}
 
 
-def shipped_key(name: str, params: Params, bits: int) -> str:
-    return f"{name}|{','.join(f'{k}={v}' for k, v in params)}|{bits}"
+SHIPPED_WEIGHTS = ("uniform", "normal")  # the named weights shipped (normal: at scale 1.0), on the default grid
+
+
+def shipped_key(name: str, params: Params, bits: int, weight: str = "uniform") -> str:
+    """The table's key in default_tables.json (uniform-weight keys keep their first format)."""
+    key = f"{name}|{','.join(f'{k}={v}' for k, v in params)}|{bits}"
+    return key if weight == "uniform" else f"{key}|{weight}"
 
 
 @functools.lru_cache(maxsize=512)
 def _cached(name: str, params: Params, bits: int, domain: Tuple[float, float], weight: str, grid: int,
             scale: float) -> Tuple[Tuple[float, ...], Tuple[float, ...], float]:
-    if (domain, weight, grid) == (DEFAULT_DOMAIN, "uniform", DEFAULT_GRID):
-        entry = _shipped().get(shipped_key(name, params, bits))
+    # shipped: FewBitConfig's default weight ("normal", scale 1) took seconds per activation and bit width to solve
+    # in every process that planned few-bit units
+    if (domain, grid) == (DEFAULT_DOMAIN, DEFAULT_GRID) and (weight == "uniform" or (weight, scale) == ("normal", 1.0)):
+        entry = _shipped().get(shipped_key(name, params, bits, weight))
         if entry is not None:
             return tuple(entry["borders"]), tuple(entry["levels"]), entry["error"]
     borders, levels, error = compute_table(name, bits, params=params, domain=domain, weight=weight, grid=grid,

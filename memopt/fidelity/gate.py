@@ -79,6 +79,37 @@ def projection(index: int) -> Any:
     return OwnDirection() if index == 1 else RandomProjection(seed=index)
 
 
+class UserLoss:
+    """``memopt.optimize(..., loss_fn=)``: the loss that trains, checked beside the projections (a plan's error can
+    lie in the direction that loss weighs). Run on the gate's slice: a loss that cannot take it says how to fix it."""
+
+    def __init__(self, loss_fn: Callable[[Any], Any], where: str) -> None:
+        self.loss_fn, self.where = loss_fn, where
+
+    def __call__(self, output: Any) -> torch.Tensor:
+        try:
+            loss = self.loss_fn(output)
+        except Exception as error:  # noqa: BLE001 - said once, with the fix
+            raise MemoptError(
+                f"loss_fn raised on the output of the fidelity gate's slice ({self.where}): "
+                f"{type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}. The gate runs the "
+                f"loss on the first samples only: index the targets by the output's length (lambda out: "
+                f"F.cross_entropy(out, y[:len(out)])), or leave loss_fn out") from None
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise MemoptError(f"loss_fn must return a scalar tensor, got "
+                              f"{type(loss).__name__}{list(loss.shape) if isinstance(loss, torch.Tensor) else ''} "
+                              f"on the fidelity gate's slice ({self.where}); reduce it (.mean() or .sum())")
+        return loss
+
+
+def gate_losses(loss_fn: Optional[Callable[[Any], Any]], where: str) -> Callable[[int], Any]:
+    """The gate's ``index``-th loss (``projection``), with the user's own loss second when there is one."""
+    if loss_fn is None:
+        return projection
+    return lambda index: projection(0) if index == 0 else UserLoss(loss_fn, where) if index == 1 else \
+        projection(index - 1)
+
+
 def parameter_fidelity(names: List[str], exact: List[Optional[torch.Tensor]], approx: List[Optional[torch.Tensor]],
                        tiny: float, invariant: Optional[Dict[str, str]] = None) -> Dict[str, Dict[str, Any]]:
     """{parameter: {"cosine", "relative_error", "tiny", "excluded"}} of the approximate gradients against the
@@ -191,11 +222,12 @@ def gate_graph(model: nn.Module, planned: fx.GraphModule, args: tuple, kwargs: d
 
 def fidelity_gate(model: nn.Module, args: tuple, kwargs: dict, config: Config, decision: Decision,
                   units: List[Dict[str, Any]], planned: fx.GraphModule, verify_only: bool = False,
-                  recapture: Optional[Callable[[tuple, dict], fx.GraphModule]] = None
-                  ) -> Tuple[Decision, Dict[str, Any]]:
+                  recapture: Optional[Callable[[tuple, dict], fx.GraphModule]] = None,
+                  loss_fn: Optional[Callable[[Any], Any]] = None) -> Tuple[Decision, Dict[str, Any]]:
     """(the repaired decision, the report) for ``decision`` on ``model`` (``units``: ``Plan.units``; ``planned``:
     the annotated, not yet rewritten graph the plan was made on; ``verify_only``: measure, repair nothing;
-    ``recapture(args, kwargs)``: the model captured on other inputs as ``planned`` was, see ``gate_graph``)."""
+    ``recapture(args, kwargs)``: the model captured on other inputs as ``planned`` was, see ``gate_graph``;
+    ``loss_fn``: the user's loss, checked second, see ``UserLoss``)."""
     gate = config.fidelity
     start = time.perf_counter()
     base, sliced_args, sliced_kwargs, which = gate_graph(model, planned, args, kwargs, recapture)
@@ -204,7 +236,9 @@ def fidelity_gate(model: nn.Module, args: tuple, kwargs: dict, config: Config, d
     names = [n for n, _ in model.named_parameters()]
     invariant = invariant_parameters(base)
     rng = torch.Generator().manual_seed(0).get_state()  # a fixed draw (dropout): the same plan, the same report
-    losses = [projection(0)]
+    next_loss = gate_losses(loss_fn, which)
+    least, most = PROJECTIONS + (loss_fn is not None), MAX_PROJECTIONS + (loss_fn is not None)
+    losses = [next_loss(0)]
     twins: Dict[str, nn.Module] = {}  # the float64 copy of the model, made once for every loss
     steps = [0]
     cache: Dict[tuple, List[Dict[str, Dict[str, Any]]]] = {}  # plan -> its figures under each projection
@@ -278,9 +312,9 @@ def fidelity_gate(model: nn.Module, args: tuple, kwargs: dict, config: Config, d
         per_parameter, failing, its note, the missed parameters). What it ships is checked on the first
         ``PROJECTIONS`` losses at least (the rounds confirm only plans that pass: they may have run on one)."""
         decision, weights = {t: dict(us) for t, us in decision.items()}, dict(weights)
-        if len(losses) < PROJECTIONS:
-            while len(losses) < PROJECTIONS:
-                losses.append(projection(len(losses)))
+        if len(losses) < least:
+            while len(losses) < least:
+                losses.append(next_loss(len(losses)))
                 exacts.append(exact_step(losses[-1]))
             per_parameter, failing = evaluate(decision)
         missed = {p: per_parameter[p]["cosine"] for p in failing}
@@ -323,12 +357,12 @@ def fidelity_gate(model: nn.Module, args: tuple, kwargs: dict, config: Config, d
     for round_ in range(gate.max_rounds + 1):
         changes.extend(coupled(decision, couplings, weights))
         per_parameter, failing = evaluate(decision)
-        while not failing and len(losses) < MAX_PROJECTIONS and (
-                len(losses) < PROJECTIONS or per_min(per_parameter) < gate.min_cosine + MARGIN):
+        while not failing and len(losses) < most and (
+                len(losses) < least or per_min(per_parameter) < gate.min_cosine + MARGIN):
             # one projection's cosine of a small parameter sways with the projection near the bar: a plan that
             # passes is confirmed on independent ones (more while it passes narrowly), and repaired on the worst
             # of them if it misses
-            losses.append(projection(len(losses)))
+            losses.append(next_loss(len(losses)))
             exacts.append(exact_step(losses[-1]))  # counts its steps
             per_parameter, failing = evaluate(decision)
         before = before or {"parameter": failing[0] if failing else None,
@@ -407,7 +441,7 @@ def fidelity_gate(model: nn.Module, args: tuple, kwargs: dict, config: Config, d
                     "" if stalled >= STALL_ROUNDS else "raise FidelityConfig.max_rounds, ")
     report = gate_report(per_parameter, failing, invariant, min_cosine=gate.min_cosine, slice=which, rounds=round_,
                          changes=changes, passed=not failing, last_resort=last_resort, steps=steps[0],
-                         projections=len(losses), before=before)
+                         projections=len(losses), user_loss=loss_fn is not None, before=before)
     log.info("memopt: fidelity gate on %s: %d rounds, %d steps, %d changes, %.2f s", type(model).__name__, round_,
              steps[0], len(changes), time.perf_counter() - start)
     return decision, report

@@ -69,6 +69,10 @@ class Plan:
     soundness: Dict[str, Any] = field(default_factory=dict)
     # The fidelity gate (memopt/fidelity/gate.py): per-parameter cosines, what it changed, on which slice
     fidelity: Dict[str, Any] = field(default_factory=dict)
+    # What building this plan did (memopt/core/counters.py): {"traces", "cost_model_runs", "pass_runs", "real_steps",
+    # "graph_copies", "seconds"}; what the build-cost benchmark reads. Not part of the decision: a re-applied plan
+    # records its own build.
+    build: Dict[str, Any] = field(default_factory=dict)
     # Batch chunks of the weight gradients read from rebuilt inputs (memopt.passes.stash_chunks; 1: one piece),
     # chosen where the cost model said they lower the peak; re-applied with the plan
     weight_grad_chunks: int = 1

@@ -82,8 +82,10 @@ def _fidelity_lines(gate: Dict[str, Any]) -> List[str]:
     worst = gate.get("worst") or {}
     verdict = "passed" if gate["passed"] else f"FAILED ({len(gate['below'])} parameters below)"
     projections = gate.get("projections", 1)
+    losses = ("random projections of the outputs, their own direction and loss_fn" if gate.get("user_loss") else
+              "random projections of the outputs and their own direction")
     lines = [f"fidelity gate ({gate['slice']}, {gate.get('steps', '?')} training steps, {projections} "
-             f"loss{'es' * (projections > 1)}: random projections of the outputs and their own direction): {verdict}; every parameter's gradient cosine against exact "
+             f"loss{'es' * (projections > 1)}: {losses}): {verdict}; every parameter's gradient cosine against exact "
              f"autograd >= {gate['min_cosine']} under each is the bar; worst "
              f"{worst.get('parameter')} at {worst.get('cosine')}"]
     lines += [f"  changed: {change}" for change in gate["changes"]]

@@ -27,10 +27,11 @@ from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 from torch import fx
 
-from memopt.cost_model.analysis import Estimate, annotate
+from memopt.cost_model.analysis import Estimate
 from memopt.core.meta import DECISION_KEY
 from memopt.passes.base import Handler, PassContext, node_numel, planner_hooks, registered_pass
 from memopt.passes.planning.options import Group, Option  # noqa: F401 (re-exported)
+from memopt.core import counters
 
 # Extra elementwise passes over a unit's activation that its rewrite adds (encode in forward, decode
 # in backward): the time proxy. Stash also rebuilds the conv input from the codes.
@@ -39,6 +40,7 @@ from memopt.passes.planning.options import Group, Option  # noqa: F401 (re-expor
 def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     """A GraphModule over a copy of ``gm``'s graph (node.meta copied shallowly) sharing its attributes,
     so a pass can rewrite the copy without touching ``gm``."""
+    counters.count("graph_copies")
     graph = copy.deepcopy(gm.graph)
     graph._tracer_cls = getattr(gm.graph, "_tracer_cls", None)
     graph._tracer_extras = getattr(gm.graph, "_tracer_extras", {})
@@ -59,7 +61,7 @@ def technique_passes(config: Any, last_resort: Optional[bool] = None) -> List[Tu
 
 
 def candidates(gm: fx.GraphModule, args: tuple, kwargs: dict, config: Any, baseline: Estimate,
-               optimizer: Any = None, last_resort: bool = False, ctx: Optional[PassContext] = None) -> List[Group]:
+               last_resort: bool = False, ctx: Optional[PassContext] = None) -> List[Group]:
     """Every unit of every enabled technique (the last-resort ones, or the others) with its options,
     grouped into exclusive groups."""
     ctx = PassContext(args, kwargs, config.device) if ctx is None else ctx
@@ -69,10 +71,11 @@ def candidates(gm: fx.GraphModule, args: tuple, kwargs: dict, config: Any, basel
     for technique, cfg in technique_passes(config, last_resort):
         for bits in technique.planner.levels(cfg):
             variant = copy_graph_module(gm)
+            counters.count("pass_runs")  # one technique's pass at one level
             technique.run(variant, cfg, dataclasses.replace(ctx, decision=None, explore=True, level=bits))
             variant.graph.lint()
             variant.recompile()
-            after = annotate(variant, args, kwargs, device=config.device, optimizer=optimizer, simulate=False)
+            after = ctx.annotate(variant, simulate=False)
             for unit, (nodes, new_nodes) in rewritten_units(variant, technique.name).items():
                 key = f"{technique.name}:{unit}"
                 covered.setdefault(key, set()).update(nodes)

@@ -19,7 +19,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from torch import fx
 
-from memopt.cost_model.analysis import Estimate, annotate
+from memopt.cost_model.analysis import Estimate
 from memopt.core.errors import MemoptError
 from memopt.techniques import TECHNIQUES
 from memopt.passes.base import Decision, PassContext, registered_pass
@@ -77,8 +77,8 @@ class BudgetPlan:
     seconds: float
 
 
-def plan_for_budget(gm: fx.GraphModule, args: tuple, kwargs: dict, config: Any, baseline: Estimate,
-                    budget_bytes: int, optimizer: Any = None, ctx: Optional[PassContext] = None) -> Tuple[Optional[BudgetPlan], BudgetPlan]:
+def plan_for_budget(gm: fx.GraphModule, config: Any, baseline: Estimate, budget_bytes: int,
+                    ctx: PassContext) -> Tuple[Optional[BudgetPlan], BudgetPlan]:
     """(the least-cost plan that fits, or None; the maximum-saving plan, applied, for the error message).
 
     The second element is only computed when the first is None (otherwise it is the same plan). With blocks
@@ -87,36 +87,35 @@ def plan_for_budget(gm: fx.GraphModule, args: tuple, kwargs: dict, config: Any, 
     come off the peak, lossy options at more bits can be the cheaper way there.
     """
     start = time.perf_counter()
-    ctx = PassContext(args, kwargs, config.device) if ctx is None else ctx
     policy = policy_for(getattr(config, "prefer", "balanced"), baseline.device)
-    groups = candidates(gm, args, kwargs, config, baseline, optimizer, ctx=ctx)
+    groups = candidates(gm, ctx.args, ctx.kwargs, config, baseline, ctx=ctx)
     required = baseline.peak_bytes - budget_bytes
     joint = None
     if policy.joint and config.recompute is not None:
-        blocks = candidates(gm, args, kwargs, config, baseline, optimizer, last_resort=True, ctx=ctx)
+        blocks = candidates(gm, ctx.args, ctx.kwargs, config, baseline, last_resort=True, ctx=ctx)
         if blocks:
             every = list(groups) + list(blocks)
             order = {n.name: i for i, n in enumerate(gm.graph.nodes)}
             nest = nesting(every, range(len(groups), len(every)), order)
-            joint, _ = _search(gm, ctx, args, kwargs, config, baseline, budget_bytes, optimizer, every, required,
+            joint, _ = _search(gm, ctx, config, baseline, budget_bytes, every, required,
                                lambda asked, weight: solve_nested_or_max(every, nest, asked, weight, policy),
                                lambda weight: max_nested(every, nest, weight, policy), start, bisect=True)
     if policy.crush:  # every byte the lossy techniques can free
         required = max(required, weighted(groups, max_saving(groups, "freed_bytes", policy).choice, "freed_bytes"))
-    found, best = _search(gm, ctx, args, kwargs, config, baseline, budget_bytes, optimizer, groups, required,
+    found, best = _search(gm, ctx, config, baseline, budget_bytes, groups, required,
                           lambda asked, weight: solve_or_max(groups, asked, weight, policy),
                           lambda weight: max_saving(groups, weight, policy), start)
     if found is None:
-        found, best = _last_resort(gm, ctx, args, kwargs, config, baseline, budget_bytes, optimizer, groups, best,
+        found, best = _last_resort(gm, ctx, config, baseline, budget_bytes, groups, best,
                                    start, policy)
     if joint is not None and (found is None or joint.solution.cost <= found.solution.cost):
         found = best = joint
     return found, best
 
 
-def _search(gm, ctx: PassContext, args, kwargs, config, baseline: Estimate, budget_bytes: int, optimizer,
-            groups: List[Group], required: int, solver: Callable[[int, str], Optional[Solution]],
-            most: Callable[[str], Solution], start: float, bisect: bool = False) -> Tuple[Optional[BudgetPlan], BudgetPlan]:
+def _search(gm, ctx: PassContext, config, baseline: Estimate, budget_bytes: int, groups: List[Group], required: int,
+            solver: Callable[[int, str], Optional[Solution]], most: Callable[[str], Solution], start: float,
+            bisect: bool = False) -> Tuple[Optional[BudgetPlan], BudgetPlan]:
     """(the cheapest plan found that fits, or None; the maximum saving, applied): ``solver(bytes, weight)`` the
     least-cost choice freeing ``bytes``, ``most(weight)`` the most it can; ``bisect``: halve the interval each
     round (recomputed blocks make the peak a step function of the bytes asked for)."""
@@ -128,7 +127,7 @@ def _search(gm, ctx: PassContext, args, kwargs, config, baseline: Estimate, budg
     rounds = 1
     solution = solver(required, weight)
     if solution is not None:
-        found = _applied(gm, ctx, args, kwargs, config, groups, solution, optimizer, required, rounds, start,
+        found = _applied(gm, ctx, config, groups, solution, required, rounds, start,
                          budget_bytes)
         if found.estimate.peak_bytes <= budget_bytes:
             return found, found
@@ -137,7 +136,7 @@ def _search(gm, ctx: PassContext, args, kwargs, config, baseline: Estimate, budg
     # cheapest plan that fits.
     rounds += 1
     top = most("freed_bytes")
-    best = _applied(gm, ctx, args, kwargs, config, groups, top, optimizer, top.freed_bytes, rounds, start,
+    best = _applied(gm, ctx, config, groups, top, top.freed_bytes, rounds, start,
                     budget_bytes)
     if best.estimate.peak_bytes > budget_bytes:
         return None, best
@@ -150,7 +149,7 @@ def _search(gm, ctx: PassContext, args, kwargs, config, baseline: Estimate, budg
         slope = 0.5 if bisect else (peak_low - budget_bytes) / max(peak_low - peak_high, 1)
         middle = int(low + (high - low) * min(max(slope, 0.1), 0.9))
         solution = solver(middle, weight)
-        found = _applied(gm, ctx, args, kwargs, config, groups, solution, optimizer, middle, rounds, start,
+        found = _applied(gm, ctx, config, groups, solution, middle, rounds, start,
                          budget_bytes)
         if found.estimate.peak_bytes <= budget_bytes:
             best, high, peak_high = found, middle, found.estimate.peak_bytes
@@ -160,7 +159,7 @@ def _search(gm, ctx: PassContext, args, kwargs, config, baseline: Estimate, budg
     return best, best
 
 
-def _last_resort(gm, ctx: PassContext, args, kwargs, config, baseline: Estimate, budget_bytes: int, optimizer, groups: List[Group],
+def _last_resort(gm, ctx: PassContext, config, baseline: Estimate, budget_bytes: int, groups: List[Group],
                  best: BudgetPlan, start: float, policy: Policy = BALANCED) -> Tuple[Optional[BudgetPlan], BudgetPlan]:
     """The maximum saving of the other techniques does not fit: recompute blocks on top of it.
 
@@ -171,7 +170,7 @@ def _last_resort(gm, ctx: PassContext, args, kwargs, config, baseline: Estimate,
     already (``Policy.joint``) adds those it left out.
     """
     joint = policy.joint and any(g.options[-1].technique == "recompute" for g in groups)
-    blocks = [] if joint else candidates(gm, args, kwargs, config, baseline, optimizer, last_resort=True, ctx=ctx)
+    blocks = [] if joint else candidates(gm, ctx.args, ctx.kwargs, config, baseline, last_resort=True, ctx=ctx)
     every = list(blocks) + list(groups)
     base = [0] * len(blocks) + list(best.solution.choice)
     is_block = [i < len(blocks) or (joint and g.options[-1].technique == "recompute") for i, g in enumerate(every)]
@@ -199,7 +198,7 @@ def _last_resort(gm, ctx: PassContext, args, kwargs, config, baseline: Estimate,
         choice = [len(g.options) - 1 if i in chosen_blocks else 0 if i in replaced else base[i]
                   for i, g in enumerate(every)]
         rounds += 1
-        best = _applied(gm, ctx, args, kwargs, config, every, _solution(every, choice, policy), optimizer,
+        best = _applied(gm, ctx, config, every, _solution(every, choice, policy),
                         best.required_bytes + gained, rounds, start, budget_bytes)
         if best.estimate.peak_bytes <= budget_bytes:
             return best, best
@@ -207,9 +206,8 @@ def _last_resort(gm, ctx: PassContext, args, kwargs, config, baseline: Estimate,
     return None, best
 
 
-def fit_decision(gm: fx.GraphModule, ctx: PassContext, args: tuple, kwargs: dict, config: Any, baseline: Estimate,
-                 budget_bytes: int, optimizer: Any, planned: BudgetPlan,
-                 decision: Decision) -> Tuple[Optional[BudgetPlan], BudgetPlan]:
+def fit_decision(gm: fx.GraphModule, ctx: PassContext, config: Any, baseline: Estimate, budget_bytes: int,
+                 planned: BudgetPlan, decision: Decision) -> Tuple[Optional[BudgetPlan], BudgetPlan]:
     """(the plan of ``decision`` -- the fidelity gate's repair of ``planned.decision`` -- on ``planned``'s groups,
     with recomputed blocks on top where the raised bits no longer fit ``budget_bytes``, or None; the plan with the
     most recomputation, for the error message). Recomputation is exact: it trades the bytes the gate gave back
@@ -218,20 +216,20 @@ def fit_decision(gm: fx.GraphModule, ctx: PassContext, args: tuple, kwargs: dict
     policy = policy_for(getattr(config, "prefer", "balanced"), baseline.device)
     groups = planned.groups
     choice = [_option_index(group, decision) for group in groups]
-    best = _applied(gm, ctx, args, kwargs, config, groups, _solution(groups, choice, policy), optimizer,
+    best = _applied(gm, ctx, config, groups, _solution(groups, choice, policy),
                     planned.required_bytes, planned.rounds + 1, start, budget_bytes)
     if best.estimate.peak_bytes <= budget_bytes:
         return best, best
-    found, most = _last_resort(gm, ctx, args, kwargs, config, baseline, budget_bytes, optimizer, groups, best, start,
+    found, most = _last_resort(gm, ctx, config, baseline, budget_bytes, groups, best, start,
                                policy)
     if found is None:  # the units the gate left alone give up bits instead (the caller gates that plan again)
-        found = _around_repair(gm, ctx, args, kwargs, config, baseline, budget_bytes, optimizer, planned, choice,
+        found = _around_repair(gm, ctx, config, baseline, budget_bytes, planned, choice,
                                policy, start)
     return found, most if found is None else found
 
 
-def _around_repair(gm, ctx: PassContext, args, kwargs, config, baseline: Estimate, budget_bytes: int, optimizer,
-                   planned: BudgetPlan, choice: List[int], policy: Policy, start: float) -> Optional[BudgetPlan]:
+def _around_repair(gm, ctx: PassContext, config, baseline: Estimate, budget_bytes: int, planned: BudgetPlan,
+                   choice: List[int], policy: Policy, start: float) -> Optional[BudgetPlan]:
     """The planner's search once more with every group the gate repaired held at its repair (or exact) and the
     others free: a plan that gave spare bytes to more bits on units the gate never questioned can fit the budget
     with the repair at their expense, where recomputation cannot. None when nothing fits."""
@@ -240,7 +238,7 @@ def _around_repair(gm, ctx: PassContext, args, kwargs, config, baseline: Estimat
         return None
     pinned = [dataclasses.replace(g, options=[g.options[0]] + ([g.options[choice[i]]] if choice[i] else []))
               if i in changed else g for i, g in enumerate(planned.groups)]
-    found, _ = _search(gm, ctx, args, kwargs, config, baseline, budget_bytes, optimizer, pinned,
+    found, _ = _search(gm, ctx, config, baseline, budget_bytes, pinned,
                        baseline.peak_bytes - budget_bytes,
                        lambda asked, weight: solve_or_max(pinned, asked, weight, policy),
                        lambda weight: max_saving(pinned, weight, policy), start)
@@ -262,15 +260,12 @@ def _option_index(group: Group, decision: Decision) -> int:
     return best
 
 
-def _applied(gm, ctx: PassContext, args, kwargs, config, groups, solution, optimizer, required, rounds,
-             start, budget_bytes: int) -> BudgetPlan:
+def _applied(gm, ctx: PassContext, config, groups, solution, required, rounds, start, budget_bytes: int) -> BudgetPlan:
     """The decision of ``solution`` applied and estimated; its weight gradients over batch chunks where the
     estimate misses ``budget_bytes`` inside one and chunks lower it (``stash_chunks.chunk_to_fit``)."""
     chosen = chosen_decision(groups, solution.choice)
     applied, records = apply_decision(gm, config, chosen, ctx)
-    estimate = annotate(applied, args, kwargs, device=config.device, optimizer=optimizer)
-    estimate, _ = chunk_to_fit(applied, estimate, budget_bytes, lambda g: annotate(
-        g, args, kwargs, device=config.device, optimizer=optimizer))
+    estimate, _ = chunk_to_fit(applied, ctx.annotate(applied), budget_bytes, ctx.annotate)
     return BudgetPlan(chosen, list(groups), solution, applied, records, estimate, required, rounds,
                       time.perf_counter() - start)
 

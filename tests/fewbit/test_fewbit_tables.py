@@ -7,8 +7,8 @@ import torch
 
 import memopt
 from memopt.fewbit.activations import ACTIVATIONS, TABLE_ACTIVATIONS
-from memopt.fewbit.tables import (SHIPPED, _cell_integrals, _cached, compute_table, fewbit_table, shipped_key,
-                                  table_error)
+from memopt.fewbit.tables import (SHIPPED, SHIPPED_WEIGHTS, _cell_integrals, _cached, compute_table, fewbit_table,
+                                  shipped_key, table_error)
 
 
 def test_one_bit_gelu_and_silu_are_the_relu_derivative():
@@ -128,14 +128,16 @@ def test_shipped_tables_equal_a_fresh_computation():
     names = {key.split("|")[0] for key in shipped}
     assert names == set(TABLE_ACTIVATIONS)
     assert all(f"|{b}" in "".join(shipped) for b in range(1, 9))
+    assert {key.split("|")[3] if key.count("|") == 3 else "uniform" for key in shipped} == set(SHIPPED_WEIGHTS)
     for key, entry in shipped.items():
-        name, params_text, bits = key.split("|")
+        name, params_text, bits, *weight = key.split("|")
+        weight = weight[0] if weight else "uniform"
         if int(bits) > 4:
             continue  # bits 5-8 take seconds each: tools/gen_fewbit_tables.py regenerates them
         params = tuple((k, v) for k, v in (p.split("=") for p in params_text.split(",") if p))
         params = ACTIVATIONS[name].params({k: (v if k == "approximate" else float(v)) for k, v in params})
-        assert shipped_key(name, params, int(bits)) == key
-        borders, levels, error = compute_table(name, int(bits), params=params)
+        assert shipped_key(name, params, int(bits), weight) == key
+        borders, levels, error = compute_table(name, int(bits), params=params, weight=weight)
         # The last bits of a fresh table follow the machine's libm (glibc picks its tanh / exp / log code by CPU
         # features): on an Intel Xeon with AVX-512 the tanhshrink levels differed from the shipped ones in the
         # 16th digit, the errors by up to 2.1e-12 relative, and where the derivative is even (tanh, tanhshrink)

@@ -84,9 +84,12 @@ def trim() -> None:
 class Case:
     """A model, its inputs, the blocks to checkpoint, how a step's loss is computed, and its optimizer."""
 
-    def __init__(self, model, inputs, forward_loss: Callable, blocks: List, hf: bool, describe: str) -> None:
+    def __init__(self, model, inputs, forward_loss: Callable, blocks: List, hf: bool, describe: str,
+                 loss_of_output: Optional[Callable] = None) -> None:
         self.model, self.inputs, self.forward_loss, self.blocks, self.hf = model, inputs, forward_loss, blocks, hf
         self.describe = describe
+        # the step's loss of the model's output: memopt.optimize's loss_fn, so its estimate counts the same step
+        self.loss_of_output = loss_of_output
 
 
 def import_model_code(name: str) -> None:
@@ -119,7 +122,8 @@ def build(name: str, batch: int, args) -> Case:
             blocks = list(model.blocks)
             describe = f"ViT-S/16 (timm vit_small_patch16_224), {args.res}x{args.res}, AdamW"
         x, y = torch.randn(batch, 3, args.res, args.res), torch.randint(0, 1000, (batch,))
-        return Case(model.train(), x, lambda net: F.cross_entropy(net(x), y), blocks, False, describe)
+        return Case(model.train(), x, lambda net: F.cross_entropy(net(x), y), blocks, False, describe,
+                    lambda out: F.cross_entropy(out, y[:len(out)]))
     import transformers as T
 
     if name == "llama":
@@ -141,7 +145,7 @@ def build(name: str, batch: int, args) -> Case:
                   "labels": torch.randint(0, 2, (batch,))}
         describe = (f"BERT-base-shaped encoder (BertForSequenceClassification), {args.layers} layers, hidden 768, "
                     f"12 heads, intermediate 3072, vocabulary {cfg.vocab_size}, sequence {args.seq}, AdamW")
-    return Case(model.train(), inputs, lambda net: net(**inputs).loss, [], True, describe)
+    return Case(model.train(), inputs, lambda net: net(**inputs).loss, [], True, describe, lambda out: out.loss)
 
 
 def make_optimizer(name: str, model):
@@ -180,9 +184,10 @@ def apply(method: str, case: Case, opt, cast, budget_mb: Optional[float]):
     start = time.perf_counter()
     with cast():
         if method == "memopt":
-            om = memopt.optimize(model, example_inputs=example, optimizer=opt)
+            om = memopt.optimize(model, example_inputs=example, optimizer=opt, loss_fn=case.loss_of_output)
         else:
-            om = memopt.optimize(model, budget_mb=budget_mb, example_inputs=example, optimizer=opt)
+            om = memopt.optimize(model, budget_mb=budget_mb, example_inputs=example, optimizer=opt,
+                                 loss_fn=case.loss_of_output)
     setup = time.perf_counter() - start
     plan = getattr(om, "plan", None)
     note = f"capture {plan.capture}" if plan is not None and hasattr(plan, "capture") else ""
