@@ -20,7 +20,7 @@ from memopt.fewbit.activations import ACTIVATIONS, Params
 from memopt.fewbit.config import FewBitConfig
 from memopt.fewbit.tables import fewbit_table, table_error
 from memopt.cost_model.analysis import Estimate
-from memopt.fewbit.ops import SUPPORTED_DTYPES, fewbit_activation
+from memopt.fewbit.ops import SUPPORTED_DTYPES, FewBitSpec, fewbit_activation
 from memopt.core.meta import DECISION_KEY
 from memopt.passes.base import PassContext, PassResult, PlannerHooks, node_numel, register_pass
 
@@ -143,13 +143,13 @@ def _fewbit_fidelity(new: fx.Node, baseline: Estimate, unit: str) -> float:
     """The table's ∫(f'−q)² w (w: standard normal) times the elements; 0 for exact 1-bit masks."""
     if new.target is not fewbit_activation:
         return 0.0
-    _, kind, params, bits, borders, levels = new.args[:6]
-    if ACTIVATIONS[kind].exact:
+    spec = FewBitSpec.of(new)
+    if ACTIVATIONS[spec.name].exact:
         return 0.0
-    key = (kind, tuple(params), borders, levels)
+    key = (spec.name, tuple(spec.params), spec.borders, spec.levels)
     if key not in _TABLE_ERRORS:
-        _TABLE_ERRORS[key] = table_error(kind, torch.tensor(borders, dtype=torch.float64),
-                                         torch.tensor(levels, dtype=torch.float64), params=dict(params),
+        _TABLE_ERRORS[key] = table_error(spec.name, torch.tensor(spec.borders, dtype=torch.float64),
+                                         torch.tensor(spec.levels, dtype=torch.float64), params=dict(spec.params),
                                          weight="normal")
     return _TABLE_ERRORS[key] * node_numel(baseline, unit)
 
@@ -195,8 +195,9 @@ def _replace(gm: fx.GraphModule, node: fx.Node, kind: str, params: Params, bits:
              levels: tuple, decision: dict) -> fx.Node:
     with gm.graph.inserting_before(node):
         new = gm.graph.create_node(
-            "call_function", fewbit_activation, (_input(node), kind, params, bits, borders, levels,
-                                                 node.format_node()), name=f"{node.name}_fewbit")
+            "call_function", fewbit_activation,
+            (_input(node), FewBitSpec(kind, params, bits, borders, levels, node.format_node())),
+            name=f"{node.name}_fewbit")
     new.meta[DECISION_KEY] = decision
     node.replace_all_uses_with(new)
     gm.graph.erase_node(node)

@@ -16,6 +16,7 @@ from typing import Dict, List, Optional, Tuple, Union
 import torch
 from torch import fx
 
+from memopt.core.leaf import argument
 from memopt.core.meta import META_KEY
 from memopt.cost_model.op_registry import op_kind
 from memopt.recompute.ops import RecomputeSpec, recompute_block, recompute_from_codes
@@ -138,9 +139,9 @@ def _fidelity(new: fx.Node, baseline, unit: str) -> float:
     the coded inputs' elements (the stash's proxy, ``code_error``), so that the gate never takes it for exact."""
     if new.target is not recompute_from_codes:
         return 0.0
-    spec: RecomputeSpec = new.args[1]
+    spec = RecomputeSpec.of(new)
     total = 0.0
-    for arg in new.args[2:]:
+    for arg in argument(new, "inputs"):
         cost = arg.meta.get(META_KEY) if isinstance(arg, fx.Node) else None
         if cost is not None and cost.shapes and cost.dtypes and cost.dtypes[0].startswith(("float", "bfloat")):
             total += code_error(arg, spec.bits, spec.group, 12)
@@ -174,13 +175,9 @@ def recompute_pass(gm: fx.GraphModule, cfg: RecomputeConfig, ctx: PassContext) -
         bits = ctx.bits("recompute", block.name, cfg.bits)
         with gm.graph.inserting_before(block.nodes[0]):
             module_node = gm.graph.get_attr(attr)
-            if bits is None:
-                new = gm.graph.create_node("call_function", recompute_block,
-                                           (module_node, random, block.path, *inputs), name=f"{block.name}_recompute")
-            else:
-                spec = RecomputeSpec(random, block.path, bits, GROUP)
-                new = gm.graph.create_node("call_function", recompute_from_codes, (module_node, spec, *inputs),
-                                           name=f"{block.name}_recompute")
+            spec = RecomputeSpec(random, block.path, bits, GROUP)  # bits None: inputs kept as they are
+            new = gm.graph.create_node("call_function", recompute_block if bits is None else recompute_from_codes,
+                                       (module_node, spec, *inputs), name=f"{block.name}_recompute")
         new.meta[DECISION_KEY] = {"technique": "recompute", "bits": bits, "unit": block.name,
                                   "replaces": [n.name for n in block.nodes],
                                   "reason": "recomputed in backward from its inputs (exact; one extra forward)"

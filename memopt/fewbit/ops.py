@@ -19,14 +19,14 @@ fused C kernels on the CPU. Both write the same codes and gradients (tests/runti
 from __future__ import annotations
 
 import struct
-from typing import Optional, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 from memopt.core.errors import MemoptError
 from memopt.fewbit.activations import Params, get_activation
-from memopt.core.leaf import graph_leaf
+from memopt.core.leaf import graph_leaf, spec_of
 from memopt.runtime import kernels, native_generic, triton_fewbit
 from memopt.runtime.bitpack import pack_bits, unpack_bits
 from memopt.runtime.layout import memory_order, memory_order_perm
@@ -197,14 +197,36 @@ def _triton_backward(ctx, grad: torch.Tensor, packed: torch.Tensor, table: list,
     return triton_fewbit.unpack_scale(packed, ctx.bits, grad, code_strides, out, levels=table[0])
 
 
+class FewBitSpec(NamedTuple):
+    """``fewbit_activation``'s parameters: one typed constant in the graph (fx re-creates NamedTuples in printed,
+    pickled and re-traced graphs), read by name (``FewBitSpec.of(node)``).
+
+    Attributes:
+        name: the activation (``memopt.fewbit.activations.ACTIVATIONS``).
+        params: its hyper-parameters, sorted (name, value) pairs.
+        bits: b, the bits of each element's code.
+        borders, levels: the table's internal borders and its 2**b levels (an exact mask: no borders, 2 levels).
+        node: the original node's text, for errors (None: the activation's name).
+    """
+
+    name: str
+    params: Params
+    bits: int
+    borders: Tuple[float, ...]
+    levels: Tuple[float, ...]
+    node: Optional[str] = None
+
+    of = classmethod(spec_of)  # FewBitSpec.of(node): a fewbit_activation call's
+
+
 @graph_leaf
-def fewbit_activation(x: torch.Tensor, name: str, params: Params, bits: int, borders: Tuple[float, ...],
-                      levels: Tuple[float, ...], node: Optional[str] = None) -> torch.Tensor:
-    """``name(x, **params)`` whose backward keeps ``bits`` bits per element (called by rewritten graphs)."""
-    allowed = EXACT_DTYPES if get_activation(name).exact else SUPPORTED_DTYPES
+def fewbit_activation(x: torch.Tensor, spec: FewBitSpec) -> torch.Tensor:
+    """``spec.name(x, **spec.params)`` whose backward keeps ``spec.bits`` bits per element (called by rewritten
+    graphs)."""
+    allowed = EXACT_DTYPES if get_activation(spec.name).exact else SUPPORTED_DTYPES
     if x.dtype not in allowed:
-        raise MemoptError(f"few-bit node {node}: input dtype {x.dtype} is not supported "
+        raise MemoptError(f"few-bit node {spec.node}: input dtype {x.dtype} is not supported "
                           f"({[str(d) for d in allowed]}); the pass leaves such nodes exact")
     if not x.requires_grad or not torch.is_grad_enabled():
-        return get_activation(name)(x, params)
-    return _FewBit.apply(x, name, params, bits, borders, levels, node or name)
+        return get_activation(spec.name)(x, spec.params)
+    return _FewBit.apply(x, spec.name, spec.params, spec.bits, spec.borders, spec.levels, spec.node or spec.name)

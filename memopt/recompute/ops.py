@@ -22,7 +22,7 @@ from typing import Any, List, NamedTuple, Optional, Tuple
 import torch
 from torch import nn
 
-from memopt.core.leaf import graph_leaf
+from memopt.core.leaf import graph_leaf, spec_of
 from memopt.runtime.autocast import autocast_state, replayed_autocast
 from memopt.runtime.rng import replayed_rng, rng_state
 from memopt.stash.generic import group_dequantize, group_quantize
@@ -54,6 +54,8 @@ class RecomputeSpec(NamedTuple):
     where: str
     bits: Optional[int] = None
     group: int = 256
+
+    of = classmethod(spec_of)  # RecomputeSpec.of(node): a recompute_block / recompute_from_codes call's
 
 
 _Layout = Optional[Tuple[torch.Size, Tuple[int, ...], torch.dtype]]
@@ -147,9 +149,10 @@ def _run(block: nn.Module, spec: RecomputeSpec, inputs: tuple) -> torch.Tensor:
 
 
 @graph_leaf
-def recompute_block(block: nn.Module, random: bool, where: str, *inputs: Any) -> torch.Tensor:
-    """Run ``block(*inputs)`` keeping only ``inputs`` for backward (``where`` names the block in errors)."""
-    return _run(block, RecomputeSpec(random, where), inputs)
+def recompute_block(block: nn.Module, spec: RecomputeSpec, *inputs: Any) -> torch.Tensor:
+    """Run ``block(*inputs)`` keeping only ``inputs`` for backward (``spec.where`` names the block in errors;
+    ``spec.bits`` is None)."""
+    return _run(block, spec, inputs)
 
 
 @graph_leaf

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from memopt.core.errors import MemoptError
-from memopt.core.leaf import graph_leaf
+from memopt.core.leaf import graph_leaf, spec_of
 from memopt.runtime.autocast import autocast_state, replayed_autocast
 from memopt.runtime.layout import rebuilt_stride
 from memopt.runtime.rng import replayed_rng, rng_state
@@ -116,6 +116,8 @@ class CodedSpec(NamedTuple):
     node: str = ""
     recompute: str = ""
     unsaved: Tuple[int, ...] = ()
+
+    of = classmethod(spec_of)  # CodedSpec.of(node): a coded_call / softmax_coded call's
 
 
 def _like(meta: Tuple[torch.Size, Tuple[int, ...], torch.dtype], device: torch.device) -> torch.Tensor:

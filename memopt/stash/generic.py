@@ -16,13 +16,13 @@ Packing is ``memopt.runtime.bitpack`` (shared with few-bit and the BN-chain stas
 """
 from __future__ import annotations
 
-from typing import Dict, Optional, Tuple
+from typing import Dict, NamedTuple, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 
 from memopt.core.errors import MemoptError
-from memopt.core.leaf import graph_leaf
+from memopt.core.leaf import graph_leaf, spec_of
 from memopt.runtime import kernels, native_generic, triton_stash_extras
 from memopt.runtime.bitpack import pack_bits, unpack_bits
 from memopt.runtime.layout import memory_order, rebuilt_stride
@@ -305,10 +305,35 @@ class Where1Bit(torch.autograd.Function):
         return None, grad_a, grad_b
 
 
+class EncodeSpec(NamedTuple):
+    """``generic_encode``'s parameters: one typed constant in the graph (fx re-creates NamedTuples in printed,
+    pickled and re-traced graphs), read by name (``EncodeSpec.of(node)``). ``bits``: K; ``group``: elements per
+    (min, step) pair; ``stochastic``: stochastic rounding instead of nearest."""
+
+    bits: int
+    group: int
+    stochastic: bool = False
+
+    of = classmethod(spec_of)  # EncodeSpec.of(node): a generic_encode call's
+
+
+class FromCodesSpec(NamedTuple):
+    """The non-tensor parameters of ``linear_from_codes``, ``conv_from_codes`` and ``matmul_from_codes``, as
+    ``EncodeSpec``: ``bits`` and ``group`` of the input's codes, ``node``: the original node's text (for errors),
+    ``conv``: (stride, padding, dilation, groups) of a conv, () otherwise."""
+
+    bits: int
+    group: int
+    node: str = ""
+    conv: tuple = ()
+
+    of = classmethod(spec_of)  # FromCodesSpec.of(node): a *_from_codes call's
+
+
 @graph_leaf
-def generic_encode(x, bits: int, group: int, stochastic: bool):
+def generic_encode(x, spec: EncodeSpec):
     """(packed codes, [min; step] per group) of ``x`` for the generic stash; nothing here requires grad."""
-    return group_quantize(x, bits, group, stochastic)
+    return group_quantize(x, spec.bits, spec.group, spec.stochastic)
 
 
 def _needs_codes(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -316,29 +341,27 @@ def _needs_codes(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 @graph_leaf
-def linear_from_codes(x, weight, bias, packed, params, bits: int, group: int, node: str = "", chunks: int = 1):
+def linear_from_codes(x, weight, bias, packed, params, spec: FromCodesSpec, chunks: int = 1):
     """``F.linear(x, weight, bias)`` keeping ``x`` as group codes; the weight gradient over ``chunks`` row ranges."""
     if not _needs_codes(x, weight):
         return F.linear(x, weight, bias)
-    return LinearFromCodes.apply(x, weight, bias, packed, params, bits, group, node, chunks)
+    return LinearFromCodes.apply(x, weight, bias, packed, params, spec.bits, spec.group, spec.node, chunks)
 
 
 @graph_leaf
-def conv_from_codes(x, weight, bias, packed, params, bits: int, group: int, node: str, stride, padding, dilation,
-                    groups, chunks: int = 1):
+def conv_from_codes(x, weight, bias, packed, params, spec: FromCodesSpec, chunks: int = 1):
     """The conv of ``x`` keeping ``x`` as group codes; the weight gradient over ``chunks`` batch ranges."""
     if not _needs_codes(x, weight):
-        return {3: F.conv1d, 4: F.conv2d, 5: F.conv3d}[x.dim()](x, weight, bias, stride, padding, dilation, groups)
-    return ConvFromCodes.apply(x, weight, bias, packed, params, bits, group, node, stride, padding, dilation, groups,
-                               chunks)
+        return {3: F.conv1d, 4: F.conv2d, 5: F.conv3d}[x.dim()](x, weight, bias, *spec.conv)
+    return ConvFromCodes.apply(x, weight, bias, packed, params, spec.bits, spec.group, spec.node, *spec.conv, chunks)
 
 
 @graph_leaf
-def matmul_from_codes(x, weight, packed, params, bits: int, group: int, node: str = "", chunks: int = 1):
+def matmul_from_codes(x, weight, packed, params, spec: FromCodesSpec, chunks: int = 1):
     """``x @ weight`` keeping ``x`` as group codes; the weight gradient over ``chunks`` row ranges."""
     if not _needs_codes(x, weight):
         return torch.matmul(x, weight)
-    return MatmulFromCodes.apply(x, weight, packed, params, bits, group, node, chunks)
+    return MatmulFromCodes.apply(x, weight, packed, params, spec.bits, spec.group, spec.node, chunks)
 
 
 @graph_leaf

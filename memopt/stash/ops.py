@@ -49,7 +49,7 @@ import torch
 import torch.nn.functional as F
 
 from memopt.core.errors import MemoptError
-from memopt.core.leaf import graph_leaf
+from memopt.core.leaf import graph_leaf, spec_of
 from memopt.runtime import kernels, native, triton_bn, triton_stash
 from memopt.runtime.bitpack import pack_bits, unpack_bits
 from memopt.stash.grads import Rows, conv_grads, linear_grads
@@ -63,8 +63,8 @@ from memopt.stash.grid import (MEAN_STRIDE, REACH, WINDOWS, _act_backward, _acti
                                    keep_where, new_bin_sums, select_u8, wants_means, x_code, x_grid_half,
                                    x_grid_past, x_grid_reach, xhat_std)
 
-__all__ = ["WINDOWS", "BNActStash", "ChainSpec", "bn_act_stash", "conv_from_stash", "conv_grads", "linear_from_stash",
-           "linear_grads", "positive_z_grid", "split_by_mask", "x_grid_half"]
+__all__ = ["WINDOWS", "BNActStash", "ChainSpec", "FromStashSpec", "bn_act_stash", "conv_from_stash", "conv_grads",
+           "linear_from_stash", "linear_grads", "positive_z_grid", "split_by_mask", "x_grid_half"]
 
 
 def split_by_mask(act: str, has_residual: bool) -> bool:
@@ -417,6 +417,8 @@ class ChainSpec(NamedTuple):
     residual_first: bool = False
     add_in_place: bool = False
 
+    of = classmethod(spec_of)  # ChainSpec.of(node): a bn_act_stash call's (as its node.meta[CHAIN_KEY])
+
 
 @graph_leaf
 def bn_act_stash(x, weight, bias, running_mean, running_var, num_batches_tracked, residual, spec: ChainSpec, x2=None,
@@ -443,16 +445,40 @@ def bn_act_stash(x, weight, bias, running_mean, running_var, num_batches_tracked
                             spec.link_groups, spec.means, spec.residual_first, spec.add_in_place)
 
 
+class FromStashSpec(NamedTuple):
+    """A consumer's non-tensor parameters (``conv_from_stash``, ``linear_from_stash``): one typed constant in the
+    graph, as ``ChainSpec`` (fx re-creates it in printed, pickled and re-traced graphs), read by name
+    (``FromStashSpec.of(node)``).
+
+    Attributes:
+        bits: K, the bits of the chain's codes.
+        act: the chain's activation ("identity", "relu", "relu6", "leaky_relu"): the rebuild applies it.
+        act_params: its parameters (LeakyReLU: (negative_slope,)).
+        conv: (stride, padding, dilation, groups) of a conv; () for a linear.
+    """
+
+    bits: int
+    act: str
+    act_params: tuple = ()
+    conv: tuple = ()
+
+    of = classmethod(spec_of)  # FromStashSpec.of(node): a conv_from_stash / linear_from_stash call's
+
+    @property
+    def groups(self) -> int:
+        """A conv's groups (its input channels when depthwise)."""
+        return self.conv[3]
+
+
 @graph_leaf
-def conv_from_stash(y, weight, bias, packed, mask_packed, affine, zero_code, bits, act, act_params, stride, padding,
-                    dilation, groups, chunks: int = 1):
+def conv_from_stash(y, weight, bias, packed, mask_packed, affine, zero_code, spec: FromStashSpec, chunks: int = 1):
     """The conv of the chain's output ``y``, its weight gradient from the codes over ``chunks`` batch ranges."""
-    return ConvFromStash.apply(y, weight, bias, packed, mask_packed, affine, zero_code, bits, act, act_params,
-                               stride, padding, dilation, groups, chunks)
+    return ConvFromStash.apply(y, weight, bias, packed, mask_packed, affine, zero_code, spec.bits, spec.act,
+                               spec.act_params, *spec.conv, chunks)
 
 
 @graph_leaf
-def linear_from_stash(y, weight, bias, packed, mask_packed, affine, zero_code, bits, act, act_params, chunks: int = 1):
+def linear_from_stash(y, weight, bias, packed, mask_packed, affine, zero_code, spec: FromStashSpec, chunks: int = 1):
     """``F.linear`` of the chain's output ``y``, its weight gradient from the codes over ``chunks`` row ranges."""
-    return LinearFromStash.apply(y, weight, bias, packed, mask_packed, affine, zero_code, bits, act, act_params,
-                                 chunks)
+    return LinearFromStash.apply(y, weight, bias, packed, mask_packed, affine, zero_code, spec.bits, spec.act,
+                                 spec.act_params, chunks)

@@ -17,7 +17,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from memopt.core.leaf import graph_leaf
+from memopt.core.leaf import graph_leaf, spec_of
 from memopt.runtime.layout import rebuilt_stride
 from memopt.stash.coded import resolve
 from memopt.stash.generic import _check_backward, group_dequantize, own_output
@@ -48,6 +48,8 @@ class RebuildSpec(NamedTuple):
     node: str  # the original node's text, for messages
     norm: str  # the norm's callable, as memopt.stash.coded.resolve names it
     norm_args: tuple
+
+    of = classmethod(spec_of)  # RebuildSpec.of(node): a weight_op_from_rebuild call's
 
 
 class WeightOpFromRebuild(torch.autograd.Function):

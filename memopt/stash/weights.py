@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from memopt.core.errors import MemoptError
-from memopt.core.leaf import graph_leaf
+from memopt.core.leaf import graph_leaf, spec_of
 from memopt.runtime.autocast import autocast_state, replayed_autocast
 from memopt.stash.generic import _keep, _rebuild, own_output
 from memopt.stash.grads import conv_grads, linear_grads
@@ -43,6 +43,8 @@ class WeightOpSpec(NamedTuple):
     bits: Optional[int]
     group: int
     node: str
+
+    of = classmethod(spec_of)  # WeightOpSpec.of(node): a weight_op_recomputed call's
 
 
 def _forward(spec: WeightOpSpec, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:

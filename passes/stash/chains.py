@@ -32,11 +32,12 @@ from torch import fx, nn
 from memopt.core.meta import CHAIN_KEY, META_KEY
 from memopt.cost_model.op_registry import op_kind
 from memopt.capture.trace import has_hooks
-from memopt.stash.generic import generic_encode
+from memopt.core.leaf import argument, arguments, set_argument
+from memopt.stash.generic import EncodeSpec, generic_encode
 from memopt.stash.grid import x_grid_half
-from memopt.stash.ops import ChainSpec, bn_act_stash, conv_from_stash, linear_from_stash, split_by_mask
+from memopt.stash.ops import ChainSpec, FromStashSpec, bn_act_stash, conv_from_stash, linear_from_stash, split_by_mask
 from memopt.stash.pool import max_pool2d_indices_only
-from memopt.stash.rebuild import weight_op_from_rebuild
+from memopt.stash.rebuild import RebuildSpec, weight_op_from_rebuild
 from memopt.stash.grid import MEAN_BITS, wants_means
 from memopt.stash.identity import bn_exact_link
 from memopt.core.meta import DECISION_KEY
@@ -50,6 +51,8 @@ from memopt.passes.stash.forms import (BNForm, bn_form, consumer, consumer_reaso
                                        rebuild_kind, trainable_weight)
 
 _ACTS = ("relu", "relu6", "leaky_relu")
+# bn_act_stash's BatchNorm tensors, before its residual
+_BN_TENSORS = ("x", "weight", "bias", "running_mean", "running_var", "num_batches_tracked")
 
 
 def _act_params(node: fx.Node, kind: str, modules) -> Tuple[float, ...]:
@@ -75,7 +78,10 @@ def _keeps_nothing(user: fx.Node, end: fx.Node, modules) -> bool:
     if op_kind(user, modules) == "avg_pool":
         return not pool_keeps_input(user, modules)
     # another chain's stash that takes this output as its residual: used in its forward only
-    return user.target is bn_act_stash and user.args[6] is end and end not in user.args[:6]
+    if user.target is not bn_act_stash:
+        return False
+    given = arguments(user)
+    return given["residual"] is end and not any(given[name] is end for name in _BN_TENSORS)
 
 
 _MEAN_POOLS = (torch.ops.aten.adaptive_avg_pool1d.default, torch.ops.aten.adaptive_avg_pool2d.default,
@@ -248,16 +254,16 @@ def _generic_fidelity(new: fx.Node) -> float:
     """The generic stash on the same scale as the chains' (a unit-variance input): per group of G normal
     values the range is about 2·Φ⁻¹((G − 3/8)/(G + 1/4)) (Blom; 5.6 for G = 256), the step that over
     2^K − 1, the mean squared error step²/12 (nearest) or step²/6 (stochastic), times the elements."""
-    _, bits, group, stochastic = new.args
-    return code_error(new.args[0], bits, group, 6 if stochastic else 12)
+    spec = EncodeSpec.of(new)
+    return code_error(argument(new, "x"), spec.bits, spec.group, 6 if spec.stochastic else 12)
 
 
 def _rebuild_fidelity(new: fx.Node) -> float:
     """A weight op whose input is rebuilt as the norm of the norm input's codes keeps no codes of its own, but
     its weight gradient sees the rebuilt input: priced as a nearest-rounded code of that (normalised) input at
     the rebuild's bits, so that the planner and the fidelity gate never take it for exact."""
-    spec = new.args[6]
-    return code_error(new.args[0], spec.bits, spec.group, 12)
+    spec = RebuildSpec.of(new)
+    return code_error(argument(new, "x"), spec.bits, spec.group, 12)
 
 
 def code_error(data: fx.Node, bits: int, group: int, divisor: int) -> float:
@@ -340,13 +346,13 @@ def _identity_links(gm: fx.GraphModule, modules) -> List[Tuple[fx.Node, fx.Node,
     output feeds only B: another chain's BatchNorm input, or a training-mode BatchNorm module left exact."""
     links = []
     for first in gm.graph.nodes:
-        if not _chain_without_residual(first) or first.args[1] is None:
+        if not _chain_without_residual(first) or argument(first, "weight") is None:
             continue
         y = _stash_output(first, 0)
         conv = _single_user(y) if y is not None else None
-        if conv is None or conv.target is not conv_from_stash or conv.args[0] is not y:
+        if conv is None or conv.target is not conv_from_stash or argument(conv, "y") is not y:
             continue
-        if gm.get_parameter(conv.args[1].target).shape[1] != 1:  # not depthwise: channels mix in each group
+        if gm.get_parameter(argument(conv, "weight").target).shape[1] != 1:  # not depthwise: channels mix in each group
             continue
         following = _single_user(conv)
         if following is None or following.args[:1] != (conv,) or \
@@ -363,14 +369,17 @@ def _identity_links(gm: fx.GraphModule, modules) -> List[Tuple[fx.Node, fx.Node,
 
 def _chain_without_residual(node: fx.Node) -> bool:
     """A rewritten chain (not the pooled stem form) whose BatchNorm output is not added to a residual."""
-    spec = node.meta.get(CHAIN_KEY) if node.target is bn_act_stash else None
+    if node.target is not bn_act_stash:
+        return False
+    spec = node.meta.get(CHAIN_KEY)
     return spec is not None and not spec.residual and not spec.joined and spec.pool is None
 
 
 def _link(gm: fx.GraphModule, modules, first: fx.Node, conv: fx.Node, following: fx.Node) -> None:
     graph = gm.graph
-    spec = first.meta[CHAIN_KEY]._replace(link_groups=conv.args[13])  # groups = the conv's input channels = A's
-    first.args = (*first.args[:7], spec, *first.args[8:])
+    # groups = the conv's input channels = A's
+    spec = first.meta[CHAIN_KEY]._replace(link_groups=FromStashSpec.of(conv).groups)
+    set_argument(first, "spec", spec)
     first.meta[CHAIN_KEY] = spec
     with graph.inserting_after(first):
         link = graph.call_function(operator.getitem, (first, 5))
@@ -450,7 +459,7 @@ def _rewrite_consumer(gm, modules, user: fx.Node, y: fx.Node, stash_nodes, bits:
         if rebuild is not None:
             c = consumer(graph, user, rebuild, modules)
             target = conv_from_stash if rebuild == "conv" else linear_from_stash
-            args = (y, c.weight, c.bias, *stash_nodes, bits, kind, params, *c.conv)
+            args = (y, c.weight, c.bias, *stash_nodes, FromStashSpec(bits, kind, params, tuple(c.conv)))
             new = graph.create_node("call_function", target, args, name=f"{user.name}_stash")
             note = f"input rebuilt from the stash of {source} for the weight gradient"
         elif pool is not None:

@@ -28,8 +28,8 @@ from memopt.core.meta import META_KEY, STATE_CATEGORIES
 from memopt.cost_model.op_registry import op_kind
 from memopt.capture.trace import has_hooks
 from memopt.runtime.bitpack import packed_nbytes
-from memopt.stash.generic import (conv_from_codes, generic_encode, linear_from_codes, row_group,
-                                      matmul_from_codes)
+from memopt.stash.generic import (EncodeSpec, FromCodesSpec, conv_from_codes, generic_encode, linear_from_codes,
+                                  matmul_from_codes, row_group)
 from memopt.core.meta import DECISION_KEY
 from memopt.stash.config import StashConfig
 from memopt.stash.rebuild import RebuildSpec, weight_op_from_rebuild
@@ -309,8 +309,8 @@ class _Encoder:
         if key not in self.done:
             graph = self.graph
             with graph.inserting_after(data):
-                enc = graph.create_node("call_function", generic_encode, (data, bits, group, self.cfg.stochastic),
-                                        name=f"{data.name}_codes")
+                enc = graph.create_node("call_function", generic_encode,
+                                        (data, EncodeSpec(bits, group, self.cfg.stochastic)), name=f"{data.name}_codes")
             with graph.inserting_after(enc):
                 packed = graph.call_function(operator.getitem, (enc, 0))
             with graph.inserting_after(packed):
@@ -344,17 +344,15 @@ def _rewrite_unit(gm: fx.GraphModule, modules, unit: str, consumers: List[fx.Nod
             replaced[node] = new
             continue
         with graph.inserting_before(node):
+            spec = FromCodesSpec(bits, group, label, tuple(c.conv))
             if c.kind == "linear":
                 new = graph.create_node("call_function", linear_from_codes,
-                                        (c.data, c.weight, c.bias, packed, params, bits, group, label),
-                                        name=f"{node.name}_stash")
+                                        (c.data, c.weight, c.bias, packed, params, spec), name=f"{node.name}_stash")
             elif c.kind == "conv":
                 new = graph.create_node("call_function", conv_from_codes,
-                                        (c.data, c.weight, c.bias, packed, params, bits, group, label, *c.conv),
-                                        name=f"{node.name}_stash")
+                                        (c.data, c.weight, c.bias, packed, params, spec), name=f"{node.name}_stash")
             else:
-                new = graph.create_node("call_function", matmul_from_codes,
-                                        (c.data, c.weight, packed, params, bits, group, label),
+                new = graph.create_node("call_function", matmul_from_codes, (c.data, c.weight, packed, params, spec),
                                         name=f"{node.name}_stash")
         new.meta[DECISION_KEY] = {"technique": "stash", "bits": bits, "replaces": [node.name], "unit": unit,
                                   "reason": f"input rebuilt from the generic stash of {unit} for the weight "

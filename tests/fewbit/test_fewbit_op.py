@@ -9,7 +9,7 @@ import memopt
 from conftest import requires_cuda
 from memopt.cost_model.storage import SavedTensorRecorder
 from memopt.fewbit.activations import ACTIVATIONS, TABLE_ACTIVATIONS
-from memopt.fewbit.ops import fewbit_activation
+from memopt.fewbit.ops import FewBitSpec, fewbit_activation
 
 EXACT = [name for name, a in ACTIVATIONS.items() if a.exact]
 
@@ -40,7 +40,7 @@ def _inputs(dtype, layout):
 def test_forward_is_bit_identical_and_input_untouched(name, dtype, layout):
     x = _inputs(dtype, layout).requires_grad_()
     before = x.detach().clone()
-    y = fewbit_activation(x, *_args(name))
+    y = fewbit_activation(x, FewBitSpec(*_args(name)))
     act = ACTIVATIONS[name]
     assert torch.equal(y, act(x.detach(), act.params({})))
     assert y.dtype == dtype and torch.equal(x.detach(), before)
@@ -54,7 +54,7 @@ def test_exact_ops_have_stock_gradients_even_for_nan_and_inf(name, dtype):
     grad = torch.randn(x.shape, dtype=dtype)
     grad.view(-1)[9:11] = torch.tensor([float("inf"), float("nan")], dtype=dtype)
     ours = x.clone().requires_grad_()
-    fewbit_activation(ours, *_args(name)).backward(grad)
+    fewbit_activation(ours, FewBitSpec(*_args(name))).backward(grad)
     stock = x.clone().requires_grad_()
     ACTIVATIONS[name](stock, ACTIVATIONS[name].params({})).backward(grad)
     # Where x is NaN, stock hardtanh/hardsigmoid kernels disagree with themselves (vectorised and
@@ -69,7 +69,7 @@ def test_exact_ops_pass_double_precision_gradcheck(name):
     x = (torch.rand(40, dtype=torch.float64) * 16 - 8)
     x = x[(x.abs() > 0.1) & ((x - 6).abs() > 0.1) & ((x.abs() - 3).abs() > 0.1) & ((x.abs() - 1).abs() > 0.1)]
     x.requires_grad_()
-    assert torch.autograd.gradcheck(lambda t: fewbit_activation(t, *_args(name)), (x,))
+    assert torch.autograd.gradcheck(lambda t: fewbit_activation(t, FewBitSpec(*_args(name))), (x,))
 
 
 @pytest.mark.parametrize("name", TABLE_ACTIVATIONS)
@@ -78,7 +78,7 @@ def test_table_backward_is_levels_at_the_code(name, bits):
     args = _args(name, bits)
     x = _inputs(torch.float32, "transposed").requires_grad_()
     grad = torch.randn(x.shape)
-    fewbit_activation(x, *args).backward(grad)
+    fewbit_activation(x, FewBitSpec(*args)).backward(grad)
     borders = torch.tensor(args[3], dtype=torch.float32)
     levels = torch.tensor(args[4], dtype=torch.float32)
     expected = grad * levels[torch.bucketize(x.detach(), borders)]  # a value on a border takes the lower piece
@@ -88,7 +88,7 @@ def test_table_backward_is_levels_at_the_code(name, bits):
 def test_values_on_a_border_take_the_lower_piece():
     name, p, bits, borders, levels = _args("gelu", 2)
     x = torch.tensor(borders, dtype=torch.float32).requires_grad_()
-    fewbit_activation(x, name, p, bits, borders, levels).sum().backward()
+    fewbit_activation(x, FewBitSpec(name, p, bits, borders, levels)).sum().backward()
     assert x.grad.tolist() == pytest.approx([levels[i] for i in range(len(borders))])
 
 
@@ -98,7 +98,7 @@ def test_saved_bytes_are_the_packed_codes_plus_the_table(name, bits):
     x = torch.randn(1001, 3, requires_grad=True)
     args = _args(name, bits)
     with SavedTensorRecorder() as recorder:
-        fewbit_activation(x, *args)
+        fewbit_activation(x, FewBitSpec(*args))
     n = x.numel()
     table = 0 if ACTIVATIONS[name].exact else 4 * 2 ** bits
     assert sum(s.nbytes for s in recorder.saved) == math.ceil(n * args[2] / 8) + table
@@ -106,7 +106,7 @@ def test_saved_bytes_are_the_packed_codes_plus_the_table(name, bits):
 
 def test_double_backward_names_the_node():
     x = torch.randn(10, requires_grad=True)
-    y = fewbit_activation(x, *_args("gelu"), "%act : call_module[target=act](args = (%fc1,))")
+    y = fewbit_activation(x, FewBitSpec(*_args("gelu"), "%act : call_module[target=act](args = (%fc1,))"))
     with pytest.raises(memopt.MemoptError, match=r"double backward \(create_graph=True\) through the few-bit node "
                                                  r"%act : call_module\[target=act\]"):
         torch.autograd.grad(y.sum(), x, create_graph=True)
@@ -118,7 +118,7 @@ def test_a_non_finite_activation_makes_parameter_gradients_non_finite(bad):
     x = torch.randn(4, 8)
     x[0, 0] = bad
     h = lin(x)
-    y = fewbit_activation(h, *_args("gelu"))
+    y = fewbit_activation(h, FewBitSpec(*_args("gelu")))
     y.sum().backward()
     assert not torch.isfinite(lin.weight.grad).all()
 
@@ -126,9 +126,10 @@ def test_a_non_finite_activation_makes_parameter_gradients_non_finite(bad):
 def test_no_grad_and_unsupported_dtypes():
     x = torch.randn(5)
     with torch.no_grad():
-        assert torch.equal(fewbit_activation(x.requires_grad_(), *_args("silu")), torch.nn.functional.silu(x))
+        y = fewbit_activation(x.requires_grad_(), FewBitSpec(*_args("silu")))
+        assert torch.equal(y, torch.nn.functional.silu(x))
     with pytest.raises(memopt.MemoptError, match=r"few-bit node n: input dtype torch.float64 is not supported"):
-        fewbit_activation(torch.randn(3, dtype=torch.float64, requires_grad=True), *_args("silu"), "n")
+        fewbit_activation(torch.randn(3, dtype=torch.float64, requires_grad=True), FewBitSpec(*_args("silu"), "n"))
 
 
 @requires_cuda
@@ -139,7 +140,7 @@ def test_cuda_matches_cpu(name):
     outs = []
     for device in ("cpu", "cuda"):
         xd = x.detach().to(device).requires_grad_()
-        y = fewbit_activation(xd, *_args(name))
+        y = fewbit_activation(xd, FewBitSpec(*_args(name)))
         y.backward(grad.to(device))
         outs.append((y.detach().cpu(), xd.grad.cpu()))
     assert torch.equal(outs[0][1], outs[1][1])
@@ -158,7 +159,7 @@ def test_borders_are_rounded_to_the_activation_dtype(dtype):
     name, p, bits, borders, levels = _args("silu", 3)
     x = (torch.randn(4096) * 3).to(dtype).requires_grad_()
     grad = torch.randn(4096).to(dtype)
-    fewbit_activation(x, name, p, bits, borders, levels).backward(grad)
+    fewbit_activation(x, FewBitSpec(name, p, bits, borders, levels)).backward(grad)
     rounded = torch.tensor(borders, dtype=torch.float64).to(dtype).to(torch.float32)
     codes = torch.bucketize(x.detach().float(), rounded)
     assert torch.equal(x.grad, grad * torch.tensor(levels, dtype=torch.float32).to(dtype)[codes])

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import memopt
-from memopt.recompute.ops import recompute_block
+from memopt.recompute.ops import RecomputeSpec, recompute_block
 from memopt.testing.zoo import ZOO, build
 
 ALL = memopt.Config(recompute=memopt.RecomputeConfig(segments=None), stash=None, fewbit=None)
@@ -69,14 +69,14 @@ class _Block(nn.Module):
 def test_gradcheck_in_double_precision():
     block = _Block().double()
     x = torch.randn(3, 6, dtype=torch.float64, requires_grad=True)
-    assert torch.autograd.gradcheck(lambda t: recompute_block(block, False, "block", t), (x,))
+    assert torch.autograd.gradcheck(lambda t: recompute_block(block, RecomputeSpec(False, "block"), t), (x,))
 
 
 def test_double_backward_is_refused():
     block = _Block()
     x = torch.randn(3, 6, requires_grad=True)
     with pytest.raises(RuntimeError, match="double backward through the recomputed block block is not supported"):
-        torch.autograd.grad(recompute_block(block, False, "block", x).sum(), x, create_graph=True)
+        torch.autograd.grad(recompute_block(block, RecomputeSpec(False, "block"), x).sum(), x, create_graph=True)
 
 
 def test_only_non_leaf_members_of_containers_are_blocks():
@@ -213,7 +213,7 @@ def test_blocks_reading_a_none_input_or_a_size_are_recomputed_exactly():
 def test_recompute_passes_values_that_hold_no_tensor_through():
     block = _MaskedBlock()
     x = torch.randn(2, 3, 16, requires_grad=True)
-    out = recompute_block(block, False, "block", x, None, 0.5)
+    out = recompute_block(block, RecomputeSpec(False, "block"), x, None, 0.5)
     ref = block(x, None, 0.5)
     assert torch.equal(out, ref)
     g = torch.randn_like(out)

@@ -72,7 +72,7 @@ def test_only_inputs_that_carry_gradient_are_coded():
     saved = {tuple(t.shape): t.dtype for t in out.grad_fn.saved_tensors}
     assert saved[(64, 16)] == torch.float32  # the table, as it is
     assert torch.uint8 in saved.values()  # x, as codes
-    assert torch.equal(out, recompute_block(block, False, "block", x, table))
+    assert torch.equal(out, recompute_block(block, RecomputeSpec(False, "block"), x, table))
     out.sum().backward()
     grad = x.grad.clone()
     x.grad = None

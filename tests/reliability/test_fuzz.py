@@ -14,7 +14,7 @@ from torch import nn
 
 import memopt
 from memopt.fewbit.activations import ACTIVATIONS
-from memopt.fewbit.ops import fewbit_activation
+from memopt.fewbit.ops import FewBitSpec, fewbit_activation
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py: tiny ops, one thread
 
@@ -229,5 +229,5 @@ def test_regression_exact_masks_lay_out_their_gradient_as_stock(name):
             for ours in (True, False):
                 h = x_layout(torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(0))).requires_grad_()
                 h.register_hook(seen.append)
-                (fewbit_activation(h, *args) if ours else act(h, params)).backward(grad)
+                (fewbit_activation(h, FewBitSpec(*args)) if ours else act(h, params)).backward(grad)
             assert seen[0].stride() == seen[1].stride() and torch.equal(seen[0], seen[1])

@@ -17,7 +17,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import memopt
-from memopt.fewbit.ops import fewbit_activation
+from memopt.fewbit.ops import FewBitSpec, fewbit_activation
 from memopt.runtime import kernels, native, triton_bn, triton_fewbit, triton_stash_extras, verify
 from memopt.stash import generic
 from triton_stash_helpers import _Net, requires_triton
@@ -71,7 +71,7 @@ def _gelu(bits=3):
 
 def _fewbit_step(x, args):
     leaf = x.detach().clone().requires_grad_()
-    y = fewbit_activation(leaf, *args)
+    y = fewbit_activation(leaf, FewBitSpec(*args))
     y.backward(torch.linspace(-1, 1, y.numel()).view(y.shape).to(y.dtype))
     return y.detach(), leaf.grad
 
@@ -221,7 +221,7 @@ def test_fake_tensors_never_run_a_check_and_follow_the_kept_verdict(gpu_like, pr
     with FakeTensorMode():
         fake = torch.randn(4, 3, 5, 7, requires_grad=True)
         assert not kernels.fewbit_triton(fake, "act_1")  # no verdict yet: the plain path's decision
-        fewbit_activation(fake, *args).sum().backward()
+        fewbit_activation(fake, FewBitSpec(*args)).sum().backward()
     assert not probes and not verify.verdicts()
     assert kernels.fewbit_triton(torch.randn(3), "act_1")  # a real tensor: checked, passed
     with FakeTensorMode():

@@ -10,7 +10,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import memopt
 from memopt.fewbit.activations import ACTIVATIONS
-from memopt.fewbit.ops import fewbit_activation
+from memopt.fewbit.ops import FewBitSpec, fewbit_activation
 from memopt.runtime import kernels, native, native_generic
 from memopt.runtime.layout import rebuilt_stride
 from memopt.stash import generic
@@ -161,7 +161,7 @@ def _fewbit_grad(x, name, bits, grad):
     p = ACTIVATIONS[name].params({})
     borders, levels = memopt.fewbit_table(name, bits, params=dict(p))
     x = x.detach().requires_grad_()
-    fewbit_activation(x, name, p, bits, tuple(borders.tolist()), tuple(levels.tolist()), "n").backward(grad)
+    fewbit_activation(x, FewBitSpec(name, p, bits, tuple(borders.tolist()), tuple(levels.tolist()), "n")).backward(grad)
     return x.grad
 
 

@@ -18,7 +18,7 @@ import memopt
 from conftest import requires_cuda
 from memopt.cost_model.storage import LiveStorageTracker
 from memopt.fewbit.activations import ACTIVATIONS
-from memopt.fewbit.ops import _encode, _triton_encode, fewbit_activation
+from memopt.fewbit.ops import FewBitSpec, _encode, _triton_encode, fewbit_activation
 from memopt.runtime import kernels, native, triton_fewbit
 from memopt.runtime.bitpack import pack_bits
 
@@ -96,7 +96,7 @@ def test_masks_match_the_activations_comparisons_nan_and_inf_included(triton_on,
 def _grads(x, args, grad, choice):
     with kernels.forced(choice):
         leaf = x.detach().clone().requires_grad_()
-        y = fewbit_activation(leaf, *args)
+        y = fewbit_activation(leaf, FewBitSpec(*args))
         y.backward(grad)
     return leaf.grad
 
@@ -189,10 +189,11 @@ def test_one_launch_each_way_and_one_allocation(triton_on, monkeypatch, name, bi
     monkeypatch.setattr(triton_fewbit, "_launch", counted)
     x = torch.randn(4, 8, 5, 5, requires_grad=True)
     args = _args(name, bits)
-    fewbit_activation(x.detach().requires_grad_(), *args)  # warm: the constant tables are copied once per device
+    # warm: the constant tables are copied once per device
+    fewbit_activation(x.detach().requires_grad_(), FewBitSpec(*args))
     launches.clear()
     with ops:
-        y = fewbit_activation(x, *args)
+        y = fewbit_activation(x, FewBitSpec(*args))
     forward = list(ops.ops)
     assert launches == ["_encode_pack"]
     activation = {"gelu": ["gelu.default"], "relu": ["relu.default"]}[name]
@@ -214,7 +215,7 @@ def test_the_default_keeps_cpu_tensors_on_the_plain_path_and_fake_tensors_never_
     x = torch.randn(10, requires_grad=True)
     with kernels.forced(None):
         assert not kernels.fewbit_triton(x, "n")
-        fewbit_activation(x, *_args("gelu")).sum().backward()
+        fewbit_activation(x, FewBitSpec(*_args("gelu"))).sum().backward()
     with kernels.forced("native"):
         assert not kernels.fewbit_triton(x, "n")
     with kernels.forced("triton"):
@@ -223,7 +224,7 @@ def test_the_default_keeps_cpu_tensors_on_the_plain_path_and_fake_tensors_never_
         with FakeTensorMode():
             fake = torch.randn(10, requires_grad=True)
             assert kernels.fewbit_triton(fake, "n")  # the path real tensors take: allocations, no launch
-            fewbit_activation(fake, *args).sum().backward()
+            fewbit_activation(fake, FewBitSpec(*args)).sum().backward()
 
 
 @requires_triton
@@ -237,11 +238,12 @@ def test_fake_tensors_allocate_what_the_kernels_allocate(triton_on, name, bits):
     def peak(x, grad, preexisting):
         tracker = LiveStorageTracker([x, grad, *preexisting])
         with tracker:
-            torch.autograd.grad(fewbit_activation(x, *args), x, grad)
+            torch.autograd.grad(fewbit_activation(x, FewBitSpec(*args)), x, grad)
         return tracker.peak, sorted(e[1] for e in tracker.at_peak)
 
     x, grad = torch.randn(8, 3, 5, 7, requires_grad=True), torch.randn(8, 3, 5, 7)
-    torch.autograd.grad(fewbit_activation(x, *args), x, grad)  # the constant tables are made once per device
+    # the constant tables are made once per device
+    torch.autograd.grad(fewbit_activation(x, FewBitSpec(*args)), x, grad)
     real = peak(x, grad, triton_fewbit._constants.values())
     with FakeTensorMode():
         fx, fg = torch.randn(8, 3, 5, 7, requires_grad=True), torch.randn(8, 3, 5, 7)
@@ -268,7 +270,7 @@ def test_forcing_triton_on_a_cpu_tensor_outside_the_interpreter_names_the_fix(mo
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     message = r"MEMOPT_KERNELS=triton but few-bit node act_3 has a CPU input.*set TRITON_INTERPRET=1"
     with kernels.forced("triton"), pytest.raises(memopt.MemoptError, match=message):
-        fewbit_activation(torch.randn(4, requires_grad=True), *_args("gelu"), "act_3")
+        fewbit_activation(torch.randn(4, requires_grad=True), FewBitSpec(*_args("gelu"), "act_3"))
 
 
 def test_memopt_imports_and_trains_without_triton(tmp_path):
@@ -276,16 +278,16 @@ def test_memopt_imports_and_trains_without_triton(tmp_path):
         "import sys; sys.modules['triton'] = None\n"  # `import triton` now raises ImportError
         "import torch, memopt\n"
         "from memopt.runtime import kernels, triton_fewbit\n"
-        "from memopt.fewbit.ops import fewbit_activation\n"
+        "from memopt.fewbit.ops import FewBitSpec, fewbit_activation\n"
         "assert not triton_fewbit.AVAILABLE and 'import of triton halted' in triton_fewbit.IMPORT_ERROR\n"
         "x = torch.randn(6, requires_grad=True)\n"
         "b, l = memopt.fewbit_table('gelu', 2)\n"
         "args = ('gelu', (('approximate', 'none'),), 2, tuple(b.tolist()), tuple(l.tolist()), 'act_1')\n"
-        "fewbit_activation(x, *args).sum().backward()\n"
+        "fewbit_activation(x, FewBitSpec(*args)).sum().backward()\n"
         "assert x.grad is not None\n"
         "with kernels.forced('triton'):\n"
         "    try:\n"
-        "        fewbit_activation(x, *args)\n"
+        "        fewbit_activation(x, FewBitSpec(*args))\n"
         "    except memopt.MemoptError as e:\n"
         "        assert 'MEMOPT_KERNELS=triton but `import triton` failed' in str(e) and 'act_1' in str(e), e\n"
         "    else:\n"

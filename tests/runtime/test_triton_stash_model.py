@@ -113,7 +113,7 @@ def test_launches_per_stash_node_are_few_and_fixed(interpret, monkeypatch):
             if spec.pool is None:  # the ReLU's and the BN's backward read grad_y as it is: no full-size temporary
                 assert [name for name, _ in full.made] == ["empty.memory_format"], full.made  # grad_x, which the second launch writes
         launches.clear()
-        packed, params = generic.generic_encode(x, 4, 256, False)
+        packed, params = generic.generic_encode(x, generic.EncodeSpec(4, 256))
         generic.group_dequantize(packed, params, 4, 256, x)
         assert launches == ["_group_params", "_group_encode", "_group_decode"]
         launches.clear()

@@ -69,8 +69,8 @@ def test_the_op_keeps_no_weight_and_its_gradients_match_autograd(coded):
     ref = F.conv2d(ref_x, weight, ref_conv.bias, 1, 1)
     packed = params = None
     if coded:
-        from memopt.stash.generic import generic_encode
-        packed, params = generic_encode(x, 8, 256, False)
+        from memopt.stash.generic import EncodeSpec, generic_encode
+        packed, params = generic_encode(x, EncodeSpec(8, 256))
     spec = WeightOpSpec("conv", (1, 1, 1, 1), 8 if coded else None, 256, "conv")
     with SavedTensorRecorder() as rec:
         out = weight_op_recomputed(spec, recipe, x, conv.bias, packed, params, conv.weight, conv.gain)

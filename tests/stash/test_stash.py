@@ -11,7 +11,7 @@ from torch import nn
 import memopt
 from conftest import zoo_params
 from memopt.cost_model.storage import SavedTensorRecorder
-from memopt.stash.ops import ChainSpec, bn_act_stash, conv_from_stash
+from memopt.stash.ops import ChainSpec, FromStashSpec, bn_act_stash, conv_from_stash
 from memopt.stash.pool import max_pool2d_indices_only
 from memopt.testing.zoo import build
 
@@ -127,8 +127,8 @@ def test_consumer_input_gradient_is_exact_and_maxpool_keeps_only_indices():
                                                 bn.num_batches_tracked, None, ChainSpec("relu", 4))
     conv = nn.Conv2d(6, 3, 3, padding=1, stride=2)
     y1 = y.detach().requires_grad_()
-    out = conv_from_stash(y1, conv.weight, conv.bias, codes, mask, affine, zero, 4, "relu", (), conv.stride,
-                          conv.padding, conv.dilation, conv.groups)
+    spec = FromStashSpec(4, "relu", (), (conv.stride, conv.padding, conv.dilation, conv.groups))
+    out = conv_from_stash(y1, conv.weight, conv.bias, codes, mask, affine, zero, spec)
     y2 = y.detach().requires_grad_()
     ref = conv(y2)
     assert torch.equal(out, ref)

@@ -14,7 +14,7 @@ from memopt.core.meta import DECISION_KEY
 from memopt.fidelity.gate import parameter_fidelity
 from memopt.stash.coded import CodedSpec, coded_call, name_of, resolve
 from memopt.stash.config import CODED_OPS
-from memopt.stash.generic import generic_encode, linear_from_codes
+from memopt.stash.generic import EncodeSpec, FromCodesSpec, generic_encode, linear_from_codes
 
 CODED = memopt.Config(stash=memopt.StashConfig(generic=True, coded_ops=CODED_OPS), fewbit=None, fidelity=None)
 EXACT = memopt.Config(stash=None, fewbit=None, fidelity=None)
@@ -183,7 +183,7 @@ def test_coded_ops_are_validated():
 def test_double_backward_through_a_coded_op_names_it():
     x = torch.randn(4, 300, requires_grad=True)
     spec = CodedSpec("F.layer_norm", (0,), 8, 256, False, "ln_node")
-    packed, params = generic_encode(x, 8, 256, False)
+    packed, params = generic_encode(x, EncodeSpec(8, 256))
     out = coded_call(spec, (x, (300,)), {}, ((packed, params),))
     with pytest.raises(memopt.MemoptError, match="double backward .* coded op ln_node"):
         torch.autograd.grad(out.pow(2).sum(), x, create_graph=True)
@@ -196,14 +196,14 @@ def test_a_slice_of_a_fused_projection_is_rebuilt_in_its_logical_order():
     base = torch.randn(4, 24, 3, 2, 16, requires_grad=True)
     q, k, v = base.permute(2, 0, 3, 1, 4)
     spec = CodedSpec("F.scaled_dot_product_attention", (0, 1, 2), 8, 256, False, "s")
-    out = coded_call(spec, (q, k, v), {}, tuple(generic_encode(t, 8, 256, False) for t in (q, k, v)))
+    out = coded_call(spec, (q, k, v), {}, tuple(generic_encode(t, EncodeSpec(8, 256)) for t in (q, k, v)))
     g = torch.randn_like(out)
     (mine,) = torch.autograd.grad(out, base, g)
     (ref,) = torch.autograd.grad(F.scaled_dot_product_attention(q, k, v), base, g)
     assert F.cosine_similarity(mine.flatten(), ref.flatten(), 0) > 0.9999
     w = torch.randn(16, 16, requires_grad=True)
-    packed, params = generic_encode(q, 8, 256, False)
-    (gw,) = torch.autograd.grad(linear_from_codes(q, w, None, packed, params, 8, 256).sum(), w)
+    packed, params = generic_encode(q, EncodeSpec(8, 256))
+    (gw,) = torch.autograd.grad(linear_from_codes(q, w, None, packed, params, FromCodesSpec(8, 256)).sum(), w)
     (rw,) = torch.autograd.grad(F.linear(q, w).sum(), w)
     assert F.cosine_similarity(gw.flatten(), rw.flatten(), 0) > 0.9999
 

@@ -10,8 +10,8 @@ from torch import nn
 
 import memopt
 from memopt.cost_model.storage import SavedTensorRecorder
-from memopt.stash.generic import (conv_from_codes, dropout_1bit, generic_encode, group_dequantize,
-                                      group_quantize, linear_from_codes, matmul_from_codes, where_1bit)
+from memopt.stash.generic import (EncodeSpec, FromCodesSpec, conv_from_codes, dropout_1bit, generic_encode,
+                                  group_dequantize, group_quantize, linear_from_codes, matmul_from_codes, where_1bit)
 from memopt.testing.zoo import TinyViT
 from memopt.passes.planning.candidates import candidates
 from memopt.passes.stash.generic import stash_nbytes
@@ -62,14 +62,14 @@ def test_consumers_forward_and_input_gradient_are_exact(layout):
         x = x.to(memory_format=torch.channels_last) if layout == "channels_last" else x
         mod = nn.Conv2d(6, 5, 3, stride=2, padding=1)
     x1, x2 = x.detach().requires_grad_(), x.detach().requires_grad_()
-    packed, params = generic_encode(x1, 8, 256, False)
+    packed, params = generic_encode(x1, EncodeSpec(8, 256))
     assert not packed.requires_grad and not params.requires_grad
     ref_mod = copy.deepcopy(mod)
     if isinstance(mod, nn.Linear):
-        out = linear_from_codes(x1, mod.weight, mod.bias, packed, params, 8, 256, "fc")
+        out = linear_from_codes(x1, mod.weight, mod.bias, packed, params, FromCodesSpec(8, 256, "fc"))
     else:
-        out = conv_from_codes(x1, mod.weight, mod.bias, packed, params, 8, 256, "conv", mod.stride, mod.padding,
-                              mod.dilation, mod.groups)
+        conv = (mod.stride, mod.padding, mod.dilation, mod.groups)
+        out = conv_from_codes(x1, mod.weight, mod.bias, packed, params, FromCodesSpec(8, 256, "conv", conv))
     ref = ref_mod(x2)
     assert torch.equal(out, ref)
     g = torch.randn_like(out)
@@ -85,9 +85,9 @@ def test_matmul_with_a_parameter_and_what_it_keeps():
     w = nn.Parameter(torch.randn(32, 16))
     x1 = torch.randn(3, 50, 32, requires_grad=True)
     x2 = x1.detach().requires_grad_()
-    packed, params = generic_encode(x1, 4, 256, False)
+    packed, params = generic_encode(x1, EncodeSpec(4, 256))
     with SavedTensorRecorder() as rec:
-        out = matmul_from_codes(x1, w, packed, params, 4, 256, "mm")
+        out = matmul_from_codes(x1, w, packed, params, FromCodesSpec(4, 256, "mm"))
     assert sum(s.nbytes for s in rec.saved) == stash_nbytes(x1.numel(), 4, 256) + w.numel() * 4
     w2 = w.detach().clone().requires_grad_()
     ref = x2 @ w2

@@ -35,8 +35,7 @@ class DepthwiseBlock(nn.Module):
 
 def _linked(om) -> int:
     """Chains of the rewritten graph whose weight gradient the scale identity solves (ChainSpec.link_groups)."""
-    return sum(1 for n in om.graph_module.graph.nodes if n.target is bn_act_stash and isinstance(n.args[7], ChainSpec)
-               and n.args[7].link_groups > 0)
+    return sum(1 for n in om.graph_module.graph.nodes if n.target is bn_act_stash and ChainSpec.of(n).link_groups > 0)
 
 
 def _block(act="relu6", beta=0.0, gamma=1.0, seed=0, tails=False, **kw):

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import memopt
-from memopt.stash.generic import generic_encode, group_dequantize
+from memopt.stash.generic import EncodeSpec, generic_encode, group_dequantize
 from memopt.stash.rebuild import RebuildSpec, weight_op_from_rebuild
 
 CODED = memopt.Config(stash=memopt.StashConfig(generic=True), fewbit=None, fidelity=None)
@@ -84,7 +84,7 @@ def test_the_weight_gradient_is_that_of_the_norm_of_the_rebuilt_input_and_the_in
     ln_w, ln_b = torch.randn(16), torch.randn(16)
     weight = torch.randn(8, 16, requires_grad=True) if kind == "linear" else torch.randn(16, 8, requires_grad=True)
     bias = torch.randn(8, requires_grad=True) if kind == "linear" else None
-    packed, params = generic_encode(src.detach(), 8, 64, False)
+    packed, params = generic_encode(src.detach(), EncodeSpec(8, 64))
     spec = RebuildSpec(kind, (), 8, 64, "node", "F.layer_norm",
                        (("src", None), ("value", (16,)), ("tensor", None), ("tensor", None), ("value", 1e-5)))
     x = F.layer_norm(src, (16,), ln_w, ln_b, 1e-5)

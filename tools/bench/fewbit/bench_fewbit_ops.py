@@ -20,7 +20,7 @@ import memopt
 from memopt.cost_model.storage import SavedTensorRecorder
 from memopt.fewbit.activations import ACTIVATIONS
 from memopt.fewbit.tables import table_error
-from memopt.fewbit.ops import fewbit_activation
+from memopt.fewbit.ops import FewBitSpec, fewbit_activation
 from tools.bench.common import RESULTS, write_results_file
 
 N = 1 << 20
@@ -69,7 +69,7 @@ def main() -> None:
         native_bytes = _saved_bytes(native, x.requires_grad_())
         for bits in ([1] if act.exact else [1, 2, 3, 4, 8]):
             a = _args(name, bits)
-            ours = lambda t, a=a: fewbit_activation(t, *a)  # noqa: E731
+            ours = lambda t, a=a: fewbit_activation(t, FewBitSpec(*a))  # noqa: E731
             error = "exact" if act.exact else f"{table_error(name, torch.tensor(a[3]), torch.tensor(a[4])):.3g}"
             # interleave the two so that machine noise hits both alike
             nf, nb = _times(native, x, grad, 3)
