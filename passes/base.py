@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, FrozenSet, NamedTuple, Optional, Tuple, Type
+from typing import Any, Callable, Dict, FrozenSet, List, NamedTuple, Optional, Tuple, Type
 
 from torch import fx
 
 from memopt.core.inputs import Examples
 from memopt.cost_model.analysis import Estimate, annotate
-from memopt.techniques import technique_for
+from memopt.techniques import TECHNIQUES, technique_for
 
 
 # the planner's choice: {technique: {unit: bits}} (bits None for techniques without a bit width)
@@ -149,6 +149,15 @@ def register_pass(config_type: Type, name: Optional[str] = None, *,
 
 def registered_pass(config_type: Type) -> Optional[Handler]:
     return _HANDLERS.get(config_type)
+
+
+def planned_handlers() -> List[Handler]:
+    """Every registered technique with planner hooks: ``TECHNIQUES``' order first, then the others (a technique
+    registered by name outside the list, as a test's) in registration order. What reports and gates a plan's
+    units reads, so no technique's rewrites go unlisted."""
+    order = {t.config_type: i for i, t in enumerate(TECHNIQUES)}
+    handlers = sorted(_HANDLERS.items(), key=lambda kv: order.get(kv[0], len(order)))
+    return [h for _, h in handlers if h.planner is not None]
 
 
 def planner_hooks(technique: str) -> Optional[PlannerHooks]:

@@ -21,8 +21,7 @@ from torch import fx
 
 from memopt.cost_model.analysis import Estimate
 from memopt.core.errors import MemoptError
-from memopt.techniques import TECHNIQUES
-from memopt.passes.base import Decision, PassContext, registered_pass
+from memopt.passes.base import Decision, PassContext, planned_handlers
 from memopt.passes.planning.candidates import (Group, candidates, copy_graph_module, make_option, rewritten_units,
                                      unit_couplings)
 from memopt.passes.planning.knapsack import (BALANCED, Policy, Solution, _solution, max_nested, max_saving, nesting,
@@ -279,10 +278,7 @@ def plan_units(gm: fx.GraphModule, baseline: Estimate, estimate: Estimate,
                  "alternatives": [o.to_dict() for o in g.options], "couplings": [list(c) for c in g.couplings]}
                 for g, i in zip(planned.groups, planned.solution.choice)]
     entries = []
-    for entry in TECHNIQUES:
-        technique = registered_pass(entry.config_type)
-        if technique is None or technique.planner is None:
-            continue
+    for technique in planned_handlers():
         couplings = unit_couplings(gm, technique.name)
         for unit, (nodes, new) in sorted(rewritten_units(gm, technique.name).items()):
             option = make_option(technique, unit, nodes, new, baseline, estimate)
