@@ -1,4 +1,4 @@
-"""python -m tools.bench.build_cost.bench_build_cost [--models resnet50,bert,vit,mobilenetv3] [--out FILE]
+"""python -m tools.bench.build_cost.bench_build_cost [--models resnet50,bert,vit,mobilenetv3] [--out FILE] [--profile M]
 
 What one ``memopt.optimize()`` costs, in stock training steps of the same example batch, and what it does: the
 traces, cost-model runs, pass runs, real training steps and graph copies of the build (``om.plan.build``, counted
@@ -89,6 +89,26 @@ def measure(name: str, batch: int) -> dict:
     return out
 
 
+def profile(name: str, batch: int, top: int = 25) -> None:
+    """Where one default ``optimize()`` of ``name`` spends its time: cProfile, memopt's functions by cumulative
+    time (printed, no file written)."""
+    import cProfile
+    import pstats
+
+    import torch
+
+    import memopt
+
+    torch.set_num_threads(1)
+    case, opt = _case(name, batch)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    om = memopt.optimize(case.model, example_inputs=case.inputs, optimizer=opt)
+    profiler.disable()
+    print(om.plan.build)
+    pstats.Stats(profiler).sort_stats("cumulative").print_stats("memopt|passes|cost_model", top)
+
+
 def _row(r: dict, which: str) -> str:
     b = r[which]
     ratio = b["seconds"] / r["stock_step_s"]
@@ -104,7 +124,11 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--out", default=str(OUT))
     p.add_argument("--child", help=argparse.SUPPRESS)
+    p.add_argument("--profile", choices=MODELS, help="profile one default optimize() of this model instead")
     args = p.parse_args()
+    if args.profile:
+        profile(args.profile, args.batch)
+        return
     if args.child:
         print(json.dumps(measure(args.child, args.batch)))
         return
