@@ -1,0 +1,52 @@
+"""python -m tools.bench.peak.residue [--model llama|resnet50] [--batch N] [--res R]
+
+Where the resident peak of ``bench_peak``'s memopt rows differs from memopt's estimate: in one fresh process,
+the cost model's estimate of the plan, the same step measured by ``memopt.measure`` (the live-storage tracker the
+cost model mirrors, on real tensors), and the anonymous resident memory ``memopt.optimize`` leaves behind (read
+before and after it, after a garbage collection): what a process holds from then on besides the step's tensors
+(modules it imported, caches). Run it with ``MALLOC_MMAP_THRESHOLD_=131072`` as the peak table is, so freed large
+blocks go back to the kernel. Prints one line; no results file (the peak table's Reading quotes it).
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import re
+from types import SimpleNamespace
+
+
+def anon_mib() -> float:
+    with open("/proc/self/status") as f:
+        return int(re.search(r"RssAnon:\s+(\d+)", f.read()).group(1)) / 1024
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[1])
+    p.add_argument("--model", default="llama", choices=("llama", "resnet50"))
+    p.add_argument("--batch", type=int, default=None)
+    p.add_argument("--res", type=int, default=128)
+    args = p.parse_args()
+    import torch
+
+    import memopt
+    from tools.bench.peak import child
+
+    torch.set_num_threads(1)
+    batch = args.batch or child.DEFAULT_BATCH[args.model]
+    shape = SimpleNamespace(res=args.res, seq=128, layers=4, vocab=4096, hidden=256, llama_layers=4, heads=4,
+                            intermediate=688, llama_seq=256)
+    case = child.build(args.model, batch, shape)
+    opt = child.make_optimizer(args.model, case.model)
+    gc.collect()
+    before = anon_mib()
+    om = memopt.optimize(case.model, example_inputs=case.inputs, optimizer=opt, loss_fn=case.loss_of_output)
+    gc.collect()
+    held = anon_mib() - before
+    measured = memopt.measure(om, case.inputs, case.loss_of_output, optimizer=opt)
+    print(f"{case.describe}, batch {batch}: estimated peak {om.plan.estimated_peak_bytes / 2**20:.1f} MiB, "
+          f"memopt.measure {measured.peak_bytes / 2**20:.1f} MiB, anonymous memory held after optimize() "
+          f"{held:.1f} MiB")
+
+
+if __name__ == "__main__":
+    main()
