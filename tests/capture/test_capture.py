@@ -80,7 +80,8 @@ def test_train_eval_deepcopy_and_torch_save():
     loaded = torch.load(buffer, weights_only=False)
     torch.manual_seed(0)
     assert torch.equal(loaded(inputs), b)
-    assert loaded.plan.to_dict() == om.plan.to_dict()
+    strip = lambda p: {k: v for k, v in p.to_dict().items() if k != "build"}  # noqa: E731 - its own build's timings
+    assert strip(loaded.plan) == strip(om.plan)
 
 
 def test_lazy_capture_and_recapture_on_new_shapes(caplog):
