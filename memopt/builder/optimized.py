@@ -191,10 +191,9 @@ class OptimizedModule(nn.Module):
                         plan.input_signature, list(signature))
             plan = None
         try:
-            loss_signature, loss_fn = self._memopt_loss
             return build(self._memopt_model, args, kwargs, self._memopt_config, self._memopt_budget,
                          self._memopt_optimizer, plan, capture_fn=capture_fn, checked=checked,
-                         loss_fn=loss_fn if tuple(signature) == loss_signature else None)
+                         loss_fn=self._loss_for(signature))
         except TraceError as error:  # optimize the submodules that can be captured (memopt/builder/per_submodule.py)
             whole = error
         # outside the except block: a refusal of the fallback is one message (it quotes the whole capture's), not a
@@ -202,7 +201,12 @@ class OptimizedModule(nn.Module):
         log.warning("memopt: %s cannot be captured whole; capturing its submodules instead (%s)",
                     type(self._memopt_model).__name__, whole.summary)
         return build_partial(self._memopt_model, args, kwargs, self._memopt_config, self._memopt_budget,
-                             self._memopt_optimizer, plan, whole)
+                             self._memopt_optimizer, plan, whole, self._loss_for(signature))
+
+    def _loss_for(self, signature: tuple) -> Optional[Callable[[Any], Any]]:
+        """optimize()'s loss_fn for the signature of its example inputs; None (the default loss) for any other."""
+        loss_signature, loss_fn = self._memopt_loss
+        return loss_fn if tuple(signature) == loss_signature else None
 
     def _reuse(self, family: tuple, signature: tuple, args: tuple, kwargs: dict) -> tuple:
         """(a reference plan of ``family`` applied at these sizes, None, None) when one serves them

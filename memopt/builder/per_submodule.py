@@ -28,7 +28,7 @@ import logging
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -42,8 +42,8 @@ from memopt.record.measure import measure
 from memopt.builder.pipeline import build, input_signature
 from memopt.record.plan import PartialPlan, Plan
 from memopt.core.units import fmt_bytes
-from memopt.fidelity.gate import PROJECTIONS, gate_report, has_lossy_units, parameter_fidelity, \
-    per_min, projection, shortest_passing, worst_over
+from memopt.fidelity.gate import PROJECTIONS, gate_losses, gate_report, has_lossy_units, parameter_fidelity, \
+    per_min, shortest_passing, worst_over
 from memopt.capture.soundness import training_step
 
 log = logging.getLogger("memopt")
@@ -183,8 +183,10 @@ def capture_units(model: nn.Module, args: tuple, kwargs: dict, config: Config, w
 
 
 def build_partial(model: nn.Module, args: tuple, kwargs: dict, config: Config, budget_bytes: Optional[int],
-                  optimizer: Any, plan: Optional[Plan], whole_error: TraceError) -> PartialBuilt:
-    """The fallback of ``pipeline.build`` when ``model`` cannot be captured whole."""
+                  optimizer: Any, plan: Optional[Plan], whole_error: TraceError,
+                  loss_fn: Optional[Callable[[Any], Any]] = None) -> PartialBuilt:
+    """The fallback of ``pipeline.build`` when ``model`` cannot be captured whole (``loss_fn``: the step's loss of
+    the model's output, in both measured steps and the whole-model gate; the submodules' own gates cannot use it)."""
 
     if plan is not None:
         raise MemoptError(f"{type(model).__name__} cannot be captured whole ({whole_error.summary}); a saved plan "
@@ -200,7 +202,7 @@ def build_partial(model: nn.Module, args: tuple, kwargs: dict, config: Config, b
     if args and kwargs:
         raise MemoptError(f"{type(model).__name__} is captured per submodule, whose totals are measured with "
                           f"memopt.measure; give its example inputs either positionally or by keyword, not both")
-    base = measure(model, inputs, optimizer=optimizer)
+    base = measure(model, inputs, loss_fn, optimizer=optimizer)
     gate: Dict[str, Any] = {}
     if budget_bytes is not None and base.peak_bytes <= budget_bytes:
         units_run: List[Unit] = []
@@ -209,9 +211,9 @@ def build_partial(model: nn.Module, args: tuple, kwargs: dict, config: Config, b
         # each submodule was gated on its own inputs; their errors meet in the model's gradients, so the model is
         # checked as a whole too (on the full example batch: the routing is per input shape, and the measurement
         # below runs the same step anyway)
-        units_run, gate = gate_whole(model, args, kwargs, config, units)
+        units_run, gate = gate_whole(model, args, kwargs, config, units, loss_fn)
         with routed(model, units_run):
-            after = measure(model, inputs, optimizer=optimizer)
+            after = measure(model, inputs, loss_fn, optimizer=optimizer)
     if budget_bytes is not None and after.peak_bytes > budget_bytes:
         raise BudgetError(f"budget_mb={budget_bytes / 2**20:.1f} ({fmt_bytes(budget_bytes)}) cannot be met for "
                           f"{type(model).__name__}: it is captured per submodule ({whole_error.summary}), where "
@@ -236,12 +238,12 @@ def build_partial(model: nn.Module, args: tuple, kwargs: dict, config: Config, b
     return PartialBuilt(result, units_run)
 
 
-def gate_whole(model: nn.Module, args: tuple, kwargs: dict, config: Config,
-               units: List[Unit]) -> Tuple[List[Unit], Dict[str, Any]]:
+def gate_whole(model: nn.Module, args: tuple, kwargs: dict, config: Config, units: List[Unit],
+               loss_fn: Optional[Callable[[Any], Any]] = None) -> Tuple[List[Unit], Dict[str, Any]]:
     """(the units to run, the report) of the fidelity gate on the whole model captured per submodule: its
     per-parameter gradients with every unit routed against eager autograd, under the gate's first ``PROJECTIONS``
-    losses (a random projection of the outputs, their own direction) (a fixed RNG draw, state restored), with the parameters each unit's own gate listed
-    apart. Where some miss ``FidelityConfig.min_cosine``, the fewest units with lossy rewrites that pass, the
+    losses (a random projection of the outputs, their own direction; ``loss_fn`` too when given) (a fixed RNG draw,
+    state restored), with the parameters each unit's own gate listed apart. Where some miss ``FidelityConfig.min_cosine``, the fewest units with lossy rewrites that pass, the
     least faithful first by their own gates, run their original forward instead (found by halving); the report
     says which. No report when the gate is off or no unit is lossy."""
     gate = config.fidelity
@@ -252,7 +254,8 @@ def gate_whole(model: nn.Module, args: tuple, kwargs: dict, config: Config,
     names = [n for n, _ in model.named_parameters()]
     invariant = {f"{u.path}.{p}": why for u in units for p, why in u.built.plan.fidelity.get("invariant", {}).items()}
     rng = torch.Generator().manual_seed(0).get_state()
-    losses = [projection(i) for i in range(PROJECTIONS)]
+    next_loss = gate_losses(loss_fn, "the whole example batch")
+    losses = [next_loss(i) for i in range(PROJECTIONS + (loss_fn is not None))]
     exacts = [training_step(model, model, args, kwargs, rng, loss).grads for loss in losses]
     steps, cache = [len(losses)], {}
 
@@ -290,7 +293,8 @@ def gate_whole(model: nn.Module, args: tuple, kwargs: dict, config: Config,
     return units, gate_report(per, failing, invariant, min_cosine=gate.min_cosine,
                               slice="the whole example batch, the model as a whole", rounds=len(changes),
                               changes=changes, passed=not failing, last_resort=changes[0] if changes else None,
-                              steps=steps[0], projections=len(losses), before=before)
+                              steps=steps[0], projections=len(losses), user_loss=loss_fn is not None,
+                              before=before)
 
 
 def _prefixed_unit(path: str, entry: Dict[str, Any]) -> Dict[str, Any]:

@@ -88,3 +88,28 @@ def test_loss_fn_needs_example_inputs_and_a_callable():
         memopt.optimize(model, loss_fn=loss_fn)
     with pytest.raises(TypeError, match="loss_fn must map the model's output to a scalar loss .* got str"):
         memopt.optimize(model, example_inputs=torch.zeros(2, 4, dtype=torch.long), loss_fn="cross_entropy")
+
+
+class Checkpointed(nn.Module):
+    """Blocks under torch.utils.checkpoint (as Hugging Face's gradient checkpointing runs them) and a head: captured
+    per submodule, where loss_fn reaches the measured steps and the whole-model gate."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 32)) for _ in range(3))
+        self.head = nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 10))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+        return self.head(x)
+
+
+def test_a_model_captured_per_submodule_measures_and_gates_with_the_given_loss():
+    torch.manual_seed(0)
+    model, x, y = Checkpointed(), torch.randn(16, 32), torch.randint(0, 10, (16,))
+    loss_fn = lambda out: F.cross_entropy(out, y[:len(out)])  # noqa: E731
+    om = memopt.optimize(model, example_inputs=x, loss_fn=loss_fn)
+    assert om.plan.capture == "per-submodule"
+    assert om.plan.baseline_peak_bytes == memopt.measure(model, x, loss_fn).peak_bytes
+    assert om.plan.fidelity["user_loss"] and "and loss_fn" in om.report()
