@@ -109,7 +109,7 @@ class LiveStorageTracker(TorchDispatchMode):
         super().__init__()
         self._preexisting_refs = [StorageWeakRef(t.untyped_storage()) for t in preexisting]
         self._preexisting = {r.cdata for r in self._preexisting_refs}
-        self._live: Dict[int, tuple] = {}  # key -> (weakref, nbytes, creation number, phase, history index)
+        self._live: Dict[int, tuple] = {}  # key -> (weakref, its record in _history)
         self._history: List[list] = []  # [key, creation number, nbytes, phase, sweep at which it was seen dead]
         self._created = 0
         self._sweeps = 0
@@ -148,8 +148,9 @@ class LiveStorageTracker(TorchDispatchMode):
         if ref.cdata not in self._live and ref.cdata not in self._preexisting:
             nbytes = int(storage.nbytes())
             self._created += 1
-            self._live[ref.cdata] = (ref, nbytes, self._created, self.phase, len(self._history))
-            self._history.append([ref.cdata, self._created, nbytes, self.phase, None])
+            record = [ref.cdata, self._created, nbytes, self.phase, None]
+            self._history.append(record)
+            self._live[ref.cdata] = (ref, record)
             self._upper += nbytes
 
     def _sweep(self) -> None:
@@ -157,9 +158,9 @@ class LiveStorageTracker(TorchDispatchMode):
         expired = _EXPIRED
         dead = [k for k in self._live if expired(k)]
         for k in dead:
-            entry = self._live.pop(k)
-            self._upper -= entry[1]
-            self._history[entry[4]][4] = self._sweeps
+            record = self._live.pop(k)[1]
+            self._upper -= record[2]
+            record[4] = self._sweeps
 
     def _note_peak(self) -> None:
         if self._upper <= self.peak:  # an upper bound of the live bytes: no new peak possible
@@ -180,8 +181,9 @@ class LiveStorageTracker(TorchDispatchMode):
     def identity(self, t: torch.Tensor):
         """(address, creation number) of a live tracked storage, or None. No sweep needed: a tracked key is not
         reused while its entry holds the weak reference (see the class docstring)."""
-        entry = self._live.get(storage_key(t))
-        return None if entry is None else (storage_key(t), entry[2])
+        key = storage_key(t)
+        entry = self._live.get(key)
+        return None if entry is None else (key, entry[1][1])
 
 
 _EXPIRED = torch.Storage._expired  # StorageWeakRef.expired without the method call, on the key (its cdata)

@@ -95,11 +95,7 @@ class UserLoss:
                 f"{type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}. The gate runs the "
                 f"loss on the first samples only: index the targets by the output's length (lambda out: "
                 f"F.cross_entropy(out, y[:len(out)])), or leave loss_fn out") from None
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            raise MemoptError(f"loss_fn must return a scalar tensor, got "
-                              f"{type(loss).__name__}{list(loss.shape) if isinstance(loss, torch.Tensor) else ''} "
-                              f"on the fidelity gate's slice ({self.where}); reduce it (.mean() or .sum())")
-        return loss
+        return loss  # a non-scalar one is refused by compute_loss, as in every step
 
 
 def gate_losses(loss_fn: Optional[Callable[[Any], Any]], where: str) -> Callable[[int], Any]:

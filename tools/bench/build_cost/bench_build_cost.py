@@ -18,8 +18,6 @@ import statistics
 import subprocess
 import sys
 import time
-from types import SimpleNamespace
-
 from tools.bench.common import RESULTS, write_results
 
 MODELS = ("resnet50", "bert", "vit", "mobilenetv3")
@@ -43,9 +41,7 @@ def _case(name: str, batch: int):
         case = child.Case(model, x, lambda net: F.cross_entropy(net(x), y), [], False,
                           "timm mobilenetv3_large_100 (squeeze-excite, hard-swish), 224x224, SGD momentum 0.9")
     else:
-        defaults = SimpleNamespace(res=224, seq=128, layers=12, vocab=4096, hidden=256, llama_layers=4, heads=4,
-                                   intermediate=688, llama_seq=256)
-        case = child.build(name, batch, defaults)
+        case = child.build(name, batch, child.shape_args(layers=12))  # BERT-base's 12 layers
     opt = torch.optim.SGD(case.model.parameters(), lr=0.01, momentum=0.9) if name in ("resnet50", "mobilenetv3") \
         else torch.optim.AdamW(case.model.parameters(), lr=1e-4)
     return case, opt

@@ -103,6 +103,16 @@ def import_model_code(name: str) -> None:
         getattr(T, "LlamaForCausalLM" if name == "llama" else "BertForSequenceClassification")  # the lazy import
 
 
+def shape_args(**overrides):
+    """bench_peak's model-shape arguments at their defaults (``--res``, ``--seq``, ...), for scripts that build its
+    models without its command line; ``overrides`` replace some."""
+    from types import SimpleNamespace
+
+    shape = dict(res=224, seq=128, layers=4, vocab=4096, hidden=256, llama_layers=4, heads=4, intermediate=688,
+                 llama_seq=256)
+    return SimpleNamespace(**dict(shape, **overrides))
+
+
 def build(name: str, batch: int, args) -> Case:
     import torch
     import torch.nn.functional as F

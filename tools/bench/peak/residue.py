@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import gc
 import re
-from types import SimpleNamespace
 
 
 def anon_mib() -> float:
@@ -33,9 +32,7 @@ def main() -> None:
 
     torch.set_num_threads(1)
     batch = args.batch or child.DEFAULT_BATCH[args.model]
-    shape = SimpleNamespace(res=args.res, seq=128, layers=4, vocab=4096, hidden=256, llama_layers=4, heads=4,
-                            intermediate=688, llama_seq=256)
-    case = child.build(args.model, batch, shape)
+    case = child.build(args.model, batch, child.shape_args(res=args.res))
     opt = child.make_optimizer(args.model, case.model)
     gc.collect()
     before = anon_mib()

@@ -38,9 +38,11 @@ class _Who(LiveStorageTracker):
             where = [f"{f.filename.split('/')[-1]}:{f.lineno}" for f in traceback.extract_stack()
                      if "/memopt/" in f.filename or "/passes/" in f.filename][-2:]
             self.made[key] = (str(func).replace("aten.", ""), self.phase, " < ".join(reversed(where)))
-        if self.current == self.peak and self.at_peak and len(self.at_peak) == len(self._live):
-            self.snapshot = [(entry[1], self.made.get(key)) for key, entry in self._live.items()]
         return out
+
+    def _take_peak(self) -> None:  # just after a sweep: _live holds exactly the storages alive at the new peak
+        super()._take_peak()
+        self.snapshot = [(record[2], self.made.get(key)) for key, (_, record) in self._live.items()]
 
 
 def _peak(module, x, cast, params):
