@@ -30,7 +30,7 @@ from typing import Any, Callable, Optional, Tuple, Union
 import torch
 from torch import nn
 
-from memopt.capture.trace import capture, has_hooks
+from memopt.capture.trace import capture
 from memopt.core import counters
 from memopt.core.heap import release_free_heap
 from memopt.core.inputs import normalize_inputs
@@ -40,6 +40,8 @@ from memopt.builder.pipeline import Built, build, input_signature
 from memopt.record.plan import Plan
 from memopt.core.state import module_flags, preserved_buffers, restore_flags, share_module_state, train_as_user
 from memopt.builder.per_submodule import build_partial
+from memopt.builder.structure import guarded_paths, plain_convs, trains_anything
+from memopt.builder.structure import structure as model_structure
 from memopt.record.report import render
 from memopt.builder.shape_reuse import (MAX_REFERENCES, DynamicExport, Recaptured, Reference, ShapeStats, changed_dims, describe,
                            distance, input_shapes, reapplied, replan_key, reuse, shape_free_signature, timed)
@@ -123,7 +125,7 @@ class OptimizedModule(nn.Module):
 
     # ---------------------------------------------------------------- capture and planning
     def _build_for(self, args: tuple, kwargs: dict) -> Built:
-        signature, structure = tuple(input_signature(args, kwargs)), _structure(self._memopt_model)
+        signature, structure = tuple(input_signature(args, kwargs)), model_structure(self._memopt_model)
         key = (signature, structure)
         built, guards_failed = self._cached(key)
         if built is None:
@@ -133,7 +135,7 @@ class OptimizedModule(nn.Module):
             with preserved_buffers(self._memopt_model):
                 built = self._plan_or_reuse(family, signature, args, kwargs, guards_failed)
             self._memopt_built[key] = built
-            self._memopt_guards[key] = attribute_fingerprint(self._memopt_model, _guarded_paths(built))
+            self._memopt_guards[key] = attribute_fingerprint(self._memopt_model, guarded_paths(built))
             while len(self._memopt_built) > MAX_SIGNATURES:
                 dropped, _ = self._memopt_built.popitem(last=False)
                 self._memopt_guards.pop(dropped, None)
@@ -165,7 +167,7 @@ class OptimizedModule(nn.Module):
         built = self._memopt_built.get(key)
         if built is None:
             return None, False
-        now = attribute_fingerprint(self._memopt_model, _guarded_paths(built))
+        now = attribute_fingerprint(self._memopt_model, guarded_paths(built))
         recorded = self._memopt_guards.get(key)
         if recorded is None or now == recorded:
             return built, False
@@ -350,7 +352,7 @@ class OptimizedModule(nn.Module):
         # torch.func transforms (grad, vmap, jacrev, ...) run the original model: memopt's autograd
         # Functions have no functorch rules, and a transform's forward is not the training step planned
         if not (self._memopt_model.training and torch.is_grad_enabled()) or torch._C._functorch.peek_interpreter_stack() is not None \
-                or not _trains_anything(self._memopt_model, args, kwargs):
+                or not trains_anything(self._memopt_model, args, kwargs):
             return None
         built = self._build_for(args, kwargs)
         if compiling:
@@ -367,7 +369,7 @@ class OptimizedModule(nn.Module):
         if self._memopt_layout_warned or config is None or not getattr(config, "layout_optimization", False):
             return
         graphs = {"": built.graph_module} if isinstance(built, Built) else built.graph_modules
-        convs = [f"{path}.{name}" if path else name for path, gm in graphs.items() for name in _plain_convs(gm)]
+        convs = [f"{path}.{name}" if path else name for path, gm in graphs.items() for name in plain_convs(gm)]
         if convs:
             object.__setattr__(self, "_memopt_layout_warned", True)
             log.warning("memopt: torch.compile of %s: with the inductor backend, %d convolution(s) outside "
@@ -463,44 +465,3 @@ def stand_in_class(model_class: type) -> type:
 def _rebuild(model_class: type) -> "OptimizedModule":
     cls = stand_in_class(model_class)
     return nn.Module.__new__(cls)
-
-
-def _structure(model: nn.Module) -> tuple:
-    """Which module and parameter objects sit where in ``model``, which require grad and which modules
-    have hooks: a graph captured for one structure must not run on another (it would call the old
-    objects, or skip hooks registered since)."""
-    modules = tuple((name, id(m), has_hooks(m), m.training) for name, m in model.named_modules(remove_duplicate=False))
-    params = tuple((name, id(p), p.requires_grad) for name, p in model.named_parameters(remove_duplicate=False))
-    buffers = tuple((name, id(b)) for name, b in model.named_buffers(remove_duplicate=False))
-    return modules + params + buffers
-
-
-def _guarded_paths(built) -> Optional[list]:
-    """Whose attributes a build's graphs read: the whole model's, or only the captured submodules' when it was
-    captured per submodule (the model's own forward runs eagerly there and may change its attributes)."""
-    return None if isinstance(built, Built) else [unit.path for unit in built.units]
-
-
-_CONV_FUNCTIONS = {torch.nn.functional.conv1d, torch.nn.functional.conv2d, torch.nn.functional.conv3d,
-                   torch.conv1d, torch.conv2d, torch.conv3d, torch.ops.aten.convolution.default,
-                   torch.ops.aten.conv2d.default}
-
-
-def _plain_convs(gm: torch.fx.GraphModule) -> list:
-    """The convolutions of a rewritten graph that run as PyTorch's (memopt's own conv ops are leaves,
-    opaque to dynamo): the ones inductor compiles, and may give channels-last copies of their inputs."""
-    names = []
-    for node in gm.graph.nodes:
-        if node.op == "call_module" and isinstance(gm.get_submodule(node.target), nn.modules.conv._ConvNd) or \
-                node.op == "call_function" and node.target in _CONV_FUNCTIONS:
-            names.append(str(node.target) if node.op == "call_module" else node.name)
-    return names
-
-
-def _trains_anything(model: nn.Module, args: tuple, kwargs: dict) -> bool:
-    """Whether a forward has anything to train: a parameter or an input that requires grad (not so under
-    ``torch.func.functional_call`` with detached tensors, or with every parameter frozen)."""
-    from torch.utils._pytree import tree_leaves
-
-    return any(p.requires_grad for p in model.parameters()) or any(
-        isinstance(t, torch.Tensor) and t.requires_grad for t in tree_leaves((args, kwargs)))

@@ -26,6 +26,7 @@ from memopt.core.state import module_flags, preserved_state, restore_flags
 from memopt.capture.cached_constants import share_repeated_constants
 from memopt.capture.autograd_functions import as_operator, function_of
 from memopt.capture.attention_masks import drop_constant_masks
+from memopt.capture.failures import _quiet, trace_error, user_frame  # noqa: F401  (trace_error: re-exported)
 from memopt.core import counters
 
 log = logging.getLogger("memopt")
@@ -416,52 +417,6 @@ def capture(model: nn.Module, args: tuple, kwargs: dict) -> Captured:
         f"values with torch.where / torch.cond), mark the submodule that contains it as a leaf "
         f"(wrap it in a module and call torch.fx.wrap / a custom Tracer.is_leaf_module), or optimize "
         f"the traceable submodules separately with memopt.optimize(submodule, ...).", summary)
-
-
-class _quiet:
-    """A failing torch.export prints its whole partial graph to stderr and logs a warning; we report
-    the failure ourselves, with its construct. The logger is raised to ERROR and stderr is held back
-    for the duration; on success what was written to stderr is passed on."""
-
-    def __init__(self, name: str) -> None:
-        self.logger = logging.getLogger(name)
-
-    def __enter__(self) -> None:
-        import contextlib
-        import io
-
-        self.level = self.logger.level
-        self.logger.setLevel(logging.ERROR)
-        self.buffer = io.StringIO()
-        self.redirect = contextlib.redirect_stderr(self.buffer)
-        self.redirect.__enter__()
-
-    def __exit__(self, exc_type, *exc) -> None:
-        import sys
-
-        self.redirect.__exit__(exc_type, *exc)
-        self.logger.setLevel(self.level)
-        if exc_type is None and self.buffer.getvalue():
-            sys.stderr.write(self.buffer.getvalue())
-
-
-def trace_error(message: str, summary: str) -> TraceError:
-    """A ``TraceError`` with ``summary``: one line naming both failures and the construct (for reports)."""
-    return TraceError(message, summary)
-
-
-def user_frame(error: BaseException) -> str:
-    """``file:line (function): code`` of the innermost frame of the traceback outside torch: the
-    construct of the model's own code that tracing failed on ("" when there is none)."""
-    torch_dir = os.path.dirname(torch.__file__) + os.sep
-    # memopt's own test models (memopt/testing) count as model code here; only this file is skipped
-    frames = [f for f in traceback.extract_tb(error.__traceback__)
-              if not f.filename.startswith(torch_dir) and not f.filename.startswith("<")
-              and os.path.abspath(f.filename) != os.path.abspath(__file__)]
-    if not frames:
-        return ""
-    f = frames[-1]
-    return f"{f.filename}:{f.lineno} in {f.name}: {(f.line or '').strip()}"
 
 
 def flat_inputs(gm: fx.GraphModule, args: tuple, kwargs: dict) -> list:
