@@ -21,6 +21,7 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import torch
 from torch import fx, nn
+from torch.utils._pytree import tree_flatten
 
 from memopt.capture.trace import capture, flat_inputs
 from memopt.config import Config
@@ -230,7 +231,8 @@ def fidelity_gate(model: nn.Module, args: tuple, kwargs: dict, config: Config, d
     ctx = PassContext(sliced_args, sliced_kwargs, config.device, real_examples(flat_inputs(base, sliced_args,
                                                                                          sliced_kwargs)))
     names = [n for n, _ in model.named_parameters()]
-    invariant = invariant_parameters(base)
+    invariant = invariant_parameters(base, (_batch(sliced_args, sliced_kwargs) / _batch(args, kwargs)) if
+                                     _batch(args, kwargs) else 1.0)  # the graph's shapes are the whole batch's
     rng = torch.Generator().manual_seed(0).get_state()  # a fixed draw (dropout): the same plan, the same report
     next_loss = gate_losses(loss_fn, which)
     least, most = PROJECTIONS + (loss_fn is not None), MAX_PROJECTIONS + (loss_fn is not None)
@@ -441,6 +443,12 @@ def fidelity_gate(model: nn.Module, args: tuple, kwargs: dict, config: Config, d
     log.info("memopt: fidelity gate on %s: %d rounds, %d steps, %d changes, %.2f s", type(model).__name__, round_,
              steps[0], len(changes), time.perf_counter() - start)
     return decision, report
+
+
+def _batch(args: tuple, kwargs: dict) -> int:
+    """The first tensor input's leading dimension (``batch_slice``'s batch), 0 without one."""
+    return next((t.shape[0] for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and t.dim() > 0),
+                0)
 
 
 def worst_over(figures: List[Dict[str, Dict[str, Any]]]) -> Dict[str, Dict[str, Any]]:

@@ -25,6 +25,7 @@ from torch import fx, nn
 from memopt.capture.fused_norms import OWNER_ATTRIBUTE
 from memopt.core.meta import META_KEY
 from memopt.cost_model.op_registry import op_kind
+from memopt.fidelity.degenerate_norms import eps_only_parameters
 
 
 def _training_batch_norm(node: fx.Node, modules: Dict[str, nn.Module]) -> bool:
@@ -77,7 +78,7 @@ def _reads_metadata(node: fx.Node) -> bool:
     return node.op == "call_method" and node.target in ("dim", "size")
 
 
-def invariant_parameters(gm: fx.GraphModule) -> Dict[str, str]:
+def invariant_parameters(gm: fx.GraphModule, scale: float = 1.0) -> Dict[str, str]:
     """{parameter: why} for the parameters whose exact gradient is zero by construction, up to BatchNorm's eps and
     rounding: the bias of a conv / linear / BatchNorm whose every path reaches a training-mode BatchNorm through
     only sums of branches and unpadded convs (the batch mean takes any per-channel shift out, and an unpadded conv
@@ -86,7 +87,9 @@ def invariant_parameters(gm: fx.GraphModule) -> Dict[str, str]:
     backward leaves a gradient of the approximation's error's size where the exact one is rounding; a cosine
     between the two is noise (timm RepViT's RepVggDw 1x1 branch: -0.94 with an 8-bit stash; timm FastViT's
     ReparamLargeKernelConv, whose summed branches feed both an identity BatchNorm and a 1x1 conv's: 0.03, the
-    float64 gradient there is 1e-16), so the gate lists these apart with the reason instead of chasing them."""
+    float64 gradient there is 1e-16), so the gate lists these apart with the reason instead of chasing them.
+    Also the parameters that reach the loss only through a training BatchNorm over 2 values per channel, run on
+    ``scale`` times the recorded shapes' batch, whose gradient is eps's (``degenerate_norms``)."""
     modules = dict(gm.named_modules())
     memo: Dict[str, Optional[Tuple[Tuple[str, ...], Tuple[str, ...]]]] = {}
     out: Dict[str, str] = {}
@@ -111,6 +114,8 @@ def invariant_parameters(gm: fx.GraphModule) -> Dict[str, str]:
         if direct and weight is not None and weight[1].dim() >= 1 and weight[1][0].numel() == 1:
             out[weight[0]] = (f"{node.name}'s per-channel scale before {where}: the normalisation cancels it (its "
                               f"exact gradient is BatchNorm's eps term)")
+    for name, why in eps_only_parameters(gm, scale, _training_batch_norm, _shape).items():
+        out.setdefault(name, why)
     return out
 
 
