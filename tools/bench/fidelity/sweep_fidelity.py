@@ -24,27 +24,44 @@ cannot train on the inputs: a sweep limitation).
 
 `--bf16`: the same per model with CPU bf16 autocast (``torch.autocast("cpu", dtype=torch.bfloat16)``) around
 optimize, both training steps and both measurements, so memopt is compared with the eager model under the same
-autocast (the bytes autograd keeps are then mostly bf16 copies); written to fidelity_sweep_bf16.md. There
+autocast (the bytes autograd keeps are then mostly bf16 copies), merged into fidelity_sweep_bf16_<family>.md. There
 `autocast floor` is autocast's own error on the worst parameter (the cosine of eager under autocast against eager
 float32, same seed and projection), `memopt vs float32` memopt's under autocast against eager float32 on that
 parameter (near the floor: memopt adds little to autocast's own error there), and `autocast least` autocast's
 least over the parameters compared: where memopt's worst is near them, it is at bf16's own noise. There "tiny" is
 judged on the float32 gradient: bf16 rounding lifts a gradient that is ~0 (a BatchNorm scale a later training
 BatchNorm cancels at init) above the rule.
+
+Each zoo has one current results file, docs/results/fidelity/fidelity_sweep_<family>.md (.jsonl beside it; under
+`--bf16` fidelity_sweep_bf16_<family>.md): one row per model, its latest run. Without `--out` a run goes to a
+scratch file in the temporary folder (its .jsonl is what `--resume` continues) and, once complete, is merged model
+by model into those files: a re-run of some models replaces their rows and keeps the others; the merged file names
+the runs it holds. With `--out` the run is written to that file alone.
 """
 from __future__ import annotations
 
+import argparse
 import collections
+import contextlib
 import copy
+import io
+import json
 import statistics
+import sys
+import tempfile
 import time
+from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from tools.bench.capture.runner import call, first_line, run_state, seed, sweep
+from tools.bench.capture.runner import call, code_state, first_line, run_state, seed, sweep
 from tools.bench.capture.zoo import FAMILIES, build
-from tools.bench.common import RESULTS
+from tools.bench.common import RESULTS, write_results
 
+SCRIPT = "tools.bench.fidelity.sweep_fidelity"
 TITLE = "Gradient fidelity sweep: memopt's default config vs exact autograd over a model zoo"
+BF16_TITLE = TITLE + ", under bf16 autocast"
+SCRATCH = Path(tempfile.gettempdir()) / "memopt_fidelity_sweep"  # a run before it is merged into the current files
+MERGED = "Each model's latest row, merged model by model from these runs (oldest first; each names its code): "
 GOAL = 0.98
 MIN_SIZE = 128
 
@@ -231,14 +248,69 @@ def render(rows: List[Dict[str, Any]], command: str, total: int, done: bool, sta
             f"## Techniques by node kind (the rewritten nodes' ops, over the models)\n\n{by_kind}\n")
 
 
+def current_file(family: str, bf16: bool = False) -> Path:
+    """A zoo's current results file (one row per model, its latest run), which a run without --out updates."""
+    return RESULTS / "fidelity" / f"fidelity_sweep_{'bf16_' if bf16 else ''}{family}.md"
+
+
+def read_rows(jsonl: Path) -> List[Dict[str, Any]]:
+    """A sweep's rows, one per model: where a model has several lines, its last."""
+    rows: Dict[tuple, Dict[str, Any]] = {}
+    for line in jsonl.read_text().splitlines() if jsonl.exists() else []:
+        if line.strip():
+            r = json.loads(line)
+            rows[(r.get("family"), r["model"])] = r
+    return list(rows.values())
+
+
+def merged_from(out: Path) -> List[str]:
+    """The runs a current file was merged from, as its MERGED line names them."""
+    lines = out.read_text().splitlines() if out.exists() else []
+    return next((line[len(MERGED):].rstrip(".").split("; ") for line in lines if line.startswith(MERGED)), [])
+
+
+def write_current(out: Path, rows: List[Dict[str, Any]], command: str, sources: List[str], bf16: bool) -> None:
+    """Write a zoo's current file: ``rows`` (one per model, as they were recorded) to its .jsonl, and rendered as a
+    sweep's results under ``command`` and the line naming ``sources``, the runs they were merged from."""
+    out.with_suffix(".jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    body = render(rows, command, len(rows), True, time.time()).split("\n\n", 1)[1]  # less the run's own state
+    with contextlib.redirect_stdout(io.StringIO()):
+        write_results(out, BF16_TITLE if bf16 else TITLE, command, __doc__,
+                      f"{MERGED}{'; '.join(sources)}.\n\n{body}")
+    print(f"{out}: {len(rows)} models")
+
+
+def merge_run(run: Path, command: str, code: str, bf16: bool) -> None:
+    """Merge a complete run's rows into each family's current file, model by model: the run's rows replace those
+    of the same models, the other models keep theirs."""
+    ran = read_rows(run)
+    for family in FAMILIES:
+        fresh = [r for r in ran if r.get("family") == family]
+        if not fresh:
+            continue
+        out = current_file(family, bf16)
+        rows = {(r.get("family"), r["model"]): r for r in read_rows(out.with_suffix(".jsonl"))}
+        rows.update({(r.get("family"), r["model"]): r for r in fresh})
+        write_current(out, list(rows.values()), command,
+                      merged_from(out) + [f"`{command}` ({code}, {len(fresh)} models)"], bf16)
+
+
 def main() -> None:
-    sweep(__doc__, TITLE, "tools.bench.fidelity.sweep_fidelity", RESULTS / "fidelity" / "fidelity_sweep.md",
-          "tools.bench.fidelity.sweep_fidelity:run_one", render,
+    parser = argparse.ArgumentParser(add_help=False)  # the two options of the runner's that decide where rows go
+    parser.add_argument("--out")
+    parser.add_argument("--bf16", action="store_true")
+    known, _ = parser.parse_known_args()
+    code = code_state()
+    scratch = SCRATCH / ("fidelity_sweep_bf16.md" if known.bf16 else "fidelity_sweep.md")
+    sweep(__doc__, TITLE, SCRIPT, SCRATCH / "fidelity_sweep.md", f"{SCRIPT}:run_one", render,
           lambda row: (f"{row.get('status')} worst={row.get('worst')} ({row.get('worst_parameter')}) "
                        f"ratio={_ratio(row)} gate={str(row.get('gate'))[:120]} {', '.join(_flags(row))} "
                        f"{row.get('reason', '')[:200]}"),
-          {"--bf16": ("run every model under CPU bf16 autocast", "tools.bench.fidelity.sweep_fidelity:run_one_bf16",
-                      RESULTS / "fidelity" / "fidelity_sweep_bf16.md", TITLE + ", under bf16 autocast")})
+          {"--bf16": ("run every model under CPU bf16 autocast", f"{SCRIPT}:run_one_bf16",
+                      SCRATCH / "fidelity_sweep_bf16.md", BF16_TITLE)})
+    if known.out is None:  # the run is complete: merge it into the current files
+        merge_run(scratch.with_suffix(".jsonl"), f"python -m {SCRIPT}" + "".join(f" {a}" for a in sys.argv[1:]),
+                  code, known.bf16)
 
 
 if __name__ == "__main__":
