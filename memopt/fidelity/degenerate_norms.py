@@ -51,18 +51,24 @@ def _parameters(node: fx.Node, modules: Dict[str, nn.Module]) -> List[str]:
     return [f"{path}.{name}" for name, _ in module.named_parameters()]
 
 
-def eps_only_parameters(gm: fx.GraphModule, scale: float, training_batch_norm, shape) -> Dict[str, str]:
+def eps_only_parameters(gm: fx.GraphModule, scale: float, training_batch_norm, shape,
+                        reads_metadata) -> Dict[str, str]:
     """{parameter: why} for the parameters whose every path to the outputs enters a degenerate BatchNorm
-    (``degenerate_norms``) as its input. ``training_batch_norm(node, modules)`` and ``shape(node)`` are
-    ``invariant_params``' readers of the graph."""
+    (``degenerate_norms``) as its input. ``training_batch_norm(node, modules)``, ``shape(node)`` and
+    ``reads_metadata(node)`` are ``invariant_params``' readers of the graph."""
     norms = degenerate_norms(gm, scale, training_batch_norm, shape)
     if not norms:
         return {}
     live: Set[fx.Node] = set()  # nodes with a path to an output that does not enter a degenerate norm's input
-    stack = [n for n in gm.graph.nodes if n.op == "output"]
+    # roots: the outputs, and any node nothing reads (an in-place op carries its inputs on through the tensor it
+    # mutates, which no graph edge shows: such a node's inputs are taken as reaching the loss)
+    stack = [n for n in gm.graph.nodes if n.op == "output" or
+             (not n.users and n.op in ("call_function", "call_method", "call_module"))]
     live.update(stack)
     while stack:
         node = stack.pop()
+        if reads_metadata(node):  # a shape check (timm's _assert) reads no values: no gradient flows there
+            continue
         for source in node.all_input_nodes:
             if node in norms and source is node.args[0]:
                 continue
@@ -79,6 +85,8 @@ def eps_only_parameters(gm: fx.GraphModule, scale: float, training_batch_norm, s
         if any(n in live for n in nodes) or not any(True for n in nodes for _ in n.users):
             continue
         behind = _first_norms(nodes, norms)
+        if not behind:  # not live, yet no degenerate norm after it: not this construction
+            continue
         shown = ", ".join(_name(n, modules) for n in behind[:3]) + " ..." * (len(behind) > 3)
         values = max(norms[n] for n in behind)
         out[name] = (f"reaches the loss only through the input of the training-mode BatchNorm{'s' * (len(behind) > 1)} "

@@ -114,7 +114,7 @@ def invariant_parameters(gm: fx.GraphModule, scale: float = 1.0) -> Dict[str, st
         if direct and weight is not None and weight[1].dim() >= 1 and weight[1][0].numel() == 1:
             out[weight[0]] = (f"{node.name}'s per-channel scale before {where}: the normalisation cancels it (its "
                               f"exact gradient is BatchNorm's eps term)")
-    for name, why in eps_only_parameters(gm, scale, _training_batch_norm, _shape).items():
+    for name, why in eps_only_parameters(gm, scale, _training_batch_norm, _shape, _reads_metadata).items():
         out.setdefault(name, why)
     return out
 

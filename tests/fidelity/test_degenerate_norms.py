@@ -17,7 +17,7 @@ class Tail(nn.Module):
     """A CNN whose last stage is at a 1x1 map (a stride-2 stem at 4x4, then a 2x2 pool): its BatchNorm ``bn2``
     normalises batch x 1 values per channel; ``skip`` optionally carries the stem's features around it."""
 
-    def __init__(self, skip: bool = False) -> None:
+    def __init__(self, skip: str = "") -> None:
         super().__init__()
         self.stem = nn.Conv2d(3, 8, 3, stride=2, padding=1)
         self.bn1 = nn.BatchNorm2d(8)
@@ -29,10 +29,14 @@ class Tail(nn.Module):
 
     def forward(self, x):
         y = self.pool(torch.relu(self.bn1(self.stem(x))))
-        z = torch.relu(self.bn2(self.conv(y)))
-        if self.skip:
+        if self.skip == "checked":
+            torch._assert(y.dim() == 4, "a shape check reads no values")
+        z = self.bn2(self.conv(y))
+        if self.skip == "sum":
             z = z + y
-        return self.head(z.flatten(1))
+        elif self.skip == "in place":
+            z.add_(y)  # the result unused: the sum reaches the loss through z, which no graph edge shows
+        return self.head(torch.relu(z).flatten(1))
 
 
 def _listed(model, x, scale=1.0):
@@ -59,8 +63,13 @@ def test_everything_before_a_batchnorm_over_two_values_is_listed_with_the_reason
 def test_a_batchnorm_over_more_values_or_a_path_around_it_lists_nothing():
     assert not _eps_only(_listed(Tail().train(), torch.randn(4, 3, 4, 4)))
     assert not _eps_only(_listed(Tail().eval(), torch.randn(2, 3, 4, 4)))
-    listed = _listed(Tail(skip=True).train(), torch.randn(2, 3, 4, 4))
-    assert _eps_only(listed) == {"conv.weight"} and "conv.bias" in listed, listed
+    for skip in ("sum", "in place"):
+        listed = _listed(Tail(skip).train(), torch.randn(2, 3, 4, 4))
+        assert _eps_only(listed) == {"conv.weight"} and "conv.bias" in listed, (skip, listed)
+
+
+def test_a_shape_check_is_no_path_to_the_loss():
+    assert _eps_only(_listed(Tail("checked").train(), torch.randn(2, 3, 4, 4))) == BEFORE - CANCELLED
 
 
 def test_the_gate_slice_scale_counts_the_values_it_runs_on():
@@ -78,7 +87,7 @@ def _grads(model, x, eps):
     return {n: float(p.grad.norm()) for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("skip", [False, True])
+@pytest.mark.parametrize("skip", ["", "sum", "in place"])
 def test_the_listed_gradients_are_eps_terms_by_measurement(skip):
     """In float64, with BatchNorm's eps near zero, exactly the listed gradients vanish."""
     torch.manual_seed(0)

@@ -1,4 +1,4 @@
-"""python -m tools.bench.fidelity.bench_gate_miss --zoo timm|torchvision [--models a,b] [--settings 2x32,8x64] [--out FILE]
+"""python -m tools.bench.fidelity.bench_gate_miss --zoo timm|torchvision [--models a,b|all] [--settings 2x32,8x64] [--out FILE] [--resume]
 
 The fidelity gate's miss rate (issue 39): after `memopt.optimize` has passed a plan, how far are its gradients from
 eager autograd under losses the gate never saw?
@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import copy
 import fcntl
+import json
 import os
 import re
 import sys
@@ -52,14 +53,23 @@ ILL = "float32 does not resolve it here"
 TIMM_MODELS = ["resnet10t", "mobilenetv3_small_050", "efficientnet_lite0", "convnext_atto", "regnetx_002",
                "ghostnet_050", "repvit_m0_9", "vit_tiny_patch16_224", "deit_tiny_patch16_224", "levit_128s",
                "mobilevitv2_050", "densenet121", "iformer_t"]
+ZOO_NAMES: Dict[str, Tuple[str, ...]] = {}  # --models all: the sweep zoo's models of the zoo, set by main
+# above this many parameters a model is not run (fp32 model, its eager copy, a float64 twin and their gradients
+# would not fit this bench's 24 GiB machine); its row says so
+MAX_PARAMS = 400_000_000
+EPS_ONLY = "sign of their difference"  # memopt.fidelity.degenerate_norms' reason
 
 
 # ------------------------------------------------------------------------------------------- models
 def build(zoo: str, name: str, batch: int, res: int):
-    """(model in train mode, images), random init seeded."""
+    """(model in train mode, images, their size), random init seeded. With ``--models all`` (the sweep zoo's models,
+    ``tools/bench/capture/zoo.py``) the images are the smallest size from ``res`` on that the model accepts."""
     import torch
     torch.manual_seed(INIT_SEED)
-    if zoo == "torchvision":
+    if name in ZOO_NAMES.get(zoo, ()):
+        from tools.bench.capture.zoo import build_timm, build_torchvision
+        model, res = (build_torchvision if zoo == "torchvision" else build_timm)(name, res)
+    elif zoo == "torchvision":
         import torchvision
         builder = getattr(torchvision.models, name)
         kw = {"image_size": res} if name.startswith("vit_") else {}
@@ -74,7 +84,7 @@ def build(zoo: str, name: str, batch: int, res: int):
             torch.manual_seed(INIT_SEED)
             model = timm.create_model(name, pretrained=False)
     x = torch.randn(batch, 3, res, res, generator=torch.Generator().manual_seed(INPUT_SEED))
-    return model.train(), x
+    return model.train(), x, res
 
 
 def _first_output(out):
@@ -122,7 +132,16 @@ def run_one(zoo: str, name: str, batch: int, res: int) -> Dict[str, Any]:
     row: Dict[str, Any] = {"zoo": zoo, "model": name, "setting": f"{batch}x{res}"}
     start = time.time()
     try:
-        model, x = build(zoo, name, batch, res)
+        if zoo in ZOO_NAMES:
+            from tools.bench.capture.zoo import count_params
+            row["params_total"] = count_params(zoo, name)
+            if row["params_total"] > MAX_PARAMS:
+                row.update(status="skipped", error=f"{row['params_total'] / 1e6:.0f}M parameters > MAX_PARAMS "
+                                                   f"{MAX_PARAMS / 1e6:.0f}M: would not fit this machine's memory")
+                return row
+        model, x, size = build(zoo, name, batch, res)
+        if size != res:
+            row["size"] = size
         ref = copy.deepcopy(model)
         names = [n for n, _ in model.named_parameters()]
         row["params"] = len(names)
@@ -144,8 +163,10 @@ def run_one(zoo: str, name: str, batch: int, res: int) -> Dict[str, Any]:
                            + (", last resort" if gate.get("last_resort") else ""))
         invariant = dict(gate.get("invariant", {}))
         ill = {p: why for p, why in invariant.items() if why.startswith(ILL)}
+        eps_only = [p for p, why in invariant.items() if EPS_ONLY in why]
         gate_tiny = set(gate.get("tiny", []))
-        row.update(ill=len(ill), invariant=len(invariant) - len(ill), tiny=len(gate_tiny - set(invariant)))
+        row.update(ill=len(ill), eps_only=len(eps_only), invariant=len(invariant) - len(ill) - len(eps_only),
+                   tiny=len(gate_tiny - set(invariant)))
         if ill:
             cosines = [float(m.group(1)) for why in ill.values() for m in [re.search(r"cosine (-?[0-9.]+)", why)]
                        if m]
@@ -250,21 +271,21 @@ def section(zoo: str, rows: List[Dict[str, Any]], command: str, total: int, done
                         f"{sum(r.get('ill_resolved', 0) for r in sr)}: {sum(r.get('ill_below98', 0) for r in sr)} / "
                         f"{sum(r.get('ill_below99', 0) for r in sr)}",
                         sum(1 for r in sr if "FAILED" in str(r.get("gate", ""))),
-                        sum(r.get("status") == "error" for r in sr),
+                        sum(r.get("status") == "error" for r in sr), sum(r.get("status") == "skipped" for r in sr),
                         _f(ratios[len(ratios) // 2], 2) if ratios else "-"])
     summary_table = tabulate(summary, ["setting", "rows", "compared", "worst >= 0.99", "worst >= 0.98",
                                        "least worst", "params < 0.99", "params < 0.98", "params compared",
                                        "models with f32-ill", "f32-ill params",
-                                       "f32-ill resolved here: < 0.98 / < 0.99", "gate failed", "errors",
+                                       "f32-ill resolved here: < 0.98 / < 0.99", "gate failed", "errors", "skipped",
                                        "median ratio"], tablefmt="github")
     table = []
     for r in rows:
-        table.append([r["model"], r["setting"], _f(r.get("worst")),
+        table.append([r["model"] + (f" @{r['size']}" if r.get("size") else ""), r["setting"], _f(r.get("worst")),
                       f"{r['worst_parameter']} ({r['worst_loss']})" if r.get("worst_parameter") else "-",
                       r.get("worst_f64", "-"), _f(r.get("worst_proj")), _f(r.get("worst_ce")),
                       f"{r['below98']}/{r['compared']}" if "below98" in r else "-",
                       f"{r['below99']}/{r['compared']}" if "below99" in r else "-",
-                      f"{r.get('ill', '-')} / {r.get('invariant', '-')} / {r.get('tiny', '-')}",
+                      f"{r.get('ill', '-')} / {r.get('eps_only', '-')} / {r.get('invariant', '-')} / {r.get('tiny', '-')}",
                       f"{r.get('tiny_here', '-')} / {r.get('gate_tiny_compared', '-')}", _f(r.get("gate_f64"), 3),
                       _f(r.get("eager_f64")), _f(r.get("memopt_f64")), r.get("ill_resolved", "-"),
                       f"{_f(r['ill_worst'])} ({r['ill_worst_parameter']})" if r.get("ill_worst_parameter") else "-",
@@ -273,7 +294,7 @@ def section(zoo: str, rows: List[Dict[str, Any]], command: str, total: int, done
                       " ".join(str(r.get("error", r.get("note", ""))).split())[:200].replace("|", "\\|")])
     full = tabulate(table, ["model", "setting", "worst unseen", "worst parameter (loss)", "its eager/f64, memopt/f64",
                             "worst proj", "worst ce",
-                            "< 0.98", "< 0.99", "apart: f32-ill / invariant / tiny", "tiny here / gate's tiny compared",
+                            "< 0.98", "< 0.99", "apart: f32-ill / BN eps-only / invariant / tiny", "tiny here / gate's tiny compared",
                             "gate f32/f64", "eager f32/f64", "memopt/f64", "f32-ill resolved here",
                             "their worst memopt/eager (ce)", "their < 0.98 / < 0.99", "gate", "optimize s", "ratio", "s",
                             "error"], tablefmt="github")
@@ -306,6 +327,8 @@ def main() -> None:
     parser.add_argument("--models", default="", help="comma-separated names (default: the zoo's list)")
     parser.add_argument("--settings", default="2x32,8x64", help="batch x resolution, comma-separated")
     parser.add_argument("--out", default=str(RESULTS / "fidelity" / "gate_miss.md"))
+    parser.add_argument("--resume", action="store_true",
+                        help="keep the rows of the zoo's jsonl beside --out and run only the missing ones")
     args = parser.parse_args()
     import logging
     import warnings
@@ -314,7 +337,11 @@ def main() -> None:
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
     logging.getLogger("memopt").setLevel(logging.ERROR)
-    if args.models:
+    if args.models == "all":  # the sweep zoo's models, fewest parameters first (the heavy ones last)
+        from tools.bench.capture.zoo import count_params, names
+        ZOO_NAMES[args.zoo] = tuple(names(args.zoo))
+        models = sorted(ZOO_NAMES[args.zoo], key=lambda m: count_params(args.zoo, m))
+    elif args.models:
         models = [m.strip() for m in args.models.split(",") if m.strip()]
     elif args.zoo == "timm":
         models = list(TIMM_MODELS)
@@ -324,17 +351,28 @@ def main() -> None:
     settings = [tuple(int(v) for v in s.split("x")) for s in args.settings.split(",")]
     command = "python -m tools.bench.fidelity.bench_gate_miss " + " ".join(sys.argv[1:])
     out = Path(args.out)
+    store = out.with_name(f"{out.stem}_{args.zoo}.jsonl")  # every row as it is measured: --resume reads it
     rows: List[Dict[str, Any]] = []
+    if args.resume and store.exists():
+        rows = [json.loads(line) for line in store.read_text().splitlines() if line.strip()]
+    elif store.exists():
+        store.unlink()
+    done = {(r["model"], r["setting"]) for r in rows}
     total = len(models) * len(settings)
     for batch, res in settings:
         for name in models:
+            if (name, f"{batch}x{res}") in done:
+                continue
             row = run_one(args.zoo, name, batch, res)
             rows.append(row)
+            with open(store, "a") as f:
+                f.write(json.dumps(row) + "\n")
             print(f"{name} {batch}x{res}: {row.get('status')} worst={_f(row.get('worst'))} "
                   f"({row.get('worst_parameter')}, {row.get('worst_loss')}) <0.99={row.get('below99')} "
                   f"ill={row.get('ill')} gate={row.get('gate')} {row.get('seconds')} s {row.get('error', '')}",
                   flush=True)
             write(out, args.zoo, section(args.zoo, rows, command, total, len(rows) == total), __doc__)
+    write(out, args.zoo, section(args.zoo, rows, command, total, len(rows) >= total), __doc__)
 
 
 if __name__ == "__main__":
