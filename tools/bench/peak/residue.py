@@ -4,8 +4,9 @@ Where the resident peak of ``bench_peak``'s memopt rows differs from memopt's es
 the cost model's estimate of the plan, the same step measured by ``memopt.measure`` (the live-storage tracker the
 cost model mirrors, on real tensors), and the anonymous resident memory ``memopt.optimize`` leaves behind (read
 before and after it, after a garbage collection): what a process holds from then on besides the step's tensors
-(modules it imported, caches). Run it with ``MALLOC_MMAP_THRESHOLD_=131072`` as the peak table is, so freed large
-blocks go back to the kernel. Prints one line; no results file (the peak table's Reading quotes it).
+(modules it imported, caches); then the parts of the estimated peak (parameters, optimizer state, activations
+kept for backward, transients alive at the peak) and the nodes that keep the most. Run it with ``MALLOC_MMAP_THRESHOLD_=131072`` as the peak table is, so freed large
+blocks go back to the kernel. Prints three lines; no results file (the peak table's Reading quotes it).
 """
 from __future__ import annotations
 
@@ -43,6 +44,14 @@ def main() -> None:
     print(f"{case.describe}, batch {batch}: estimated peak {om.plan.estimated_peak_bytes / 2**20:.1f} MiB, "
           f"memopt.measure {measured.peak_bytes / 2**20:.1f} MiB, anonymous memory held after optimize() "
           f"{held:.1f} MiB")
+    parts = ("parameters_and_buffers", "optimizer_state", "gradients", "inputs", "activations", "transient")
+    print("the estimated peak's parts: " + ", ".join(f"{p.replace('_', ' ')} "
+                                                      f"{om.plan.estimated_breakdown.get(p, 0) / 2**20:.1f}"
+                                                      for p in parts) + " MiB (cost_model.analysis.Estimate.breakdown)")
+    kept = sorted(((c.saved_bytes, name, c.target, c.shapes[:1]) for name, c in
+                   om.estimate.nodes.items()), reverse=True)[:4]
+    print("the nodes that keep the most for backward: " + "; ".join(
+        f"{name} ({target}, out {shapes[0] if shapes else '?'}) {b / 2**20:.1f} MiB" for b, name, target, shapes in kept))
 
 
 if __name__ == "__main__":
