@@ -83,8 +83,9 @@ class StashConfig:
             cost at most half their packed bytes get them (at 4 bits, channels of at least 512 elements);
             the report says which.
         compact_extras: keep training-dropout masks and ``torch.where`` boolean conditions as 1 bit
-            per element (default True: exact, same ops and random draws, bit-identical outputs
-            and gradients; CPU dropout otherwise keeps a float32 noise tensor).
+            per element, and a cross-entropy over 2-d logits its logits instead of their log-softmax, with its
+            backward in chunks of rows (``memopt/stash/loss.py``) (default True: exact, same ops and random
+            draws, bit-identical outputs and gradients; CPU dropout otherwise keeps a float32 noise tensor).
         recompute_weights: a conv or linear whose weight the graph computes from parameters alone (timm's
             weight-standardised convs, weight norm) keeps the parameters it reads and recomputes the weight in
             backward, instead of keeping a weight-sized copy per op (default True: exact, the same ops on the

@@ -1,6 +1,8 @@
 """The stash pass, compact exact extras (``StashConfig(compact_extras=True)``): training dropout keeps a 1-bit
 mask, ``torch.where`` a 1-bit condition, where the node alone keeps that tensor; a 2-d max pool keeps its window
-offsets instead of its input and int64 indices (a ReLU keeping the same tensor joins it with its 1-bit mask).
+offsets instead of its input and int64 indices (a ReLU keeping the same tensor joins it with its 1-bit mask); a
+cross-entropy over 2-d logits keeps the logits instead of its log-softmax, and runs its backward in chunks of rows
+(``memopt.stash.loss``).
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from memopt.passes.fewbit import exact_masks, replace_with_mask
 from memopt.passes.stash.generic import _arg, _dtype, _kept, _keeping_only
 from memopt.stash.config import StashConfig
 from memopt.stash.generic import dropout_1bit, where_1bit
+from memopt.stash.loss import REDUCTIONS, cross_entropy_rows
 from memopt.stash.pool import max_pool2d_indices_only
 
 aten = torch.ops.aten
@@ -63,6 +66,43 @@ def _max_pool_args(node: fx.Node, modules) -> Optional[Tuple]:
     return tuple(values)
 
 
+def _cross_entropy_args(node: fx.Node, modules) -> Optional[Tuple[fx.Node, fx.Node, int, int]]:
+    """(logits, target, reduction as aten's enum, ignore_index) of a cross-entropy that ``cross_entropy_rows``
+    computes exactly: 2-d float32 / float64 logits, 1-d int64 class targets, no class weights, no label smoothing,
+    reduced by mean or sum; else None."""
+    if node.op == "call_module":
+        module = modules[node.target]
+        if type(module) is not nn.CrossEntropyLoss or has_hooks(module) or module.weight is not None:
+            return None
+        values = (node.args[0] if node.args else node.kwargs.get("input"),
+                  node.args[1] if len(node.args) > 1 else node.kwargs.get("target"), module.reduction,
+                  module.ignore_index, module.label_smoothing)
+    elif node.target is F.cross_entropy:
+        if _arg(node, 2, "weight") is not None or _arg(node, 3, "size_average") is not None or \
+                _arg(node, 5, "reduce") is not None:
+            return None
+        values = (_arg(node, 0, "input"), _arg(node, 1, "target"), _arg(node, 6, "reduction", "mean"),
+                  _arg(node, 4, "ignore_index", -100), _arg(node, 7, "label_smoothing", 0.0))
+    elif node.target is aten.cross_entropy_loss.default:
+        if _arg(node, 2, "weight") is not None:
+            return None
+        values = (_arg(node, 0, "self"), _arg(node, 1, "target"), _arg(node, 3, "reduction", 1),
+                  _arg(node, 4, "ignore_index", -100), _arg(node, 5, "label_smoothing", 0.0))
+    else:
+        return None
+    logits, target, reduction, ignore_index, smoothing = values
+    reduction = REDUCTIONS.get(reduction, reduction)
+    if reduction not in (1, 2) or smoothing != 0.0 or not isinstance(ignore_index, int) or \
+            not isinstance(logits, fx.Node) or not isinstance(target, fx.Node):
+        return None
+    shapes = [n.meta[META_KEY].shapes[0] if n.meta.get(META_KEY) is not None and n.meta[META_KEY].shapes else None
+              for n in (logits, target)]
+    if shapes[0] is None or shapes[1] is None or len(shapes[0]) != 2 or len(shapes[1]) != 1 or \
+            _dtype(logits) not in ("float32", "float64") or _dtype(target) != "int64":
+        return None
+    return logits, target, reduction, ignore_index
+
+
 def compact_extras(gm: fx.GraphModule, cfg: StashConfig) -> bool:
     """Dropout masks and ``torch.where`` conditions kept as 1 bit, max pools keeping window offsets (all
     exact); True when anything changed."""
@@ -91,6 +131,18 @@ def compact_extras(gm: fx.GraphModule, cfg: StashConfig) -> bool:
                 new = graph.create_node("call_function", max_pool2d_indices_only, (_arg(node, 0, "input"), *pool),
                                         name=f"{node.name}_indices")
             note = "keeps only where each maximum sat in its window (exact), not its input and int64 indices"
+            new.meta[DECISION_KEY] = {"technique": "stash", "bits": None, "replaces": [node.name], "reason": note}
+            node.replace_all_uses_with(new)
+            graph.erase_node(node)
+            modified = True
+            continue
+        loss = _cross_entropy_args(node, modules) if kind == "cross_entropy" else None
+        if loss is not None and any(set(s.savers) == {node.name} and s.source in ("", node.name) for s in kept):
+            # its log-softmax is its own: the logits, which the step holds anyway, serve its backward instead
+            with graph.inserting_before(node):
+                new = graph.create_node("call_function", cross_entropy_rows, loss, name=f"{node.name}_rows")
+            note = ("keeps its logits, not their log-softmax, and runs backward in chunks of rows with eager's "
+                    "kernels (exact)")
             new.meta[DECISION_KEY] = {"technique": "stash", "bits": None, "replaces": [node.name], "reason": note}
             node.replace_all_uses_with(new)
             graph.erase_node(node)

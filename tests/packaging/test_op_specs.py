@@ -23,7 +23,8 @@ from test_layers import ROOT, modules
 # graph ops whose non-tensor parameters are exactly those of the stock op they stand in for: no spec
 STOCK_SIGNATURES = {"dropout_1bit": "F.dropout(x, p)", "where_1bit": "torch.where (tensors only)",
                     "max_pool2d_indices_only": "F.max_pool2d's", "bn_exact_link": "F.batch_norm's momentum and eps",
-                    "reversible_segment": "a ReversibleSegment module and the inputs"}
+                    "reversible_segment": "a ReversibleSegment module and the inputs",
+                    "cross_entropy_rows": "aten.cross_entropy_loss's reduction and ignore_index"}
 
 
 @functools.lru_cache(maxsize=None)
