@@ -49,6 +49,8 @@ def _loss_in_chunks(logits: torch.Tensor, target: torch.Tensor, reduction: int, 
 
 class _CrossEntropyRows(torch.autograd.Function):
     @staticmethod
+    @torch.autocast("cpu", enabled=False)  # eager's cross_entropy_loss runs its parts without autocast too
+    @torch.autocast("cuda", enabled=False)
     def forward(ctx, logits, target, reduction: int, ignore_index: int):
         if logits.device.type == "cpu":
             out, total_weight = _loss_in_chunks(logits, target, reduction, ignore_index)

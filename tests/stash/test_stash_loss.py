@@ -29,6 +29,15 @@ def test_loss_and_gradient_are_eagers_bit_for_bit_in_chunks(monkeypatch, reducti
     assert torch.equal(ours, eager) and torch.equal(got, expected)
 
 
+def test_under_autocast_it_is_eagers_bit_for_bit():
+    torch.manual_seed(0)
+    x, target = torch.randn(64, 33).requires_grad_(), torch.randint(0, 33, (64,))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        eager, ours = F.cross_entropy(x, target), cross_entropy_rows(x, target, 1, -100)
+    assert torch.equal(eager, ours)
+    assert torch.equal(torch.autograd.grad(eager, x)[0], torch.autograd.grad(ours, x)[0])
+
+
 def test_gradcheck_in_float64():
     x = torch.randn(6, 5, dtype=torch.float64, requires_grad=True)
     target = torch.tensor([0, 4, -100, 2, 1, 3])
