@@ -34,17 +34,19 @@ def _rows_per_chunk(logits: torch.Tensor) -> int:
 def _loss_in_chunks(logits: torch.Tensor, target: torch.Tensor, reduction: int, ignore_index: int):
     """``nll_loss_forward(log_softmax(logits, 1), target, ...)`` without the whole log-softmax: each row's
     ``log_softmax(logits)[row, target]`` is taken a chunk of rows at a time (the same per-row kernel), and the one
-    reduction runs over those picked values as an ``(rows, 1)`` input with targets 0 (ignored rows kept ignored):
+    reduction runs over those picked values as a ``(rows, 1)`` input with targets 0 (ignored rows kept ignored; a
+    second column when 0 is the ignored class):
     the CPU kernel sums the picked values in row order whatever the class count, so the loss and its total weight
     are eager's, bit for bit."""
     ignored = target == ignore_index
     index = target.masked_fill(ignored, 0).unsqueeze(1)
-    picked = logits.new_empty((logits.shape[0], 1))
+    column = int(ignore_index == 0)  # the picked values' class: never the ignored one
+    picked = logits.new_zeros((logits.shape[0], column + 1))
     step = _rows_per_chunk(logits)
     for start in range(0, logits.shape[0], step):
         rows = slice(start, start + step)
-        picked[rows] = torch.log_softmax(logits[rows], 1).gather(1, index[rows])
-    return aten.nll_loss_forward(picked, target.masked_fill(~ignored, 0), None, reduction, ignore_index)
+        picked[rows, column:] = torch.log_softmax(logits[rows], 1).gather(1, index[rows])
+    return aten.nll_loss_forward(picked, target.masked_fill(~ignored, column), None, reduction, ignore_index)
 
 
 class _CrossEntropyRows(torch.autograd.Function):

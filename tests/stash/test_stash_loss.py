@@ -38,6 +38,18 @@ def test_under_autocast_it_is_eagers_bit_for_bit():
     assert torch.equal(torch.autograd.grad(eager, x)[0], torch.autograd.grad(ours, x)[0])
 
 
+@pytest.mark.parametrize("ignore_index", [0, 3, -1, -100])
+def test_any_ignored_class_is_eagers_bit_for_bit(ignore_index):
+    torch.manual_seed(0)
+    x, target = torch.randn(300, 7).requires_grad_(), torch.randint(0, 7, (300,))
+    target[::5] = ignore_index
+    for reduction in ("mean", "sum"):
+        eager = F.cross_entropy(x, target, reduction=reduction, ignore_index=ignore_index)
+        ours = cross_entropy_rows(x, target, REDUCTIONS[reduction], ignore_index)
+        assert torch.equal(eager, ours)
+        assert torch.equal(torch.autograd.grad(eager, x)[0], torch.autograd.grad(ours, x)[0])
+
+
 def test_gradcheck_in_float64():
     x = torch.randn(6, 5, dtype=torch.float64, requires_grad=True)
     target = torch.tensor([0, 4, -100, 2, 1, 3])
