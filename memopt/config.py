@@ -36,9 +36,8 @@ class FidelityConfig:
 
     Attributes:
         min_cosine: the least per-parameter gradient cosine against exact autograd, in (0, 1] (default 0.99).
-        tiny: under one of the gate's losses, parameters whose exact gradient norm is below ``tiny`` times the
-            median norm are not gated under that loss (their direction is rounding noise, e.g. attention key
-            biases); those tiny under every loss are listed apart, in [0, 1) (default 1e-3).
+        tiny: parameters whose exact gradient norm is below ``tiny`` times the median norm are listed apart and
+            not gated (their direction is rounding noise, e.g. attention key biases), in [0, 1) (default 1e-3).
         max_rounds: repair rounds, 1..20 (default 12); rounds that stop helping end early (``fidelity.py``
             STALL_ROUNDS), so the bound costs time only where each round brings parameters closer to the bar.
     """

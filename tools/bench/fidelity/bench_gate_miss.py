@@ -12,8 +12,8 @@ RandomProjection, seeds 100..107: weights drawn with a torch.Generator, the same
 cross-entropy on random labels (`ce`). Per parameter its worst cosine over the 9 (memopt.fidelity.gate.
 parameter_fidelity), over the parameters the gate did not list apart (`om.plan.fidelity["invariant"]`); a parameter
 whose exact gradient is tiny under one of these losses (below 1e-3 of the median norm, the gate's rule) is skipped
-under that loss only (`tiny here`: those skipped under all 9); the gate's own `tiny` list (tiny under every one of its
-losses; under any one before 2026-12-04) is compared here where it is not tiny (`gate's tiny compared`). `worst unseen`: the least of those cosines,
+under that loss only (`tiny here`: those skipped under all 9); the gate's own `tiny` list (tiny under any one of its
+losses) is compared here where it is not tiny (`gate's tiny compared`). `worst unseen`: the least of those cosines,
 its parameter and loss; where it is below 0.99, `its eager/f64, memopt/f64`: that parameter's cosine under that loss
 of eager float32's and of memopt's gradient against a float64 copy of the eager model (same step, whole batch): an
 eager figure below the bar says float32 itself does not resolve it there; `worst proj` / `worst ce`: over the
@@ -171,7 +171,8 @@ def run_one(zoo: str, name: str, batch: int, res: int) -> Dict[str, Any]:
             cosines = [float(m.group(1)) for why in ill.values() for m in [re.search(r"cosine (-?[0-9.]+)", why)]
                        if m]
             row["gate_f64"] = min(cosines) if cosines else None
-        apart = set(invariant)  # the gate's tiny ones are judged per loss here, as the gate does
+        apart = set(invariant)  # the gate's tiny ones are judged per loss here (tiny under one of its losses:
+        # a zero-initialised head makes every gradient 0 under the outputs' own direction)
         # same weights: optimize must not have moved them
         for (n, p), q in zip(model.named_parameters(), ref.parameters()):
             if not torch.equal(p, q):
