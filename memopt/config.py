@@ -147,6 +147,11 @@ class Config:
             return int(self.workspace_mb * 2 ** 20)
         return CUDA_WORKSPACE_MB * 2 ** 20 if device.startswith("cuda") else 0
 
+    def planning_target(self, budget_bytes: Optional[int], device: str) -> Optional[int]:
+        """The estimated peak a plan must reach for ``budget_bytes`` on ``device``: the budget less the workspace
+        reserve (None without a budget). The planner, the gate's re-fit and shape reuse all plan to it."""
+        return None if budget_bytes is None else budget_bytes - self.workspace_bytes(device)
+
     @classmethod
     def exact(cls, **kwargs: Any) -> "Config":
         """Every technique off: the captured graph runs unchanged (for baselines and comparisons)."""

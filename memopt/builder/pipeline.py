@@ -222,7 +222,7 @@ def _refit(model: nn.Module, method: str, args: tuple, kwargs: dict, config: Con
            decision: Dict[str, Dict[str, Any]], report: Dict[str, Any],
            recapture: Optional[Callable[[tuple, dict], fx.GraphModule]] = None) -> Built:
     """The gate's repaired decision under the budget: recomputed blocks on top where it no longer fits."""
-    target = budget_bytes - config.workspace_bytes(baseline.device)
+    target = config.planning_target(budget_bytes, baseline.device)
     found, best = fit_decision(pristine, ctx, config, baseline, target, built.planned, decision)
     for _ in range(MAX_REPLANS):
         lowered = [] if found is None else _lowered(found.decision, decision)
@@ -276,7 +276,7 @@ def _rewrite(model: nn.Module, captured: Any, args: tuple, kwargs: dict, config:
     gm = captured.graph_module
     planned: Optional[BudgetPlan] = None
     trial = None
-    target = None if budget_bytes is None else budget_bytes - config.workspace_bytes(baseline.device)
+    target = config.planning_target(budget_bytes, baseline.device)
     if plan is not None:
         gm, records = apply_decision(gm, config, plan.chosen_units(), ctx)
         _check_applied(gm, plan)

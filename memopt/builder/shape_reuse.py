@@ -292,7 +292,7 @@ def reuse(reference: Reference, model: nn.Module, args: tuple, kwargs: dict, sig
     meta = any(isinstance(t, torch.Tensor) and t.is_meta for t in torch.utils._pytree.tree_leaves((args, kwargs)))
     ctx = PassContext(args, kwargs, config.device, None if meta else real_examples(flat_inputs(base, args, kwargs)))
     final = decision_set(built.graph_module)
-    target = None if not budget else budget_bytes - config.workspace_bytes(baseline.device)
+    target = config.planning_target(budget_bytes, baseline.device)
     if budget and (baseline.peak_bytes <= target) != (not final):
         return ("the baseline fits the budget at these sizes: the plan's rewrites are not needed" if final else
                 "the baseline no longer fits the budget at these sizes")
