@@ -27,8 +27,11 @@ MIN_CHUNKS = 8  # and at least this many chunks: a chunk's two temporaries besid
 
 
 def _rows_per_chunk(logits: torch.Tensor) -> int:
+    """Rows per chunk: a multiple of 4, so that each chunk's rows start at the same address modulo 16 bytes as in a
+    whole-tensor call (GPU softmax kernels vectorise a row by its alignment, which can change its sum's order)."""
     rows = logits.shape[0]
-    return max(1, min(CHUNK_BYTES // max(1, logits.shape[1] * logits.element_size()), -(-rows // MIN_CHUNKS)))
+    step = max(1, min(CHUNK_BYTES // max(1, logits.shape[1] * logits.element_size()), -(-rows // MIN_CHUNKS)))
+    return -(-step // 4) * 4
 
 
 def _loss_in_chunks(logits: torch.Tensor, target: torch.Tensor, reduction: int, ignore_index: int):
