@@ -4,13 +4,14 @@ A cosine against the eager float32 gradient means something only where that grad
 float32's resolution. On some models at init and small batches it is not: the same step in float64 points elsewhere
 (densenet121 or efficientnet_lite0 at batch 2 and 32x32: stock float32 below cosine 0.999 to float64 on most
 parameters; issue 39), and any rewrite that rounds differently moves it as far as the rounding does, so the gate
-would chase noise, turning units exact without getting closer. So, without autocast (``autocast_noise`` in
-``gate.py`` does the same for the low precision), the eager step runs once more on a float64 copy of the model, and
+would chase noise, turning units exact without getting closer. So, without autocast (``autocast_noise`` below
+does the same for the low precision), the eager step runs once more on a float64 copy of the model, and
 a parameter whose float32 gradient is below the gate's bar against float64's is listed apart with that figure as
 the reason: the report names it, the gate does not repair for it.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 from typing import Any, Dict, List, Optional
@@ -35,6 +36,28 @@ def _double(value: Any) -> Any:
     if isinstance(value, dict):
         return {k: _double(v) for k, v in value.items()}
     return value
+
+
+def parameter_fidelity(names: List[str], exact: List[Optional[torch.Tensor]], approx: List[Optional[torch.Tensor]],
+                       tiny: float, invariant: Optional[Dict[str, str]] = None) -> Dict[str, Dict[str, Any]]:
+    """{parameter: {"cosine", "relative_error", "tiny", "excluded"}} of the approximate gradients against the
+    exact ones; ``excluded``: tiny, or in ``invariant`` (parameters whose exact gradient is ~0 by construction)."""
+    invariant = invariant or {}
+    norms = [float(g.norm()) if g is not None else 0.0 for g in exact]
+    positive = sorted(n for n in norms if n > 0)
+    median = positive[len(positive) // 2] if positive else 0.0
+    out = {}
+    for name, g, a, norm in zip(names, exact, approx, norms):
+        if g is None or a is None:
+            continue
+        g64, a64 = g.double().flatten(), a.double().flatten()
+        denominator = float(g64.norm() * a64.norm())
+        cosine = float(g64 @ a64) / denominator if denominator > 0 else (1.0 if float(a64.norm()) == norm else 0.0)
+        relative = float((a64 - g64).norm()) / norm if norm > 0 else float(a64.norm() > 0)
+        small = norm <= tiny * median
+        out[name] = {"cosine": cosine, "relative_error": relative, "tiny": small,
+                     "excluded": small or name in invariant}
+    return out
 
 
 def float64_noise(model: nn.Module, args: tuple, kwargs: dict, rng: Any, loss: Any, names: List[str],
@@ -70,3 +93,34 @@ def float64_noise(model: nn.Module, args: tuple, kwargs: dict, rng: Any, loss: A
     return {p: (f"float32 does not resolve it here: the eager float32 gradient is at cosine {f['cosine']:.3f} to "
                 f"float64's on the same step, below the bar") for p, f in figures.items()
             if not f["tiny"] and f["cosine"] < bar}
+
+
+def autocast_noise(model: nn.Module, args: tuple, kwargs: dict, rng: Any, loss: Any, names: List[str],
+                   exact: List[Optional[torch.Tensor]], tiny: float, bar: float) -> Optional[Dict[str, str]]:
+    """Under autocast (None when it is off): {parameter: why} for the parameters whose eager gradient under
+    autocast is itself below the bar against eager float32 (one more step, autocast off). There the reference
+    the gate compares with is the low precision's rounding, not a gradient: any change of rounding moves it as
+    far, and chasing it turned every unit exact without bringing it closer (the bf16 sweep's "autocast floor"
+    column: on several CNNs at init the two gradients of a parameter are unrelated)."""
+    devices = [d for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)]
+    if not devices:
+        return None
+    try:
+        with contextlib.ExitStack() as stack:
+            for device in devices:
+                stack.enter_context(torch.autocast(device, enabled=False))
+            full = training_step(model, model, args, kwargs, rng, loss).grads
+    except RuntimeError as error:  # a submodule captured on its own gets low-precision inputs: no float32 step
+        log.info("memopt: no float32 reference step under autocast for %s (%s); no parameter is listed apart as "
+                 "autocast's noise", type(model).__name__, str(error).splitlines()[0][:160])
+        return {}
+    figures = parameter_fidelity(names, full, exact, tiny)
+    out = {p: (f"under autocast its eager gradient is itself at cosine {f['cosine']:.3f} to float32's: below the "
+               f"bar, it is the low precision's rounding, not a reference") for p, f in figures.items()
+           if not f["tiny"] and f["cosine"] < bar}
+    # ~0 in float32 (below ``tiny`` of the median) but lifted above that by autocast's rounding: the float32 step
+    # is what says the gradient is ~0 (MobileNetV3's BN -> ReLU -> depthwise conv -> BN at init, bias 0: the
+    # ReLU passes the first BN's scale through and the second cancels it)
+    out.update({p: (f"its float32 gradient is below {tiny:g} of the median (~0): under autocast the eager one is "
+                    f"rounding") for p, f in figures.items() if f["tiny"]})
+    return out

@@ -18,11 +18,12 @@ from typing import Dict, List, Set
 from torch import fx, nn
 
 from memopt.capture.fused_norms import OWNER_ATTRIBUTE
+from memopt.fidelity.graph_reads import output_shape, reads_metadata, training_batch_norm
 
 DEGENERATE = 2  # values per channel at or below which a training BatchNorm's output no longer depends on its input
 
 
-def degenerate_norms(gm: fx.GraphModule, scale: float, training_batch_norm, shape) -> Dict[fx.Node, int]:
+def degenerate_norms(gm: fx.GraphModule, scale: float) -> Dict[fx.Node, int]:
     """{BatchNorm node: values per channel} for the training-mode BatchNorms of ``gm`` that normalise at most
     ``DEGENERATE`` values per channel when run on ``scale`` times the batch of the graph's recorded shapes (the
     fidelity gate runs a graph planned on the whole batch on a slice of it)."""
@@ -31,7 +32,7 @@ def degenerate_norms(gm: fx.GraphModule, scale: float, training_batch_norm, shap
     for node in gm.graph.nodes:
         if not node.args or not isinstance(node.args[0], fx.Node) or not training_batch_norm(node, modules):
             continue
-        found = shape(node.args[0])
+        found = output_shape(node.args[0])
         if not found or len(found) < 2:
             continue
         values = round(found[0] * scale) * math.prod(found[2:])
@@ -51,12 +52,10 @@ def _parameters(node: fx.Node, modules: Dict[str, nn.Module]) -> List[str]:
     return [f"{path}.{name}" for name, _ in module.named_parameters()]
 
 
-def eps_only_parameters(gm: fx.GraphModule, scale: float, training_batch_norm, shape,
-                        reads_metadata) -> Dict[str, str]:
+def eps_only_parameters(gm: fx.GraphModule, scale: float) -> Dict[str, str]:
     """{parameter: why} for the parameters whose every path to the outputs enters a degenerate BatchNorm
-    (``degenerate_norms``) as its input. ``training_batch_norm(node, modules)``, ``shape(node)`` and
-    ``reads_metadata(node)`` are ``invariant_params``' readers of the graph."""
-    norms = degenerate_norms(gm, scale, training_batch_norm, shape)
+    (``degenerate_norms``) as its input."""
+    norms = degenerate_norms(gm, scale)
     if not norms:
         return {}
     live: Set[fx.Node] = set()  # nodes with a path to an output that does not enter a degenerate norm's input

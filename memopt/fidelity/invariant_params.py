@@ -23,24 +23,9 @@ import torch
 from torch import fx, nn
 
 from memopt.capture.fused_norms import OWNER_ATTRIBUTE
-from memopt.core.meta import META_KEY
 from memopt.cost_model.op_registry import op_kind
 from memopt.fidelity.degenerate_norms import eps_only_parameters
-
-
-def _training_batch_norm(node: fx.Node, modules: Dict[str, nn.Module]) -> bool:
-    """Whether ``node`` normalises with batch statistics (a BatchNorm module in training mode, ``F.batch_norm``
-    or an ATen batch norm with ``training=True``)."""
-    if node.op == "call_module":
-        module = modules.get(node.target)
-        return isinstance(module, nn.modules.batchnorm._BatchNorm) and (module.training or module.running_mean is None)
-    if node.op != "call_function":
-        return False
-    name = getattr(node.target, "__name__", str(node.target))
-    if "batch_norm" not in name or "no_training" in name or "backward" in name:
-        return False
-    training = node.kwargs.get("training", node.args[5] if len(node.args) > 5 else False)
-    return training is True
+from memopt.fidelity.graph_reads import output_shape, reads_metadata, training_batch_norm
 
 
 def _weight_and_bias(node: fx.Node, modules: Dict[str, nn.Module]) -> Tuple[Optional[Tuple[str, torch.Tensor]], ...]:
@@ -69,13 +54,6 @@ def _get_attr(root: nn.Module, target: str) -> Optional[torch.Tensor]:
     for part in target.split("."):
         value = getattr(value, part, None)
     return value if isinstance(value, torch.Tensor) else None
-
-
-def _reads_metadata(node: fx.Node) -> bool:
-    """A node that reads only a tensor's metadata (timm's ``_assert(x.ndim == 4)``), not its values."""
-    if node.op == "call_function" and node.target is getattr:
-        return node.args[1] in ("ndim", "shape", "dtype", "device", "is_cuda")
-    return node.op == "call_method" and node.target in ("dim", "size")
 
 
 def invariant_parameters(gm: fx.GraphModule, scale: float = 1.0) -> Dict[str, str]:
@@ -109,12 +87,12 @@ def invariant_parameters(gm: fx.GraphModule, scale: float = 1.0) -> Dict[str, st
         through = f" (through {' and '.join(via)})" if via else ""
         if bias is not None:
             out[bias[0]] = (f"{node.name}'s bias before {where}{through}: the batch mean cancels it")
-        readers = [u for u in node.users if not _reads_metadata(u)]
-        direct = len(readers) == 1 and _training_batch_norm(readers[0], modules) and readers[0].args[0] is node
+        readers = [u for u in node.users if not reads_metadata(u)]
+        direct = len(readers) == 1 and training_batch_norm(readers[0], modules) and readers[0].args[0] is node
         if direct and weight is not None and weight[1].dim() >= 1 and weight[1][0].numel() == 1:
             out[weight[0]] = (f"{node.name}'s per-channel scale before {where}: the normalisation cancels it (its "
                               f"exact gradient is BatchNorm's eps term)")
-    for name, why in eps_only_parameters(gm, scale, _training_batch_norm, _shape, _reads_metadata).items():
+    for name, why in eps_only_parameters(gm, scale).items():
         out.setdefault(name, why)
     return out
 
@@ -150,13 +128,13 @@ def _shift_cancelled(value: fx.Node, modules: Dict[str, nn.Module],
     if value.name in memo:
         return memo[value.name]
     memo[value.name] = None  # a cycle cannot occur in a graph; this also bounds the work
-    readers = [u for u in value.users if not _reads_metadata(u)]
+    readers = [u for u in value.users if not reads_metadata(u)]
     if not readers or depth > 16:
         return None
     norms: List[str] = []
     via: List[str] = []
     for reader in readers:
-        if _training_batch_norm(reader, modules) and reader.args and reader.args[0] is value:
+        if training_batch_norm(reader, modules) and reader.args and reader.args[0] is value:
             norms.append(reader.name)
             continue
         step = "a sum" if _is_add(reader) else "an unpadded conv" if _unpadded_conv(reader, value, modules) else None
@@ -179,18 +157,6 @@ _SCALES = {operator.mul, operator.truediv, torch.mul, torch.div, operator.imul, 
 _SUMS = {operator.add, operator.iadd, operator.sub, torch.add, torch.sub}
 
 
-def _shape(node: Any) -> Optional[Tuple[int, ...]]:
-    """The node's output shape from the cost model's record, ShapeProp's or export's metadata; None if unknown."""
-    if not isinstance(node, fx.Node):
-        return None
-    cost = node.meta.get(META_KEY)
-    if cost is not None and getattr(cost, "shapes", None):
-        return tuple(cost.shapes[0])
-    found = node.meta.get("tensor_meta", node.meta.get("val"))
-    shape = getattr(found, "shape", None)
-    return tuple(shape) if shape is not None else None
-
-
 def _is(node: fx.Node, functions: Set[Any], methods: Tuple[str, ...] = ()) -> bool:
     return (node.op == "call_function" and node.target in functions) or (node.op == "call_method" and
                                                                          node.target in methods)
@@ -210,7 +176,7 @@ def _descendants(node: fx.Node) -> Set[fx.Node]:
 def _key_shift(node: fx.Node, modules: Dict[str, nn.Module]) -> Optional[List[str]]:
     """The softmaxes that cancel a shift of ``node``'s output by its bias (per channel: dim 1 of a conv or
     BatchNorm output, the last dim of a linear's), or None when some path of it escapes."""
-    shape = _shape(node)
+    shape = output_shape(node)
     if shape is None or not shape:
         return None
     linear = (node.op == "call_module" and isinstance(modules.get(node.target), nn.Linear)) or (
@@ -234,7 +200,7 @@ def _softmax_cancelled(value: fx.Node, varying: FrozenSet[int], modules: Dict[st
     if key in memo:
         return memo[key]
     memo[key] = False
-    readers = [u for u in value.users if not _reads_metadata(u)]
+    readers = [u for u in value.users if not reads_metadata(u)]
     if not readers or depth > 32:
         return False
     for reader in readers:
@@ -254,7 +220,7 @@ def _follow(reader: fx.Node, value: fx.Node, varying: FrozenSet[int], modules: D
             carriers: Set[fx.Node], found: Set[str]) -> Any:
     """``True`` when ``reader`` cancels the shift, the dims the shift may vary along in ``reader``'s output when
     it passes it on, None when it escapes."""
-    shape, out = _shape(value), _shape(reader)
+    shape, out = output_shape(value), output_shape(reader)
     if shape is None:
         return None
     rank = len(shape)

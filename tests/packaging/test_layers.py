@@ -33,7 +33,7 @@ LAYERS = [
     ("memopt.passes.planning", 6),
     ("memopt.passes", 5),
     ("memopt.record", 7),
-    ("memopt.fidelity.invariant_params", 7), ("memopt.fidelity.degenerate_norms", 7), ("memopt.fidelity", 8),
+    ("memopt.fidelity.invariant_params", 7), ("memopt.fidelity.degenerate_norms", 7), ("memopt.fidelity.graph_reads", 7), ("memopt.fidelity", 8),
     ("memopt.builder.optimized", 9), ("memopt.builder", 8),
     ("memopt.api", 10), ("memopt.cli", 10), ("memopt.demo", 10), ("memopt.__main__", 10), ("memopt", 10),
 ]
