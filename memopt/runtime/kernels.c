@@ -30,6 +30,27 @@
 
 static int64_t num_blocks(int64_t n) { return (n + BLOCK - 1) / BLOCK; }
 
+/* bfloat16 (autocast's CPU dtype) in and out of the BN backward: a bf16 value widens exactly; a float narrows
+ * rounding to nearest even as c10::BFloat16 does (NaN to 0x7FC0), so a bf16 result written here equals the float
+ * result's .to(torch.bfloat16). TYPE_* flags say which of grad, g and out are bf16. */
+#define TYPE_GRAD_BF16 1
+#define TYPE_G_BF16 2
+#define TYPE_OUT_BF16 4
+static inline void bf16_widen_run(const uint16_t *restrict in, float *restrict out, int64_t count) {
+    for (int64_t i = 0; i < count; i++) {
+        uint32_t u = (uint32_t)in[i] << 16;
+        memcpy(out + i, &u, sizeof u);
+    }
+}
+static inline void bf16_narrow_run(const float *restrict in, uint16_t *restrict out, int64_t count) {
+    for (int64_t i = 0; i < count; i++) {
+        uint32_t u;
+        memcpy(&u, in + i, sizeof u);
+        uint16_t rounded = (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+        out[i] = in[i] != in[i] ? (uint16_t)0x7FC0 : rounded;
+    }
+}
+
 /* codes [i0, i0 + count) of a stream (i0 a multiple of 8) into dst */
 static void unpack_block(const uint8_t *packed, int64_t nbytes, int bits, int64_t i0, int64_t count,
                          uint8_t *dst) {
@@ -479,26 +500,34 @@ static inline void masked_run(const float *restrict gr, const uint8_t *restrict 
  * so no full-size g is ever written. */
 static void mo_bn_grad(const uint8_t *packed, int64_t nbytes, int bits, int64_t n, int64_t C, int64_t S,
                 const float *book, int is_book, int split, const uint8_t *mask, int mask_bits, const float *xstd,
-                const float *g, const float *grad, int leaky, float slope, const float *xmean, const float *a,
-                const float *bsub, const float *scale, float *out, int nthreads) {
+                const void *g, const void *grad, int leaky, float slope, const float *xmean, const float *a,
+                const float *bsub, const float *scale, void *out, int types, int nthreads) {
     const int bins = 1 << bits;
     const int64_t T = book_stride(is_book, split, bins);
 #pragma omp parallel num_threads(nthreads)
     {
+        const int g_bf16 = (types & TYPE_G_BF16) != 0, out_bf16 = (types & TYPE_OUT_BF16) != 0;
         uint8_t *codes = (uint8_t *)malloc(BLOCK), *mbuf = (uint8_t *)malloc(BLOCK);
         float *dec = (float *)malloc(BLOCK * sizeof(float));  /* a run's decoded x̂ / std */
-        float *gbuf = g ? NULL : (float *)malloc(BLOCK * sizeof(float));  /* this block's g, where g is NULL */
+        /* this block's g as float: where g is NULL (made from grad) or bf16 (widened) */
+        float *gbuf = g && !g_bf16 ? NULL : (float *)malloc(BLOCK * sizeof(float));
+        float *gin = !g && (types & TYPE_GRAD_BF16) ? (float *)malloc(BLOCK * sizeof(float)) : NULL;
+        float *obuf = out_bf16 ? (float *)malloc(BLOCK * sizeof(float)) : NULL;  /* the block's float grad_x */
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < num_blocks(n); b++) {
             int64_t i0 = b * BLOCK, count = n - i0 < BLOCK ? n - i0 : BLOCK;
             unpack_block(packed, nbytes, bits, i0, count, codes);
             const uint8_t *mb = block_mask(split || !g ? mask : NULL, mask_bits, n, i0, count, mbuf);
-            if (!g) masked_run(grad + i0, mb, gbuf, count, leaky, slope);
+            if (!g) {
+                if (gin) bf16_widen_run((const uint16_t *)grad + i0, gin, count);
+                masked_run(gin ? gin : (const float *)grad + i0, mb, gbuf, count, leaky, slope);
+            } else if (g_bf16) bf16_widen_run((const uint16_t *)g + i0, gbuf, count);
             for (int64_t s = i0, e; s < i0 + count; s = e) {  /* runs of one channel c */
                 const int64_t c = (s / S) % C;
                 e = segment_end(s, S, i0 + count);
                 const float sd = xstd[c], *bk = book + c * T;
-                float *io = g ? (float *)g + s : gbuf + (s - i0), *o = out == g ? NULL : out + s;
+                float *io = gbuf ? gbuf + (s - i0) : (float *)g + s;
+                float *o = out_bf16 ? obuf + (s - i0) : (out == g ? NULL : (float *)out + s);
                 if (split)
                     grad_run(codes + (s - i0), mb + (s - i0), io, o, e - s, 1, is_book, bk, bins, dec, sd, xmean[c], a[c],
                              bsub[c], scale[c]);
@@ -506,11 +535,14 @@ static void mo_bn_grad(const uint8_t *packed, int64_t nbytes, int bits, int64_t 
                     grad_run(codes + (s - i0), NULL, io, o, e - s, 0, is_book, bk, bins, dec, sd, xmean[c], a[c], bsub[c],
                              scale[c]);
             }
+            if (out_bf16) bf16_narrow_run(obuf, (uint16_t *)out + i0, count);  /* after g's block was read */
         }
         free(codes);
         free(mbuf);
         free(dec);
         free(gbuf);
+        free(gin);
+        free(obuf);
     }
 }
 
@@ -794,12 +826,13 @@ void mo_chain_grid(int64_t C, const float *invstd, const float *xstd, const floa
  * pass 2 writes grad_x = (((x̂ - m) a + g) - b) s into out (which may be g). sum_g is read (no grad) or written
  * (float), sum_gx written (float). g NULL (with grad and a mask): the caller needs no g, so it is never written
  * at full size; each pass makes a block's g from grad and the mask again (one full-size write and read fewer,
- * the same values). */
+ * the same values). `types` (TYPE_*): grad, g and out may be bfloat16, widened and narrowed a block at a time, so
+ * an autocast step's backward makes no full-size float32 tensor (the sums and grad_x are the float32 ones). */
 void mo_bn_backward(const uint8_t *packed, int64_t nbytes, int bits, int64_t n, int64_t C, int64_t S,
                     const float *book, int is_book, int split, const uint8_t *mask, int mask_bits, const float *xstd,
-                    const float *grad, int act, float slope, float *g,
+                    const void *grad, int act, float slope, void *g,
                     float *sum_g, const float *gamma_invstd, const float *exact_val, const uint8_t *exact_ok,
-                    const float *solve, float top, float *out, float *sum_gx, int nthreads) {
+                    const float *solve, float top, void *out, float *sum_gx, int types, int nthreads) {
     /* solve (memopt/stash/identity.py, with grad and a mask): rows R, beta, gamma, threshold, sign, ok per
        channel; the weight gradient becomes (R - top * clip - beta * sum_g) / gamma where ok and finite, clip
        being the sum of grad over the mask-false elements whose code satisfies sign * code >= threshold */
@@ -808,12 +841,15 @@ void mo_bn_backward(const uint8_t *packed, int64_t nbytes, int bits, int64_t n, 
     const int64_t T = book_stride(is_book, split, bins);
     const int clipping = solve && grad && mask && top != 0.0f;
     const int keep_g = g != NULL;  /* g NULL (with grad and a mask): the caller needs only grad_x, g stays per block */
+    const int grad_bf16 = grad && (types & TYPE_GRAD_BF16), g_bf16 = (types & TYPE_G_BF16) != 0;
     double *acc = (double *)calloc((size_t)threads * 4 * C, sizeof(double));
 #pragma omp parallel num_threads(threads)
     {
         uint8_t *codes = (uint8_t *)malloc(BLOCK), *mbuf = (uint8_t *)malloc(BLOCK);
         float *dec = (float *)malloc(BLOCK * sizeof(float));  /* a run's decoded x̂ / std */
-        float *gbuf = keep_g ? NULL : (float *)malloc(BLOCK * sizeof(float));  /* g of this block, not kept */
+        /* g of this block as float: not kept, or kept as bf16 (narrowed after the block) */
+        float *gbuf = keep_g && !g_bf16 ? NULL : (float *)malloc(BLOCK * sizeof(float));
+        float *gin = grad_bf16 ? (float *)malloc(BLOCK * sizeof(float)) : NULL;  /* the block's grad, widened */
         int t = 0;
 #ifdef _OPENMP
         t = omp_get_thread_num();
@@ -824,24 +860,29 @@ void mo_bn_backward(const uint8_t *packed, int64_t nbytes, int bits, int64_t n, 
             int64_t i0 = b * BLOCK, count = n - i0 < BLOCK ? n - i0 : BLOCK;
             unpack_block(packed, nbytes, bits, i0, count, codes);
             const uint8_t *mb = block_mask(mask, mask_bits, n, i0, count, mbuf);
+            if (gin) bf16_widen_run((const uint16_t *)grad + i0, gin, count);
+            else if (!grad && g_bf16) bf16_widen_run((const uint16_t *)g + i0, gbuf, count);  /* g is the input */
+            const float *gr = gin ? gin : grad ? (const float *)grad + i0 : NULL;  /* the block's grad */
             for (int64_t s = i0, e; s < i0 + count; s = e) {  /* runs of one channel c */
                 const int64_t c = (s / S) % C;
                 e = segment_end(s, S, i0 + count);
-                float *gs = keep_g ? g + s : gbuf + (s - i0);
-                if (grad) ag[c] += masked_sum_run(grad + s, mb + (s - i0), gs, e - s, act == ACT_LEAKY_RELU, slope);
+                float *gs = gbuf ? gbuf + (s - i0) : (float *)g + s;
+                if (grad) ag[c] += masked_sum_run(gr + (s - i0), mb + (s - i0), gs, e - s, act == ACT_LEAKY_RELU, slope);
                 if (clipping && isfinite(solve[3 * C + c]))  /* an infinite threshold: nothing can be clipped */
-                    aclip[c] += clip_sum_run(grad + s, codes + (s - i0), mb + (s - i0), e - s, solve[3 * C + c],
+                    aclip[c] += clip_sum_run(gr + (s - i0), codes + (s - i0), mb + (s - i0), e - s, solve[3 * C + c],
                                              solve[4 * C + c]);
                 const float sd = xstd[c], *bk = book + c * T;
                 if (split)
                     sums_run(codes + (s - i0), mb + (s - i0), gs, e - s, 1, is_book, bk, bins, sd, dec, ax + c, agx + c);
                 else sums_run(codes + (s - i0), NULL, gs, e - s, 0, is_book, bk, bins, sd, dec, ax + c, agx + c);
             }
+            if (grad && keep_g && g_bf16) bf16_narrow_run(gbuf, (uint16_t *)g + i0, count);  /* g is an output */
         }
         free(codes);
         free(mbuf);
         free(dec);
         free(gbuf);
+        free(gin);
     }
     const double count = (double)(C ? n / C : 1);
     float *xmean = (float *)malloc(4 * (size_t)C * sizeof(float));
@@ -871,6 +912,6 @@ void mo_bn_backward(const uint8_t *packed, int64_t nbytes, int bits, int64_t n, 
     }
     free(acc);
     mo_bn_grad(packed, nbytes, bits, n, C, S, book, is_book, split, mask, mask_bits, xstd, keep_g ? g : NULL, grad,
-               act == ACT_LEAKY_RELU, slope, xmean, a, bsub, scale, out, nthreads);
+               act == ACT_LEAKY_RELU, slope, xmean, a, bsub, scale, out, types, nthreads);
     free(xmean);
 }

@@ -61,7 +61,7 @@ _SIGNATURES = {
     "mo_mask_from_codes": [_P, _I64, _I, _I64, _I64, _I64, _P, _P, _I, _I],
     "mo_act_mask": [_P, _I64, _I, _P, _I],
     "mo_bn_backward": [_P, _I64, _I, _I64, _I64, _I64, _P, _I, _I, _P, _I, _P, _P, _I, _F, _P, _P, _P, _P, _P, _P, _F, _P,
-                       _P, _I],
+                       _P, _I, _I],
     "mo_channel_extremes": [_P, _P, _I64, _I64, _I64, _P, _I],
     "mo_chain_grid": [_I64, _P, _P, _P, _P, _P, _P, _I, _I, _F, _F, _F, _I, _I, _I, _I, _P, _P, _P, _P],
 }
@@ -294,17 +294,26 @@ def mask_from_codes(packed: torch.Tensor, bits: int, shape: torch.Size, zero_cod
     return PackedMask(out) if as_bits else out.view(torch.bool)
 
 
+_BN_DTYPES = (torch.float32, torch.bfloat16)  # what mo_bn_backward reads and writes (TYPE_* in kernels.c)
+
+
 def bn_backward(packed: torch.Tensor, bits: int, shape: torch.Size, book: torch.Tensor, mask, xstd: torch.Tensor,
                 gamma_invstd: torch.Tensor, *, g: Optional[torch.Tensor] = None, sum_g: Optional[torch.Tensor] = None,
                 grad: Optional[torch.Tensor] = None, act: str = "relu", slope: float = 0.0,
                 exact: Optional[Tuple[torch.Tensor, torch.Tensor]] = None, out: Optional[torch.Tensor] = None,
-                solve: Optional[torch.Tensor] = None, top: float = 0.0, keep_g: bool = True
+                solve: Optional[torch.Tensor] = None, top: float = 0.0, keep_g: bool = True,
+                out_dtype: torch.dtype = torch.float32
                 ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
     """``stash._bn_backward`` in two passes over the code with no full-size x̂ (``mo_bn_backward``; x̂ / std from the
     code ``book`` or grid rows: ``_book``): from ``g`` and
-    its per-channel ``sum_g``, or from ``grad`` (float32), the gradient arriving at the activation, whose
+    its per-channel ``sum_g``, or from ``grad``, the gradient arriving at the activation, whose
     backward through ``mask`` (a bool tensor or a ``PackedMask``) gives g and sum_g in the same first pass. The
-    input gradient goes to ``out`` (which may be ``g``: each element is read before it is written).
+    input gradient goes to ``out`` (which may be ``g``: each element is read before it is written), else to a new
+    tensor of ``out_dtype``.
+    ``grad``, ``g`` and ``out`` may be float32 or bfloat16: a bf16 one is widened (and g, grad_x narrowed, rounding
+    to nearest even) a block at a time in the kernel, so autocast's backward makes no full-size float32 copy. A g
+    made from a bf16 ``grad`` is bf16 (exact where the activation's backward is a selection: ReLU, ReLU6); the sums
+    and the input gradient are the float32 ones the plain path's ``.float()`` / ``.to(bfloat16)`` give.
     ``solve`` (with ``grad``): the scale identity's rows (R, β, γ, threshold, sign, ok) per channel
     (``memopt.stash.identity.solve_rows``): the weight gradient is solved in between the two passes, ``top`` (6 for
     ReLU6, else 0) times the clipped elements' gradient summed in the first.
@@ -316,15 +325,22 @@ def bn_backward(packed: torch.Tensor, bits: int, shape: torch.Size, book: torch.
     m = _u8(mask)
     if not keep_g and (grad is None or mask is None):
         raise ValueError("bn_backward(keep_g=False) needs grad and a mask: g is made from them a block at a time")
+    for name, t in (("grad", grad), ("g", g), ("out", out)):
+        if t is not None and t.dtype not in _BN_DTYPES:
+            raise ValueError(f"native.bn_backward: {name} must be float32 or bfloat16, got {t.dtype}; convert it or "
+                             f"use memopt.stash.bn.bn_backward, which falls back to the plain path")
+    if out is None and out_dtype not in _BN_DTYPES:
+        raise ValueError(f"native.bn_backward: out_dtype must be float32 or bfloat16, got {out_dtype}")
     if grad is not None:
-        g = torch.empty(shape, dtype=torch.float32) if keep_g else None
+        g = torch.empty(shape, dtype=grad.dtype) if keep_g else None
         sum_g = torch.empty(channels, dtype=torch.float32)
     else:
         sum_g = sum_g.float().contiguous()
     exact_val, exact_ok = (None, None) if exact is None else (exact[0].float().contiguous(),
                                                               exact[1].to(torch.uint8).contiguous())
     sum_gx = torch.empty(channels, dtype=torch.float32)
-    out = torch.empty(shape, dtype=torch.float32) if out is None else out
+    out = torch.empty(shape, dtype=out_dtype) if out is None else out
+    types = sum(flag for t, flag in ((grad, 1), (g, 2), (out, 4)) if t is not None and t.dtype == torch.bfloat16)
     solve_c = None if solve is None else solve.float().contiguous()
     per = [t.float().contiguous() for t in (xstd, gamma_invstd)]
     if _runs(packed, *([] if g is None else [g])) and n:
@@ -332,7 +348,7 @@ def bn_backward(packed: torch.Tensor, bits: int, shape: torch.Size, book: torch.
                                   split, _ptr(m), _is_bits(mask), per[0].data_ptr(), _ptr(grad),
                                   _ACTS[act], float(slope), _ptr(g), sum_g.data_ptr(), per[1].data_ptr(),
                                   _ptr(exact_val), _ptr(exact_ok), _ptr(solve_c), float(top), out.data_ptr(),
-                                  sum_gx.data_ptr(), _threads(n))
+                                  sum_gx.data_ptr(), types, _threads(n))
     return out, sum_gx, g, sum_g
 
 

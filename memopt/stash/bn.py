@@ -26,7 +26,7 @@ def bn_backward(g, sum_g, x_codes, mask, grid, weight, invstd, xstd, bits: int, 
     nd, n = len(shape), shape.numel()
     scale = gamma_invstd(weight, invstd)
     packed_mask = isinstance(mask, native.PackedMask)
-    if native.applies(g, float_dtype=True) and native.applies(x_codes) and (
+    if g.dtype in (torch.float32, torch.bfloat16) and native.applies(g, x_codes) and (
             mask is None or packed_mask or mask.is_contiguous()):
         # two fused passes over the code, no full-size x̂ at all
         return native.bn_backward(x_codes, bits, shape, grid, mask, xstd, scale, g=g, sum_g=sum_g, exact=exact,

@@ -256,8 +256,9 @@ class BNActStash(torch.autograd.Function):
         dtype = grad_y.dtype
         # the fused kernels read the mask as its 1-bit stream; g is then a new tensor of ours (the downsample BN's
         # input gradient may overwrite it below)
-        # (a bf16 / fp16 grad_y of autocast: its float32 copy goes in, where g = grad_y * mask gives the values the
-        # plain path's bf16 where then .float() gives; LeakyReLU's slope product would round differently)
+        # (a bf16 / fp16 grad_y of autocast: g = grad_y * mask gives the values the plain path's bf16 where then
+        # .float() gives; LeakyReLU's slope product would round differently. A bf16 one goes in as it is: the
+        # kernel widens it, and writes g and grad_x as bf16, a block at a time: no full-size float32 tensor)
         fresh_g = ctx.act != "identity" and native.applies(grad_y, y_codes) and (dtype == torch.float32 or (
             dtype in (torch.bfloat16, torch.float16) and ctx.act in ("relu", "relu6")))
         keep_g = ctx.has_residual or ctx.second is not None  # g is the residual's gradient / the second BN's input
@@ -280,10 +281,12 @@ class BNActStash(torch.autograd.Function):
         if fresh_g:  # the activation's backward, its sum and the BN backward in two fused passes
             # g itself is needed only as the residual's gradient and by the downsample BN: else it is never
             # written at full size
+            narrow = dtype == torch.bfloat16
             grad_x, sum_gx, g, sum_g = native.bn_backward(
-                x_codes, ctx.bits, shape, book, mask, xstd, _gamma_invstd(weight, invstd), grad=grad_y.float(),
-                act=ctx.act, slope=ctx.act_params[0] if ctx.act == "leaky_relu" else 0.0, solve=rows,
-                top=6.0 if ctx.act == "relu6" else 0.0, keep_g=keep_g)
+                x_codes, ctx.bits, shape, book, mask, xstd, _gamma_invstd(weight, invstd),
+                grad=grad_y if narrow else grad_y.float(), act=ctx.act,
+                slope=ctx.act_params[0] if ctx.act == "leaky_relu" else 0.0, solve=rows,
+                top=6.0 if ctx.act == "relu6" else 0.0, keep_g=keep_g, out_dtype=dtype if narrow else torch.float32)
             grad_z = g
         elif fused:
             grad_x, sum_gx, sum_g = triton_bn.bn_backward(
@@ -303,9 +306,11 @@ class BNActStash(torch.autograd.Function):
             dtype2, eps2, has_w2, has_b2 = ctx.second
             # g is read for the last time here: the fused kernel writes grad_x2 over it (elementwise), one full-size
             # tensor fewer at the backward peak (ResNet-50's downsample blocks hold it)
+            into = None
+            if fresh_g:  # g is ours: written over unless it is the residual's gradient too
+                into = g if not ctx.has_residual else torch.empty(shape, dtype=g.dtype) if g.dtype == dtype2 else None
             grad_x2, sum_gx2 = _bn_backward(g, sum_g, x2_codes, mask, book2 if book2.numel() else grid2, weight2,
-                                            invstd2, xstd2, ctx.bits, shape,
-                                            out=g if fresh_g and not ctx.has_residual else None)
+                                            invstd2, xstd2, ctx.bits, shape, out=into)
             grads2 = (grad_x2.to(dtype2), sum_gx2.to(weight2.dtype) if has_w2 else None,
                       sum_g.to(weight2.dtype if weight2 is not None else dtype) if has_b2 else None)
         del mask

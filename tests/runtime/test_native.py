@@ -250,3 +250,57 @@ def test_bn_backward_without_a_full_size_g_gives_the_same_bits(act, packed_mask,
         assert torch.equal(a, b)
     with pytest.raises(ValueError, match="needs grad and a mask"):
         native.bn_backward(packed, bits, torch.Size(shape), table, None, xstd, scale, keep_g=False, **kw)
+
+
+@pytest.mark.parametrize("act", ["relu", "relu6"])
+@pytest.mark.parametrize("keep_g", [True, False])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_bn_backward_reads_and_writes_bf16_as_the_float32_copies_would(act, keep_g, threads):
+    # autocast's bf16 grad in, bf16 g and grad_x out: the same bits as widening grad first and narrowing after
+    torch.manual_seed(1)
+    shape, bits = (3, 5, 67, 71), 4  # several blocks, runs that straddle them
+    c = shape[1]
+    x = torch.randn(shape)
+    grad = torch.randn(shape).mul_(1e3).to(torch.bfloat16)  # values whose float32 grad_x needs rounding
+    mask = x > 0.2
+    grid = torch.stack([torch.full((c,), -3.0), torch.full((c,), 0.4), torch.zeros(c), torch.full((c,), 0.4)])
+    packed = native.encode(x, grid, bits, mask=mask)
+    xstd, scale = torch.rand(c) + 0.5, torch.randn(c)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        wide = native.bn_backward(packed, bits, torch.Size(shape), grid, mask, xstd, scale, grad=grad.float(),
+                                  act=act, keep_g=keep_g)
+        narrow = native.bn_backward(packed, bits, torch.Size(shape), grid, mask, xstd, scale, grad=grad, act=act,
+                                    keep_g=keep_g, out_dtype=torch.bfloat16)
+    finally:
+        torch.set_num_threads(before)
+    assert narrow[0].dtype == torch.bfloat16 and torch.equal(narrow[0], wide[0].to(torch.bfloat16))
+    assert torch.equal(narrow[1], wide[1]) and torch.equal(narrow[3], wide[3])  # the sums are the float32 ones
+    if keep_g:
+        assert narrow[2].dtype == torch.bfloat16 and torch.equal(narrow[2].float(), wide[2])  # exact: a selection
+    # a bf16 g as the input (the downsample BN's), written over by its own grad_x
+    g = narrow[2] if keep_g else (grad * mask).to(torch.bfloat16)
+    expected = native.bn_backward(packed, bits, torch.Size(shape), grid, mask, xstd, scale, g=g.float(),
+                                  sum_g=wide[3])
+    into = g.clone()
+    got = native.bn_backward(packed, bits, torch.Size(shape), grid, mask, xstd, scale, g=into, sum_g=wide[3], out=into)
+    assert got[0] is into and torch.equal(into, expected[0].to(torch.bfloat16))
+    assert torch.equal(got[1], expected[1])
+
+
+def test_bf16_narrowing_rounds_to_nearest_even_as_torch_does():
+    # ties, the largest finite values, infinities, subnormals and NaN through the kernel's narrowing
+    shape = (1, 1, 40000)
+    codes = native.encode(torch.zeros(shape), torch.stack([torch.full((1,), -1.0), torch.full((1,), 0.25)]), 3)
+    gen = torch.Generator().manual_seed(2)
+    bits_ = torch.randint(-(2 ** 31), 2 ** 31 - 1, (shape[-1],), generator=gen, dtype=torch.int64).to(torch.int32)
+    g = bits_.view(torch.float32).view(shape).clone()
+    g.view(-1)[:6] = torch.tensor([1 + 2 ** -8, 1 + 3 * 2 ** -8, 3.4e38, float("inf"), 1e-40, float("nan")])
+    # the BN backward with scale 1 and zero sums is grad_x = g exactly: the narrowing alone is seen
+    out = native.bn_backward(codes, 3, torch.Size(shape), torch.stack([torch.zeros(1), torch.zeros(1)]), None,
+                             torch.zeros(1), torch.ones(1), g=g, sum_g=torch.zeros(1), exact=(torch.zeros(1),
+                             torch.ones(1, dtype=torch.bool)), out_dtype=torch.bfloat16)[0]
+    finite = ~g.isnan()
+    assert torch.equal(out[finite], g[finite].to(torch.bfloat16))
+    assert out.isnan().sum() == g.isnan().sum()

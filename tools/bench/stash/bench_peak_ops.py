@@ -5,9 +5,11 @@ off), with the storages alive at each one's peak, largest first, and the op and 
 
 One forward and backward of a torchvision model (random weights; SGD's step adds nothing here: no state) under
 the storage tracker ``memopt.measure`` uses (``LiveStorageTracker``: every storage an op creates, weakly
-referenced until it dies); parameters, buffers and the input are preexisting and not counted. With ``--bf16`` the
-planning and the step run under CPU bf16 autocast. Sources are the last two frames inside memopt (file:line), empty
-for autograd's own allocations (gradient accumulation). Peaks in MiB.
+referenced until it dies); parameters, buffers and the input are preexisting and not counted, their gradients
+are (the floor line). With ``--bf16`` the planning, the forward and the loss run under CPU bf16 autocast and the
+backward after it, as torch's autocast documentation has users write it (autocast's cached bf16 weight copies die
+at its exit; what the backward needs of them, each op saved). Sources are the last two frames inside memopt
+(file:line), empty for autograd's own allocations (gradient accumulation). Peaks in MiB.
 """
 from __future__ import annotations
 
@@ -47,9 +49,10 @@ class _Who(LiveStorageTracker):
 
 def _peak(module, x, cast, params):
     tracker = _Who(preexisting=params + [x])
-    with tracker, cast():
+    with tracker:
         tracker.phase = "forward"
-        loss = module(x).float().logsumexp(1).mean()
+        with cast():
+            loss = module(x).float().logsumexp(1).mean()
         tracker.phase = "backward"
         loss.backward()
     for p in params:
@@ -73,7 +76,8 @@ def main() -> None:
     with cast():
         om = memopt.optimize(model, example_inputs=x, optimizer="sgd", config=memopt.Config(fidelity=None))
     params = list(model.parameters()) + list(model.buffers())
-    body = []
+    grads = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    body = [f"Floor: the parameters' gradients, {grads / 2 ** 20:.1f} MiB, alive at the end of every backward."]
     for name, module in (("stock", model), ("memopt", om)):
         peak, alive = _peak(module, x, cast, params)
         rows = [[f"{nbytes / 2 ** 20:.2f}", *(who or ("?", "", ""))] for nbytes, who in alive[:a.top]]
