@@ -82,10 +82,11 @@ def _bind() -> None:
     _xhat, _act_grad = triton_fewbit.device(_xhat_of_codes), triton_fewbit.device(_act_grad_of)
 
 
-def _bn_sums(codes_ptr, m_ptr, table_ptr, xstd_ptr, g_ptr, part_ptr, N, C, S, gn, gc, gs, nbytes, parts, slope,
-             BITS: tl.constexpr, SPLIT: tl.constexpr, MASK_BITS: tl.constexpr, BOOK: tl.constexpr,
-             ACT: tl.constexpr, BLOCK: tl.constexpr):
-    # program (c, p): channel c over samples p, p + parts, ...; writes sum x̂, sum g x̂ and sum g at [0|1|2, c, p]
+def _bn_sums(codes_ptr, m_ptr, table_ptr, xstd_ptr, g_ptr, part_ptr, kept_ptr, N, C, S, gn, gc, gs, nbytes, parts,
+             slope, BITS: tl.constexpr, SPLIT: tl.constexpr, MASK_BITS: tl.constexpr, BOOK: tl.constexpr,
+             ACT: tl.constexpr, KEEP_G: tl.constexpr, BLOCK: tl.constexpr):
+    # program (c, p): channel c over samples p, p + parts, ...; writes sum x̂, sum g x̂ and sum g at [0|1|2, c, p],
+    # and with KEEP_G g itself (contiguous, in kept_ptr's dtype: the activation's backward is exact in it)
     c = tl.program_id(0).to(tl.int64)
     p = tl.program_id(1).to(tl.int64)
     lane = tl.arange(0, BLOCK).to(tl.int64)
@@ -101,6 +102,8 @@ def _bn_sums(codes_ptr, m_ptr, table_ptr, xstd_ptr, g_ptr, part_ptr, N, C, S, gn
             xhat = _xhat(codes_ptr, m_ptr, table_ptr, xstd_ptr, idx, cv, valid, C, nbytes, BITS, SPLIT, MASK_BITS,
                          BOOK)
             g = _act_grad(g_ptr, b * gn + c * gc + s * gs, m_ptr, idx, valid, slope, ACT, MASK_BITS)
+            if KEEP_G:
+                tl.store(kept_ptr + idx, g.to(kept_ptr.dtype.element_ty), mask=valid)
             acc_x += tl.where(valid, xhat, 0.0)
             acc_gx += tl.where(valid, g * xhat, 0.0)
             acc_g += tl.where(valid, g, 0.0)
@@ -133,7 +136,7 @@ ACTS = {"identity": 0, "relu": 1, "relu6": 1, "leaky_relu": 2}  # the activation
 def bn_backward(g: torch.Tensor, sum_g: Optional[torch.Tensor], packed: torch.Tensor, bits: int, shape: torch.Size,
                 book: torch.Tensor, mask, xstd: torch.Tensor, scale: torch.Tensor,
                 exact: Optional[Tuple[torch.Tensor, torch.Tensor]] = None, act: Optional[str] = None,
-                slope: float = 0.0):
+                slope: float = 0.0, keep_g: bool = False):
     """(grad_x, sum of g times centred x̂) of ``memopt.stash.bn.bn_backward`` from ``g`` (float32, any layout),
     its per-channel ``sum_g``, the packed x̂ code, its ``book`` (C, sides, 2^K) or grid rows (lo0, w0[, lo1, w1]
     x C), ``mask`` (bool tensor, a ``PackedMask``, or None without a split), ``xstd`` and ``scale`` (γ / σ) per
@@ -143,7 +146,10 @@ def bn_backward(g: torch.Tensor, sum_g: Optional[torch.Tensor], packed: torch.Te
     With ``act`` (a key of ``ACTS``), ``g`` is the gradient of the chain's activation output instead (any float
     dtype: bf16 / fp16 under autocast), ``sum_g`` is None, and the activation's backward (``mask``: where its
     input was kept; ``slope`` for LeakyReLU) is applied where g is read, in both launches: no full-size g, no
-    float32 copy. Returns (grad_x, sum g x̂ centred, sum g), sum g from the first launch's partial sums."""
+    float32 copy. Returns (grad_x, sum g x̂ centred, sum g), sum g from the first launch's partial sums; with
+    ``keep_g`` also g, written by the first launch in the incoming gradient's dtype and contiguous (what a chain
+    with a residual or a second BN needs: the activation's backward, bit for bit, with no launch of its own).
+    A g without ``act`` is read in its own dtype (a bf16 g widens exactly: no float32 copy)."""
     n, channels, inner = _geometry(shape)
     out = torch.empty(shape, dtype=torch.float32, device=g.device)
     is_book = book.dim() == 3
@@ -152,6 +158,9 @@ def bn_backward(g: torch.Tensor, sum_g: Optional[torch.Tensor], packed: torch.Te
     if act_code is None:
         raise ValueError(f"bn_backward applies the backward of {sorted(ACTS)}, got act={act!r}; apply another "
                          f"activation's backward first and pass act=None")
+    if keep_g and act is None:
+        raise ValueError("bn_backward(keep_g=True) writes the g it makes from the activation's gradient: pass act "
+                         "(with the mask), or keep the g you passed")
     if (sum_g is None) != (act is not None):
         raise ValueError(f"bn_backward takes sum_g exactly when act is None (it sums g itself after the "
                          f"activation's backward); got act={act!r} and sum_g {'None' if sum_g is None else 'given'}")
@@ -170,15 +179,18 @@ def bn_backward(g: torch.Tensor, sum_g: Optional[torch.Tensor], packed: torch.Te
         mask_bits = isinstance(mask, native.PackedMask)  # its 1-bit stream
         m = mask.bits if mask_bits else (mask.view(torch.uint8) if mask.dtype == torch.bool else mask)
         m = m if m.is_contiguous() else m.contiguous()
-    gv, (gn, gc, gs) = ncs(g if act is not None and g.is_floating_point() else g.float())
+    gv, (gn, gc, gs) = ncs(g if g.is_floating_point() else g.float())
+    kept = torch.empty(shape, dtype=g.dtype, device=g.device) if keep_g else out  # out: an unused pointer
     table = book.float().contiguous()
     std = xstd.float().contiguous()
     meta = dict(BITS=bits, SPLIT=split, MASK_BITS=mask_bits, BOOK=is_book, ACT=act_code, enable_fp_fusion=False)
+    keep = dict(KEEP_G=bool(keep_g))
     block = 1024 if g.device.type != "cpu" else triton.next_power_of_2(max(1, min(inner, 4096)))
     _bind()
     if n:
-        triton_fewbit._launch(_bn_sums, (channels, parts), packed, m, table, std, gv, partial, samples, channels,
-                              inner, gn, gc, gs, packed.numel(), parts, float(slope), BLOCK=block, **meta)
+        triton_fewbit._launch(_bn_sums, (channels, parts), packed, m, table, std, gv, partial, kept, samples,
+                              channels, inner, gn, gc, gs, packed.numel(), parts, float(slope), BLOCK=block, **meta,
+                              **keep)
     if act is not None:
         sum_g = partial[2].sum(1)
     count = n // channels if channels else 1
@@ -191,7 +203,9 @@ def bn_backward(g: torch.Tensor, sum_g: Optional[torch.Tensor], packed: torch.Te
         grid_block = triton_fewbit._groups(packed) * 8
         triton_fewbit._launch(_bn_grad, (triton.cdiv(n, grid_block),), packed, m, table, std, gv, consts, out, n,
                               channels, inner, gn, gc, gs, packed.numel(), float(slope), BLOCK=grid_block, **meta)
-    return (out, sum_gx) if act is None else (out, sum_gx, sum_g)
+    if act is None:
+        return out, sum_gx
+    return (out, sum_gx, sum_g, kept) if keep_g else (out, sum_gx, sum_g)
 
 
 __all__ = ["bn_backward"]

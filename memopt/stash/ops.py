@@ -263,9 +263,9 @@ class BNActStash(torch.autograd.Function):
             dtype in (torch.bfloat16, torch.float16) and ctx.act in ("relu", "relu6")))
         keep_g = ctx.has_residual or ctx.second is not None  # g is the residual's gradient / the second BN's input
         # Triton: the activation's and the BN's backward in two launches that read grad_y, the mask (its 1-bit copy
-        # as it is) and the x̂ code: no full-size g, no float32 copy of a bf16 grad_y
-        fused = not (fresh_g or keep_g or ctx.link_groups) and kernels.stash_triton(
-            grad_y, "BatchNorm + activation backward")
+        # as it is) and the x̂ code: no float32 copy of a bf16 grad_y, and a full-size g (in grad_y's dtype, written
+        # by the first launch) only where the residual or the second BN needs it
+        fused = not (fresh_g or ctx.link_groups) and kernels.stash_triton(grad_y, "BatchNorm + activation backward")
         if ctx.act == "identity":
             mask = None
         elif fused and mask_packed.numel():
@@ -289,10 +289,11 @@ class BNActStash(torch.autograd.Function):
                 top=6.0 if ctx.act == "relu6" else 0.0, keep_g=keep_g, out_dtype=dtype if narrow else torch.float32)
             grad_z = g
         elif fused:
-            grad_x, sum_gx, sum_g = triton_bn.bn_backward(
+            made = keep_g and ctx.act != "identity"  # an identity's g is grad_y itself
+            grad_x, sum_gx, sum_g, *kept = triton_bn.bn_backward(
                 grad_y, None, x_codes, ctx.bits, shape, book, mask, xstd, _gamma_invstd(weight, invstd),
-                act=ctx.act, slope=ctx.act_params[0] if ctx.act == "leaky_relu" else 0.0)
-            grad_z = None
+                act=ctx.act, slope=ctx.act_params[0] if ctx.act == "leaky_relu" else 0.0, keep_g=made)
+            grad_z = g = (kept[0] if made else grad_y) if keep_g else None
         else:
             grad_z = _act_backward(grad_y, mask, ctx.act, ctx.act_params)
             g = grad_z.float()

@@ -351,3 +351,59 @@ def test_the_last_resort_orders_units_by_their_measured_effect(monkeypatch, meas
     want = "1 of the 2 lossy units after the failing parameters -> exact (fewbit gelu;" if measured else \
         "2 of the 2 lossy units after the failing parameters -> exact"
     assert want in report["last_resort"], report["last_resort"]
+
+
+class SideBySide(nn.Module):
+    """Two GELU branches with their own outputs, side by side. The second one's GELU inputs are about its input's
+    mean: far past the bend for the even rows of ``side_by_side_input`` (its few-bit derivative is 1 there, as the
+    exact one), near 0 for the odd rows (where the few-bit table's steps show)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a1, self.a2 = nn.Linear(16, 128), nn.Linear(128, 4)
+        self.b1, self.b2 = nn.Linear(16, 128), nn.Linear(128, 4)
+        with torch.no_grad():
+            self.b1.weight.copy_(1 / 16 + 0.01 * torch.randn(128, 16))
+            self.b1.bias.zero_()
+
+    def forward(self, x):
+        return torch.cat([self.a2(nn.functional.gelu(self.a1(x))), self.b2(nn.functional.gelu(self.b1(x)))], 1)
+
+
+def side_by_side_input(n=64):
+    x = torch.randn(n, 16)
+    x[0::2] += 8.0
+    return x
+
+
+class FirstOutputs:
+    """The gate's first two losses weigh the second output on the even rows only, a full random projection after
+    them: the second branch's parameters are gated under every loss, its few-bit error shows only after two."""
+
+    def __init__(self, index):
+        self.index, self.full = index, RandomProjection(seed=index)
+
+    def __call__(self, out):
+        if self.index < 2:
+            rows = (torch.arange(out.shape[0]) % 2 == 0).to(out.dtype)[:, None]
+            out = torch.cat([out[:, :4], out[:, 4:] * rows], 1)
+        return self.full(out)
+
+
+def test_the_last_resorts_plan_is_confirmed_on_further_projections_and_resorted_where_one_misses(monkeypatch):
+    """The last resort picks the fewest exact units that pass the losses in use; what it ships is confirmed on
+    further projections as any passing plan is, and a unit a new projection exposes goes exact too."""
+    torch.manual_seed(0)
+    model, x = SideBySide(), side_by_side_input()
+    config = memopt.Config(fewbit=memopt.FewBitConfig(bits=3), stash=None, reversible=None,
+                           fidelity=memopt.FidelityConfig(min_cosine=0.99999, max_rounds=1))
+    monkeypatch.setattr(fidelity, "projection", FirstOutputs)
+    monkeypatch.setattr(fidelity, "MARGIN", 1.0)  # every pass is confirmed up to MAX_PROJECTIONS
+    om = memopt.optimize(model, example_inputs=x, config=config)
+    report = om.plan.fidelity
+    resorts = [c for c in report["changes"] if c.startswith("last resort")]
+    assert report["passed"] and len(resorts) == 2, report["changes"]
+    assert "(fewbit gelu;" in resorts[0] and "(fewbit gelu_1;" in resorts[1], resorts
+    assert report["projections"] == fidelity.MAX_PROJECTIONS
+    assert {n.name: n.technique for n in om.plan.nodes if n.op == "gelu"} == {"gelu": "exact", "gelu_1": "exact"}
+    assert all(f["cosine"] >= 0.99999 for f in _cosines(model, om, x).values() if not f["tiny"])

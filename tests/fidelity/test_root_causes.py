@@ -127,7 +127,7 @@ def test_the_gate_reports_invariant_parameters_and_does_not_chase_them():
     assert not any(p.startswith(("conv.bias", "scale.weight")) for p in report["below"])
     text = om.report()
     # an exact and a rewritten step under each projection (further ones confirm a passing plan)
-    assert re.search(r"fidelity gate \(the whole example batch, \d+ training steps, [234] losses: random "
+    assert re.search(r"fidelity gate \(the whole example batch, \d+ training steps, [2-8] losses: random "
                      r"projections of the outputs and their own direction\): passed", text)
     assert "listed apart: scale.weight: scale's per-channel scale" in text
     figures = parameter_fidelity(["a", "b"], [torch.ones(3), torch.ones(3)], [torch.ones(3), -torch.ones(3)], 1e-3,

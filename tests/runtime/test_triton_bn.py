@@ -168,3 +168,32 @@ def test_the_fused_activation_backward_errors_name_the_fix(interpret):
         triton_bn.bn_backward(grad_y, None, *args, None, case["xstd"], scale, act="relu")
     with pytest.raises(ValueError, match=r"the relu backward needs the mask"):
         triton_bn.bn_backward(grad_y, None, *args[:3], case["grid"][:2], None, case["xstd"], scale, act="relu")
+
+
+@requires_triton
+@pytest.mark.parametrize("act", ["relu", "leaky_relu"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_keep_g_writes_the_activation_backward_bit_for_bit_in_the_first_launch(interpret, monkeypatch, act, dtype):
+    """keep_g (a chain whose residual or second BN takes g): g in grad_y's dtype, the plain path's
+    ``_act_backward`` bits, from the first launch; a later BN reads that g in its own dtype (no float32 copy)."""
+    launches = []
+    real = triton_fewbit._launch
+    monkeypatch.setattr(triton_fewbit, "_launch", lambda kernel, *a, **k: launches.append(kernel.__name__) or real(
+        kernel, *a, **k))
+    case, _, grad_y, mask, slope, want = _act_case((4, 3, 9, 7), act, dtype, packed=True)
+    scale = bn.gamma_invstd(case["weight"], case["invstd"])
+    args = (case["x_codes"], 4, case["shape"], case["grid"], mask, case["xstd"], scale)
+    with kernels.forced("triton"), native.disabled():
+        grad_x, sum_gx, sum_g, g = triton_bn.bn_backward(grad_y, None, *args, act=act, slope=slope, keep_g=True)
+        alone = triton_bn.bn_backward(grad_y, None, *args, act=act, slope=slope)
+        assert launches == ["_bn_sums", "_bn_grad"] * 2
+        again = triton_bn.bn_backward(g, sum_g, *args)  # g as the second BN reads it: bf16 as it is
+        wide = triton_bn.bn_backward(g.float(), sum_g, *args)
+    assert g.dtype == dtype and g.is_contiguous()
+    assert torch.equal(g, G._act_backward(grad_y, want["mask"], act, (slope,)))
+    for a, b in zip((grad_x, sum_gx, sum_g), alone):  # keeping g changes nothing else
+        assert torch.equal(a, b)
+    for a, b in zip(again, wide):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match=r"keep_g=True\) writes the g it makes from the activation's gradient"):
+        triton_bn.bn_backward(grad_y, sum_g, *args, keep_g=True)

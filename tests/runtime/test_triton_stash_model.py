@@ -112,6 +112,16 @@ def test_launches_per_stash_node_are_few_and_fixed(interpret, monkeypatch):
             assert launches == backward, spec
             if spec.pool is None:  # the ReLU's and the BN's backward read grad_y as it is: no full-size temporary
                 assert [name for name, _ in full.made] == ["empty.memory_format"], full.made  # grad_x, which the second launch writes
+        # a residual chain keeps g (the residual's gradient): the first launch writes it, no launch or copy of its own
+        launches.clear()
+        leaf, r = x.clone().requires_grad_(), x.clone().requires_grad_()
+        y = bn_act_stash(leaf, *args, r, ChainSpec("relu", 4, residual=True))[0]
+        launches.clear()
+        with Allocations(x.numel()) as full:
+            y.sum().backward()
+        assert launches == ["_chain_rebuild", "_bn_sums", "_bn_grad"]  # the mask from the z code, then as above
+        assert full.made == [("empty.memory_format", torch.uint8)] + [("empty.memory_format", torch.float32)] * 2, \
+            full.made  # the mask's bytes, g and grad_x
         launches.clear()
         packed, params = generic.generic_encode(x, generic.EncodeSpec(4, 256))
         generic.group_dequantize(packed, params, 4, 256, x)
