@@ -43,7 +43,7 @@ from memopt.builder.pipeline import build, input_signature
 from memopt.record.plan import PartialPlan, Plan
 from memopt.core.units import fmt_bytes
 from memopt.fidelity.gate import PROJECTIONS, gate_losses, gate_report, has_lossy_units, parameter_fidelity, \
-    per_min, shortest_passing, worst_over
+    judged, per_min, shortest_passing, worst_over
 from memopt.capture.soundness import training_step
 
 log = logging.getLogger("memopt")
@@ -270,7 +270,7 @@ def gate_whole(model: nn.Module, args: tuple, kwargs: dict, config: Config, unit
                     figures.append(parameter_fidelity(names, exact, approx, gate.tiny, invariant))
             cache[key] = worst_over(figures)
         per = cache[key]
-        return per, sorted((p for p, f in per.items() if not f["excluded"] and f["cosine"] < gate.min_cosine),
+        return per, sorted((p for p, f in per.items() if judged(f) < gate.min_cosine),
                            key=lambda p: per[p]["cosine"])
 
     per, failing = evaluate(units)

@@ -26,7 +26,7 @@ from memopt.capture.trace import capture, flat_inputs
 from memopt.config import Config
 from memopt.core.errors import MemoptError
 from memopt.core.meta import HISTOGRAM_KEY, META_KEY
-from memopt.fidelity.conditioning import autocast_noise, float64_noise, parameter_fidelity
+from memopt.fidelity.conditioning import autocast_noise, float64_noise, judged, parameter_fidelity
 from memopt.fidelity.invariant_params import invariant_parameters
 from memopt.cost_model.step import default_loss, output_tensors
 from memopt.fidelity.repair import _fewest_exact, _key, _raise, _raise_all, _without, coupled, freed_by, \
@@ -229,14 +229,52 @@ def fidelity_gate(model: nn.Module, args: tuple, kwargs: dict, config: Config, d
     weights = {(part["technique"], part["unit"]): float(part["fidelity"]) for part, _ in parts}
     couplings = sorted({tuple(c) for u in units for c in u.get("couplings", ())})
     only = weight_only_units(apply_decision(base, config, decision, ctx)[0])  # units that reach weights alone
+    plain = _without(decision, [k for k in lossy_nodes if k[1] in decision.get(k[0], {})])  # every lossy unit exact
 
     def reach(lossy: Dict[Tuple[str, str], Set[str]], parameter: str) -> Dict[Tuple[str, str], Set[str]]:
         return within_reach(lossy, only, parameter)
+
+    floored: Set[int] = set()  # losses whose rounding check (``floor``) has run
+
+    def floor(indices: List[int]) -> None:
+        """The parameters that miss under losses ``indices`` with every lossy unit exact join those listed apart:
+        the rewritten graph's own rounding moves them that far (a near-invariant gradient, small beside the terms
+        it sums, as a BatchNorm weight before ReLU, a depthwise conv and another BatchNorm), so no code is to blame
+        and none can be repaired; float32 eager can resolve them by the luck of its order (``resolve`` lists only
+        what it does not)."""
+        figures = figures_of(plain)
+        for index in indices:
+            floored.add(index)
+            new = {p: (f"with every lossy unit exact its gradient is at cosine {f['cosine']:.3f} to eager's: the "
+                       f"rewritten graph's float32 rounding, not a code's error") for p, f in figures[index].items()
+                   if judged(f) < gate.min_cosine and p not in invariant}
+            invariant.update(new)
+            for each in (f for done in cache.values() for f in done):
+                for p in new.keys() & each.keys():
+                    each[p]["excluded"] = True
 
     def evaluate(trial: Decision) -> Tuple[Dict[str, Dict[str, Any]], List[str]]:
         """(per-parameter fidelity, the failing parameters, worst first) of the plan ``trial`` (its couplings kept:
         what is measured is what could ship): per parameter the worst over the projections in use (each trial's
         step under each projection runs once)."""
+        done = figures_of(trial)
+        while True:
+            per = worst_over(done)
+            failing = sorted((p for p, f in per.items() if judged(f) < gate.min_cosine),
+                             key=lambda p: per[p]["cosine"])
+            missing = [i for i in range(len(done)) if any(judged(done[i][p]) < gate.min_cosine for p in failing)]
+            pending = [i for i in missing if i in unresolved]
+            if pending:  # a miss under a loss whose precision is unchecked: check it, then judge again
+                for index in pending:
+                    resolve(index)
+                continue
+            unfloored = [i for i in missing if i not in floored]
+            if not unfloored:
+                return per, failing
+            floor(unfloored)  # then judge again
+
+    def figures_of(trial: Decision) -> List[Dict[str, Dict[str, Any]]]:
+        """The figures of the plan ``trial`` under each loss in use (each step runs once: cached per plan)."""
         trial = {t: dict(us) for t, us in trial.items()}
         coupled(trial, couplings)
         key = _key(trial)
@@ -259,16 +297,7 @@ def fidelity_gate(model: nn.Module, args: tuple, kwargs: dict, config: Config, d
                 approx = training_step(rewritten, model, sliced_args, sliced_kwargs, rng, loss).grads
                 steps[0] += 1
                 done.append(parameter_fidelity(names, exact, approx, gate.tiny, invariant))
-        while True:
-            per = worst_over(done)
-            failing = sorted((p for p, f in per.items() if not f["excluded"] and f["cosine"] < gate.min_cosine),
-                             key=lambda p: per[p]["cosine"])
-            pending = [i for i in sorted(unresolved) if i < len(done) and any(
-                not done[i][p]["excluded"] and done[i][p]["cosine"] < gate.min_cosine for p in failing)]
-            if not pending:
-                return per, failing
-            for index in pending:  # a miss under a loss whose precision is unchecked: check it, then judge again
-                resolve(index)
+        return done
 
     def confirm(decision: Decision) -> Tuple[Dict[str, Dict[str, Any]], List[str]]:
         """``evaluate`` on ``least`` losses at least and, while the plan passes by less than MARGIN, on further
@@ -435,11 +464,16 @@ def _batch(args: tuple, kwargs: dict) -> int:
 
 
 def worst_over(figures: List[Dict[str, Dict[str, Any]]]) -> Dict[str, Dict[str, Any]]:
-    """Per parameter, its worst figures over several projections' (listed apart under any of them: apart)."""
+    """Per parameter, its worst figures over the projections under which it is gated; apart only where it is apart
+    under every one. A gradient tiny under one loss is judged under the others: excluded under any, it passed
+    unchecked under all (timm MobileNetV2-035 at 8x128: a BatchNorm weight tiny under one gate loss had cosines
+    0.03-0.55 under every fresh projection). What is excluded under one loss only is a small gradient whose error is
+    negligible there (``parameter_fidelity``): rounding near the tiny bar, not a miss."""
     per: Dict[str, Dict[str, Any]] = {}
     for each in figures:
         for p, f in each.items():
-            if p not in per or (f["excluded"], -f["cosine"]) > (per[p]["excluded"], -per[p]["cosine"]):
+            if p not in per or (not f["excluded"], -judged(f), -f["cosine"]) > \
+                    (not per[p]["excluded"], -judged(per[p]), -per[p]["cosine"]):
                 per[p] = f
     return per
 
@@ -449,7 +483,7 @@ def gate_report(per_parameter: Dict[str, Dict[str, Any]], failing: List[str], in
     """The gate's report (``Plan.fidelity``): ``head`` (its verdict, changes, steps ...), then the worst parameter,
     those below the bar, those listed apart and every parameter's figures."""
     kept = {p: f for p, f in per_parameter.items() if not f["excluded"]}
-    worst = min(kept.items(), key=lambda kv: kv[1]["cosine"]) if kept else None
+    worst = min(kept.items(), key=lambda kv: (judged(kv[1]), kv[1]["cosine"])) if kept else None
     return {
         **head,
         "worst": None if worst is None else {"parameter": worst[0], "cosine": round(worst[1]["cosine"], 6),
@@ -464,7 +498,7 @@ def gate_report(per_parameter: Dict[str, Dict[str, Any]], failing: List[str], in
 
 def per_min(per_parameter: Dict[str, Dict[str, Any]]) -> float:
     """The least cosine over the parameters not listed apart."""
-    return min((f["cosine"] for f in per_parameter.values() if not f["excluded"]), default=1.0)
+    return min((judged(f) for f in per_parameter.values()), default=1.0)
 
 
 def _lossy(option: Dict[str, Any]) -> bool:
