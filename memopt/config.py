@@ -40,11 +40,15 @@ class FidelityConfig:
             not gated (their direction is rounding noise, e.g. attention key biases), in [0, 1) (default 1e-3).
         max_rounds: repair rounds, 1..20 (default 12); rounds that stop helping end early (``fidelity.py``
             STALL_ROUNDS), so the bound costs time only where each round brings parameters closer to the bar.
+        max_projections: how many losses a plan that passes narrowly is confirmed on, 2..32 (default 8); each
+            costs an exact and a rewritten step on the slice. Fewer build faster and let more misses through
+            under losses the gate did not see (docs/results/fidelity/gate_miss.md).
     """
 
     min_cosine: float = 0.99
     tiny: float = 1e-3
     max_rounds: int = 12
+    max_projections: int = 8  # memopt.fidelity.gate.MAX_PROJECTIONS
 
     def __post_init__(self) -> None:
         if isinstance(self.min_cosine, bool) or not isinstance(self.min_cosine, (int, float)) or \
@@ -54,6 +58,9 @@ class FidelityConfig:
             raise ValueError(f"FidelityConfig.tiny must be a number in [0, 1), got {self.tiny!r}")
         if isinstance(self.max_rounds, bool) or not isinstance(self.max_rounds, int) or not 1 <= self.max_rounds <= 20:
             raise ValueError(f"FidelityConfig.max_rounds must be an int in 1..20, got {self.max_rounds!r}")
+        if isinstance(self.max_projections, bool) or not isinstance(self.max_projections, int) or \
+                not 2 <= self.max_projections <= 32:
+            raise ValueError(f"FidelityConfig.max_projections must be an int in 2..32, got {self.max_projections!r}")
 
 
 @dataclass(frozen=True)

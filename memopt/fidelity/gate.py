@@ -118,6 +118,7 @@ PROJECTIONS = 2
 # Swin: 0.976 to 0.995 over 12 projections of one plan), so two draws near the bar say little about a third.
 # Eight fresh projections found what four did not: timm MobileNetV3-Small-050 at 8x128 passed four at 0.9925 and
 # gave 0.952 under a fifth; with MARGIN 0.01 and eight it is repaired (docs/results/fidelity/gate_miss.md).
+# MAX_PROJECTIONS is FidelityConfig.max_projections' default.
 MARGIN = 0.01
 MAX_PROJECTIONS = 8
 # The last resort's plan is confirmed like any other (``confirm``) and resorted again at most this many times.
@@ -185,7 +186,8 @@ def fidelity_gate(model: nn.Module, args: tuple, kwargs: dict, config: Config, d
                                      _batch(args, kwargs) else 1.0)  # the graph's shapes are the whole batch's
     rng = torch.Generator().manual_seed(0).get_state()  # a fixed draw (dropout): the same plan, the same report
     next_loss = gate_losses(loss_fn, which)
-    least, most = PROJECTIONS + (loss_fn is not None), MAX_PROJECTIONS + (loss_fn is not None)
+    least = PROJECTIONS + (loss_fn is not None)
+    most = max(least, gate.max_projections + (loss_fn is not None))
     losses = [next_loss(0)]
     twins: Dict[str, nn.Module] = {}  # the float64 copy of the model, made once for every loss
     steps = [0]

@@ -87,6 +87,8 @@ def test_parameter_fidelity_lists_tiny_gradients_apart():
     ({"min_cosine": 1.5}, r"FidelityConfig.min_cosine must be a number in \(0, 1\], got 1.5"),
     ({"tiny": -0.1}, r"FidelityConfig.tiny must be a number in \[0, 1\), got -0.1"),
     ({"max_rounds": 0}, r"FidelityConfig.max_rounds must be an int in 1..20, got 0"),
+    ({"max_projections": 1}, r"FidelityConfig.max_projections must be an int in 2..32, got 1"),
+    ({"max_projections": 4.0}, r"FidelityConfig.max_projections must be an int in 2..32, got 4.0"),
 ])
 def test_bad_gate_settings_name_the_value_and_range(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -175,6 +177,9 @@ def test_a_plan_passing_narrowly_is_confirmed_on_more_projections(monkeypatch):
     # per further projection: the eager step and the rewritten step; its float64 twin (conditioning.float64_noise)
     # runs for the first loss only, and for a later one only when a parameter misses under it
     assert narrow["steps"] == wide["steps"] + 2 * (fidelity.MAX_PROJECTIONS - fidelity.PROJECTIONS)
+    fewer = memopt.Config(stash=None, reversible=None, fidelity=memopt.FidelityConfig(min_cosine=0.5,
+                                                                                       max_projections=3))
+    assert memopt.optimize(copy.deepcopy(model), example_inputs=x, config=fewer).plan.fidelity["projections"] == 3
     assert wide["steps"] == 5  # loss 0: eager, float64, rewritten; loss 1: eager, rewritten
 
 
