@@ -244,7 +244,7 @@ def fidelity_gate(model: nn.Module, args: tuple, kwargs: dict, config: Config, d
         it sums, as a BatchNorm weight before ReLU, a depthwise conv and another BatchNorm), so no code is to blame
         and none can be repaired; float32 eager can resolve them by the luck of its order (``resolve`` lists only
         what it does not)."""
-        figures = figures_of(plain)
+        figures = figures_of(plain, every=True)
         for index in indices:
             floored.add(index)
             new = {p: (f"with every lossy unit exact its gradient is at cosine {f['cosine']:.3f} to eager's: the "
@@ -259,8 +259,8 @@ def fidelity_gate(model: nn.Module, args: tuple, kwargs: dict, config: Config, d
         """(per-parameter fidelity, the failing parameters, worst first) of the plan ``trial`` (its couplings kept:
         what is measured is what could ship): per parameter the worst over the projections in use (each trial's
         step under each projection runs once)."""
-        done = figures_of(trial)
         while True:
+            done = figures_of(trial)  # again after a check lists parameters apart: the later losses too
             per = worst_over(done)
             failing = sorted((p for p, f in per.items() if judged(f) < gate.min_cosine),
                              key=lambda p: per[p]["cosine"])
@@ -275,13 +275,15 @@ def fidelity_gate(model: nn.Module, args: tuple, kwargs: dict, config: Config, d
                 return per, failing
             floor(unfloored)  # then judge again
 
-    def figures_of(trial: Decision) -> List[Dict[str, Dict[str, Any]]]:
-        """The figures of the plan ``trial`` under each loss in use (each step runs once: cached per plan)."""
+    def figures_of(trial: Decision, every: bool = False) -> List[Dict[str, Dict[str, Any]]]:
+        """The figures of the plan ``trial`` under each loss in use, in order, up to the first under which a
+        parameter misses (the repair's trial plans mostly miss: the rest would cost a step each and change
+        nothing), or with ``every`` under all of them; each step runs once, cached per plan."""
         trial = {t: dict(us) for t, us in trial.items()}
         coupled(trial, couplings)
         key = _key(trial)
         done = cache.setdefault(key, [])
-        if len(done) < len(losses):
+        if len(done) < len(losses) and (every or not any(_misses(figures, gate.min_cosine) for figures in done)):
             rewritten, _ = apply_decision(base, config, trial, ctx)
             if first[0]:  # the plan as given (a trial may leave a unit unrewritten that needs another)
                 first[0] = False
@@ -299,6 +301,8 @@ def fidelity_gate(model: nn.Module, args: tuple, kwargs: dict, config: Config, d
                 approx = training_step(rewritten, model, sliced_args, sliced_kwargs, rng, loss).grads
                 steps[0] += 1
                 done.append(parameter_fidelity(names, exact, approx, gate.tiny, invariant))
+                if not every and _misses(done[-1], gate.min_cosine):
+                    break
         return done
 
     def confirm(decision: Decision) -> Tuple[Dict[str, Dict[str, Any]], List[str]]:
@@ -496,6 +500,11 @@ def gate_report(per_parameter: Dict[str, Dict[str, Any]], failing: List[str], in
         "parameters": {p: {"cosine": round(f["cosine"], 6), "relative_error": round(f["relative_error"], 6)}
                        for p, f in per_parameter.items()},
     }
+
+
+def _misses(figures: Dict[str, Dict[str, Any]], bar: float) -> bool:
+    """Whether a parameter misses the bar under one loss's figures."""
+    return any(judged(f) < bar for f in figures.values())
 
 
 def per_min(per_parameter: Dict[str, Dict[str, Any]]) -> float:
