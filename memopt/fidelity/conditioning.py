@@ -42,10 +42,11 @@ def parameter_fidelity(names: List[str], exact: List[Optional[torch.Tensor]], ap
                        tiny: float, invariant: Optional[Dict[str, str]] = None) -> Dict[str, Dict[str, Any]]:
     """{parameter: {"cosine", "relative_error", "tiny", "negligible", "excluded"}} of the approximate gradients
     against the exact ones; ``tiny``: an exact gradient below ``tiny`` times the median norm; ``negligible``: an
-    error no larger than that, below what the gate judges anywhere whatever the cosine of a small gradient says
-    (``judged``); ``excluded``: tiny with a negligible error, or in ``invariant`` (parameters whose exact gradient is
-    ~0 by construction). A tiny exact gradient whose rewritten one is not (timm MobileNetV2-035 at 8x128: a
-    BatchNorm weight's, 7170 times as large) is an error like any other."""
+    error below that too (a bound at 0.1 of the median let the BatchNorm weight of timm MobileNetV2-035 below
+    through again); ``excluded`` (``judged`` passes it whatever its cosine): tiny with a negligible error, or in
+    ``invariant`` (parameters whose exact gradient is ~0 by construction). A tiny exact gradient whose
+    rewritten one is not (timm MobileNetV2-035 at 8x128: a BatchNorm weight's, 7170 times as large) is an error
+    like any other."""
     invariant = invariant or {}
     norms = [float(g.norm()) if g is not None else 0.0 for g in exact]
     positive = sorted(n for n in norms if n > 0)
@@ -66,8 +67,8 @@ def parameter_fidelity(names: List[str], exact: List[Optional[torch.Tensor]], ap
 
 
 def judged(f: Dict[str, Any]) -> float:
-    """The cosine a parameter's figures are judged by: 1 where it is listed apart (tiny, invariant) or its error is
-    negligible (``parameter_fidelity``), else its cosine."""
+    """The cosine a parameter's figures are judged by: 1 where it is listed apart (invariant, or tiny with a
+    negligible error) or its error is negligible (``parameter_fidelity``), else its cosine."""
     return 1.0 if f["excluded"] or f["negligible"] else f["cosine"]
 
 
