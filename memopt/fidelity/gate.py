@@ -26,7 +26,8 @@ from memopt.capture.trace import capture, flat_inputs
 from memopt.config import Config
 from memopt.core.errors import MemoptError
 from memopt.core.meta import HISTOGRAM_KEY, META_KEY
-from memopt.fidelity.conditioning import autocast_noise, float64_noise, judged, parameter_fidelity
+from memopt.fidelity.conditioning import _misses, autocast_noise, float64_noise, gate_report, judged, \
+    parameter_fidelity, per_min, worst_over
 from memopt.fidelity.invariant_params import invariant_parameters
 from memopt.cost_model.step import default_loss, output_tensors
 from memopt.fidelity.repair import _fewest_exact, _key, _raise, _raise_all, _without, coupled, freed_by, \
@@ -466,49 +467,6 @@ def _batch(args: tuple, kwargs: dict) -> int:
     """The first tensor input's leading dimension (``batch_slice``'s batch), 0 without one."""
     return next((t.shape[0] for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and t.dim() > 0),
                 0)
-
-
-def worst_over(figures: List[Dict[str, Dict[str, Any]]]) -> Dict[str, Dict[str, Any]]:
-    """Per parameter, its worst figures over the projections under which it is gated; apart only where it is apart
-    under every one. A gradient tiny under one loss is judged under the others: excluded under any, it passed
-    unchecked under all (timm MobileNetV2-035 at 8x128: a BatchNorm weight tiny under one gate loss had cosines
-    0.03-0.55 under every fresh projection). What is excluded under one loss only is a small gradient whose error is
-    negligible there (``parameter_fidelity``): rounding near the tiny bar, not a miss."""
-    per: Dict[str, Dict[str, Any]] = {}
-    for each in figures:
-        for p, f in each.items():
-            if p not in per or (not f["excluded"], -judged(f), -f["cosine"]) > \
-                    (not per[p]["excluded"], -judged(per[p]), -per[p]["cosine"]):
-                per[p] = f
-    return per
-
-
-def gate_report(per_parameter: Dict[str, Dict[str, Any]], failing: List[str], invariant: Dict[str, str],
-                **head: Any) -> Dict[str, Any]:
-    """The gate's report (``Plan.fidelity``): ``head`` (its verdict, changes, steps ...), then the worst parameter,
-    those below the bar, those listed apart and every parameter's figures."""
-    kept = {p: f for p, f in per_parameter.items() if not f["excluded"]}
-    worst = min(kept.items(), key=lambda kv: (judged(kv[1]), kv[1]["cosine"])) if kept else None
-    return {
-        **head,
-        "worst": None if worst is None else {"parameter": worst[0], "cosine": round(worst[1]["cosine"], 6),
-                                             "relative_error": round(worst[1]["relative_error"], 6)},
-        "below": [f"{p} ({per_parameter[p]['cosine']:.4f})" for p in failing],
-        "tiny": sorted(p for p, f in per_parameter.items() if f["tiny"]),
-        "invariant": {p: invariant[p] for p in sorted(invariant) if p in per_parameter},
-        "parameters": {p: {"cosine": round(f["cosine"], 6), "relative_error": round(f["relative_error"], 6)}
-                       for p, f in per_parameter.items()},
-    }
-
-
-def _misses(figures: Dict[str, Dict[str, Any]], bar: float) -> bool:
-    """Whether a parameter misses the bar under one loss's figures."""
-    return any(judged(f) < bar for f in figures.values())
-
-
-def per_min(per_parameter: Dict[str, Dict[str, Any]]) -> float:
-    """The least cosine over the parameters not listed apart."""
-    return min((judged(f) for f in per_parameter.values()), default=1.0)
 
 
 def _lossy(option: Dict[str, Any]) -> bool:
