@@ -1,7 +1,7 @@
 """The stash's other codecs as Triton kernels: max-pool window offsets (``memopt.stash.pool``), 1-bit masks
-(dropout, ``where``), the generic stash's groups (``memopt.stash.generic``) and a residual chain's side ends
-(``memopt.stash.grid._ends``: per channel the least and greatest x̂ on either side of the mask, which were a
-full-size float temporary and two masked reductions).
+(dropout, ``where``), the generic stash's groups (``memopt.stash.generic``) and the data's grid ends
+(``memopt.stash.grid._ends``: per channel x̂'s least and greatest and, in a residual chain, on either side of
+the mask, which were two reductions over x in PyTorch, a full-size float temporary and two masked reductions).
 
 Why: on CUDA each is a chain of small PyTorch kernels launched from Python: the offsets are a floor division,
 a remainder and several integer multiplies and adds over the int64 indices before packing (and again backward);
@@ -27,6 +27,7 @@ Under fake tensors nothing is launched; the same outputs are allocated (``memopt
 """
 from __future__ import annotations
 
+import math
 from typing import Callable, Optional, Sequence, Tuple
 
 import torch
@@ -165,16 +166,21 @@ def _group_decode(packed_ptr, params_ptr, out_ptr, n, G, ngroups, nbytes,
         tl.store(out_ptr + idx, value.to(out_ptr.dtype.element_ty), mask=valid)
 
 
-def _side_ends(x_ptr, m_ptr, mean_ptr, scale_ptr, part_ptr, N, C, S, xn, xc, xs, mn, mc, ms, parts,
-               BLOCK: tl.constexpr):
-    # program (c, p): channel c over samples p, p + parts, ...: u = (x - mean) * scale in float32, the least u
-    # where the mask is set and the greatest where it is not (NaN propagated), written at [0|1, c, p]
+def _channel_ends(x_ptr, m_ptr, mean_ptr, scale_ptr, part_ptr, N, C, S, xn, xc, xs, mn, mc, ms, parts,
+                  INNER: tl.constexpr, BLOCK: tl.constexpr):
+    # program (c, p): channel c over samples p, p + parts, ...: the least and greatest x (float32) and, with INNER,
+    # of u = (x - mean) * scale the least where the mask is set and the greatest where it is not (NaN propagated);
+    # written at [row, c, p] as rows (lo, -hi0, lo1, -hi), so that one amin over the parts reduces every row.
+    # lo and hi go through (v - mean) * scale here, per part: the map is monotonic in float32 (scale >= 0), so the
+    # least of the parts' images is the image of the least x, as the plain path computes it.
     c = tl.program_id(0).to(tl.int64)
     p = tl.program_id(1).to(tl.int64)
     lane = tl.arange(0, BLOCK).to(tl.int64)
     cv = c + lane * 0
     mean = tl.load(mean_ptr + cv)
     scale = tl.load(scale_ptr + cv)
+    lo = tl.full([BLOCK], float("inf"), tl.float32)
+    hi = tl.full([BLOCK], -float("inf"), tl.float32)
     lo1 = tl.full([BLOCK], float("inf"), tl.float32)
     hi0 = tl.full([BLOCK], -float("inf"), tl.float32)
     nan = tl.full([BLOCK], 0, tl.int32)
@@ -182,14 +188,28 @@ def _side_ends(x_ptr, m_ptr, mean_ptr, scale_ptr, part_ptr, N, C, S, xn, xc, xs,
         for s0 in range(0, S, BLOCK):
             s = s0 + lane
             valid = s < S
-            u = (tl.load(x_ptr + b * xn + c * xc + s * xs, mask=valid, other=0.0).to(tl.float32) - mean) * scale
-            on = tl.load(m_ptr + b * mn + c * mc + s * ms, mask=valid, other=0) != 0
-            nan = tl.where(valid & (u != u), 1, nan)  # the channel's NaN reaches both ends (as on the CPU path)
-            lo1 = tl.where(valid & on & (u < lo1), u, lo1)
-            hi0 = tl.where(valid & (~on) & (u > hi0), u, hi0)
+            v = tl.load(x_ptr + b * xn + c * xc + s * xs, mask=valid, other=0.0).to(tl.float32)
+            nan = tl.where(valid & (v != v), 1, nan)  # the channel's NaN reaches every end (as on the plain path)
+            lo = tl.where(valid & (v < lo), v, lo)
+            hi = tl.where(valid & (v > hi), v, hi)
+            if INNER:
+                u = (v - mean) * scale
+                on = tl.load(m_ptr + b * mn + c * mc + s * ms, mask=valid, other=0) != 0
+                lo1 = tl.where(valid & on & (u < lo1), u, lo1)
+                hi0 = tl.where(valid & (~on) & (u > hi0), u, hi0)
     seen_nan = tl.reduce(nan, 0, _max) != 0
-    tl.store(part_ptr + c * parts + p, tl.where(seen_nan, float("nan"), tl.reduce(lo1, 0, _min)))
-    tl.store(part_ptr + (C + c) * parts + p, tl.where(seen_nan, float("nan"), tl.reduce(hi0, 0, _max)))
+    lo_u = (tl.reduce(lo, 0, _min) - tl.load(mean_ptr + c)) * tl.load(scale_ptr + c)
+    hi_u = (tl.reduce(hi, 0, _max) - tl.load(mean_ptr + c)) * tl.load(scale_ptr + c)
+    if INNER:
+        lo1_u = tl.reduce(lo1, 0, _min)
+        hi0_u = tl.reduce(hi0, 0, _max)
+    else:  # every end is the channel's extreme
+        lo1_u = lo_u
+        hi0_u = hi_u
+    tl.store(part_ptr + c * parts + p, tl.where(seen_nan, float("nan"), lo_u))
+    tl.store(part_ptr + (C + c) * parts + p, tl.where(seen_nan, float("nan"), -hi0_u))
+    tl.store(part_ptr + (2 * C + c) * parts + p, tl.where(seen_nan, float("nan"), lo1_u))
+    tl.store(part_ptr + (3 * C + c) * parts + p, tl.where(seen_nan, float("nan"), -hi_u))
 
 
 def _merged(shape: Sequence[int], stride: Sequence[int]) -> Tuple[list, list]:
@@ -323,26 +343,33 @@ def group_decode(packed: torch.Tensor, params: torch.Tensor, bits: int, group: i
     return out
 
 
-def side_ends(x: torch.Tensor, mask: torch.Tensor, mean: torch.Tensor, scale: torch.Tensor
-              ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``memopt.stash.grid._ends``' inner ends of a residual chain: per channel of x (N, C, ...; any layout), the
-    least u = (x - mean) * scale (float32) where ``mask`` is set and the greatest where it is not (+inf / -inf
-    for an empty side, NaN where the channel has a NaN): one launch and a reduction over a few parts, no
-    full-size float temporary. Min and max are exact in any order: the same values as the plain path."""
+def channel_ends(x: torch.Tensor, mean: torch.Tensor, scale: torch.Tensor, mask: Optional[torch.Tensor] = None
+                 ) -> torch.Tensor:
+    """``memopt.stash.grid._ends``: per channel of x (N, C, ...; any layout) rows (lo, hi0, lo1, hi) of
+    u = (x - mean) * scale (float32): lo and hi the channel's least and greatest, and with ``mask`` (a residual
+    chain) hi0 the greatest where the mask is not set and lo1 the least where it is (-inf / +inf for an empty
+    side), else hi0 = hi and lo1 = lo; NaN where the channel has a NaN. One launch over x and one over a few
+    parts (no full-size temporary, no per-channel extremes in PyTorch). Min and max are exact in any order, and
+    lo, hi are the images of the least and greatest x: the same values as the plain path."""
     n, channels, inner = _geometry(x.shape)
     samples = x.shape[0] if x.dim() else 1
     parts = max(1, min(32, samples))
-    partial = torch.empty(2, channels, parts, dtype=torch.float32, device=x.device)
+    partial = torch.empty(4, channels, parts, dtype=torch.float32, device=x.device)
     if not n:
-        return partial.new_full((channels,), float("inf")), partial.new_full((channels,), -float("inf"))
+        return torch.stack([partial.new_full((channels,), v) for v in (math.inf, -math.inf, math.inf, -math.inf)])
     xv, (xn, xc, xs) = ncs(x)
-    mv, (mn, mc, ms) = ncs(mask.view(torch.uint8) if mask.dtype == torch.bool else mask)
+    if mask is None:
+        mv, (mn, mc, ms) = xv, (0, 0, 0)  # not read
+    else:
+        mv, (mn, mc, ms) = ncs(mask.view(torch.uint8) if mask.dtype == torch.bool else mask)
     block = 1024 if x.device.type != "cpu" else triton.next_power_of_2(max(1, min(inner, 4096)))
-    triton_fewbit._launch(_side_ends, (channels, parts), xv, mv, mean.float().contiguous(), scale.float().contiguous(),
-                          partial, samples, channels, inner, xn, xc, xs, mn, mc, ms, parts, BLOCK=block,
-                          enable_fp_fusion=False)
-    return partial[0].amin(-1), partial[1].amax(-1)  # a part's NaN carries through (amin / amax propagate it)
+    triton_fewbit._launch(_channel_ends, (channels, parts), xv, mv, mean.float().contiguous(),
+                          scale.float().contiguous(), partial, samples, channels, inner, xn, xc, xs, mn, mc, ms, parts,
+                          INNER=mask is not None, BLOCK=block, enable_fp_fusion=False)
+    ends = partial.amin(-1)  # a part's NaN carries through (amin propagates it)
+    ends[1::2].neg_()
+    return ends
 
 
 __all__ = ["pack_mask", "unpack_mask", "pool_offsets", "pool_indices", "group_encode", "group_decode",
-           "side_ends"]
+           "channel_ends"]

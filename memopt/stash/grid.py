@@ -203,11 +203,11 @@ def _ends(x, mean, invstd, xstd, mask, inner: bool) -> torch.Tensor:
     nd = x.dim()
     dims = [d for d in range(nd) if d != 1]
     scale = invstd / xstd.clamp_min(1e-12)
+    if kernels.stash_triton(x, "grid ends") and torch.result_type(x, mean) == torch.float32:  # one pass, no temporary
+        return triton_stash_extras.channel_ends(x, mean, scale, mask if inner else None)
     lo, hi = ((v.float() - mean) * scale for v in (x.amin(dims), x.amax(dims)))
     if not inner:
         return torch.stack([lo, hi, lo, hi])
-    if kernels.stash_triton(x, "grid ends") and torch.result_type(x, mean) == torch.float32:  # no temporary
-        return torch.stack([lo, *reversed(triton_stash_extras.side_ends(x, mask, mean, scale)), hi])
     u = (x - _per_channel(mean, nd)).float().mul_(_per_channel(scale, nd))
     if not cpu_selects(u):
         lo1 = u.masked_fill(~mask, math.inf).amin(dims)

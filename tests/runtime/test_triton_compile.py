@@ -95,7 +95,7 @@ def test_every_kernel_a_training_step_launches_compiles_for_a_gpu(monkeypatch):
         seen += _launched(monkeypatch, config)
     names = {fn.__name__ for fn, _, _ in seen}
     assert {"_encode_pack", "_unpack_scale", "_chain_encode", "_bn_sums", "_bn_grad", "_walk_pack",
-            "_walk_unpack", "_chain_rebuild", "_side_ends"} <= names, names
+            "_walk_unpack", "_chain_rebuild", "_channel_ends"} <= names, names
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # compile, not interpret: helpers bound to their jitted form
     triton_bn._bind()
     variants = {}

@@ -310,7 +310,7 @@ def test_a_chains_rebuilt_activation_and_mask_match_the_plain_path(interpret, bi
 @requires_triton
 @pytest.mark.parametrize("dtype, layout", [(torch.float32, "contiguous"), (torch.float32, "channels_last"),
                                            (torch.bfloat16, "contiguous")])
-def test_a_residual_grids_side_ends_match_the_plain_path(interpret, dtype, layout):
+def test_the_data_ends_of_a_grid_match_the_plain_path(interpret, dtype, layout):
     x = _chain_input((37, 4, 5, 3), dtype, layout)  # more samples than side_ends' parts
     mask = x > 0.3
     mask[:, 2] = False  # channel 2: an empty masked side (+inf)
@@ -318,6 +318,11 @@ def test_a_residual_grids_side_ends_match_the_plain_path(interpret, dtype, layou
     mean = x.float().mean((0, 2, 3)).nan_to_num()
     invstd = torch.rand(4) + 0.5
     xstd = torch.rand(4) + 0.5
-    plain, fused = _both(lambda: G._ends(x, mean, invstd, xstd, mask, True))
-    _same(plain, fused)
-    assert fused[2, 2] == float("inf") and fused[1:3, 3].isnan().all()
+    for inner in (True, False):  # a residual chain's sides, else the channel's extremes (both from one pass)
+        plain, fused = _both(lambda: G._ends(x, mean, invstd, xstd, mask, inner))
+        _same(plain, fused, f"inner={inner}")
+        assert fused[:, 3].isnan().all()
+        if inner:
+            assert fused[2, 2] == float("inf")  # channel 2's masked side is empty
+        else:  # every end is the channel's extreme
+            assert torch.equal(fused[:2, :3], fused[2:, :3])

@@ -6,6 +6,8 @@ import copy
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 import memopt
 from memopt.testing.allocations import Allocations
@@ -49,7 +51,7 @@ def test_a_small_cnn_trains_one_step_with_the_plain_paths_outputs_buffers_and_gr
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-5 * a.abs().max().item()), name
     # every stash codec with a Triton version ran: chain codes and rebuilds, the BN backward, pool offsets, the
     # dropout mask
-    want = {"_chain_encode", "_chain_rebuild", "_bn_sums", "_bn_grad", "_walk_pack", "_walk_unpack", "_side_ends"}
+    want = {"_chain_encode", "_chain_rebuild", "_bn_sums", "_bn_grad", "_walk_pack", "_walk_unpack", "_channel_ends"}
     assert launched >= want | ({"_group_params", "_group_encode", "_group_decode"} if generic_on else set())
     ops = [(n.op, n.reason.split(":")[0]) for n in plan.nodes if n.technique == "stash"]
     assert ("bn_act_stash", "BN + residual + relu") in ops and ("dropout_1bit", "dropout mask kept as 1 bit per "
@@ -84,6 +86,23 @@ def test_a_bf16_autocast_step_reads_the_bf16_gradient_as_the_plain_path(interpre
         assert cos > 0.999, (name, cos)
 
 
+class _FullSizeOps(TorchDispatchMode):
+    """The ATen ops that read or write a tensor of ``n`` elements (the chain's size)."""
+    REDUCTIONS = {"amin", "amax", "aminmax", "max", "min", "sum", "mean", "std_mean", "var_mean", "std", "var"}
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.n, self.ops = n, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(isinstance(t, torch.Tensor) and t.numel() == self.n for t in tree_flatten((args, kwargs))[0]):
+            self.ops.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+    def reductions(self) -> list:
+        return [op for op in self.ops if op in self.REDUCTIONS]
+
+
 @requires_triton
 def test_launches_per_stash_node_are_few_and_fixed(interpret, monkeypatch):
     launches = []
@@ -99,13 +118,17 @@ def test_launches_per_stash_node_are_few_and_fixed(interpret, monkeypatch):
     args = [torch.ones(c, requires_grad=True), torch.zeros(c, requires_grad=True), torch.zeros(c), torch.ones(c), None]
     with kernels.forced("triton"), native.disabled():
         for spec, forward, backward in [
-                (ChainSpec("relu", 4, means=True), ["_chain_encode"], ["_bn_sums", "_bn_grad"]),
-                (ChainSpec("relu", 8, pool=(3, 2, 1, 1, False)), ["_walk_pack", "_chain_encode"],
+                (ChainSpec("relu", 4, means=True), ["_channel_ends", "_chain_encode"], ["_bn_sums", "_bn_grad"]),
+                (ChainSpec("relu", 8, pool=(3, 2, 1, 1, False)), ["_walk_pack", "_channel_ends", "_chain_encode"],
                  ["_walk_unpack", "_bn_sums", "_bn_grad"])]:
             launches.clear()
             leaf = x.clone().requires_grad_()
-            y = bn_act_stash(leaf, *args, None, spec)[0]
+            with _FullSizeOps(x.numel()) as full_ops:
+                y = bn_act_stash(leaf, *args, None, spec)[0]
             assert launches == forward, spec
+            # the grid's data ends (4 and 8 bits reach out) come from the encode's own pass: no reduction over x
+            # in PyTorch (they were x.amin and x.amax), the batch norm's statistics the only one
+            assert not full_ops.reductions(), (spec, full_ops.ops)
             launches.clear()
             with Allocations(x.numel()) as full:
                 y.sum().backward()
@@ -115,7 +138,12 @@ def test_launches_per_stash_node_are_few_and_fixed(interpret, monkeypatch):
         # a residual chain keeps g (the residual's gradient): the first launch writes it, no launch or copy of its own
         launches.clear()
         leaf, r = x.clone().requires_grad_(), x.clone().requires_grad_()
-        y = bn_act_stash(leaf, *args, r, ChainSpec("relu", 4, residual=True))[0]
+        with _FullSizeOps(x.numel()) as full_ops:
+            y = bn_act_stash(leaf, *args, r, ChainSpec("relu", 4, residual=True))[0]
+        # both sides' ends and the extremes in one pass, then the x̂ code and the z code
+        assert launches == ["_channel_ends", "_chain_encode", "_chain_encode"], launches
+        # what is left in PyTorch reduces z (the sum's code: its mean, std and top), not x
+        assert "amin" not in full_ops.reductions() and full_ops.reductions().count("amax") == 1, full_ops.ops
         launches.clear()
         with Allocations(x.numel()) as full:
             y.sum().backward()
