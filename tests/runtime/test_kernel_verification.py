@@ -279,3 +279,15 @@ def test_prepare_checks_every_family_ahead_so_fake_tensors_follow_the_real_path(
     with FakeTensorMode():
         assert kernels.stash_triton(torch.randn(3), "x̂ code") and kernels.fewbit_triton(torch.randn(3), "act_1")
     assert kernels.prepare(CPU) and len(probes) == 2 * len(verify.PROBES) and set(probes.values()) == {1}
+
+
+def test_no_check_while_a_cuda_graph_is_captured(monkeypatch):
+    """A check launches its probe and reads the result on the host: inside a CUDA graph capture that would be
+    captured too (or raise), so it is put off; the step takes the plain path there until a check ran outside
+    (the README: take one ordinary step before capturing)."""
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    assert verify._may_probe(cuda)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert not verify._may_probe(cuda)
+    assert verify._may_probe(CPU)  # capture is a CUDA stream's state: other devices are unaffected
