@@ -44,7 +44,7 @@ from memopt.record.plan import PartialPlan, Plan
 from memopt.core.units import fmt_bytes
 from memopt.fidelity.gate import PROJECTIONS, gate_losses, gate_report, has_lossy_units, parameter_fidelity, \
     judged, per_min, shortest_passing, worst_over
-from memopt.capture.soundness import training_step
+from memopt.capture.soundness import training_grads
 
 log = logging.getLogger("memopt")
 
@@ -256,19 +256,17 @@ def gate_whole(model: nn.Module, args: tuple, kwargs: dict, config: Config, unit
     rng = torch.Generator().manual_seed(0).get_state()
     next_loss = gate_losses(loss_fn, "the whole example batch")
     losses = [next_loss(i) for i in range(PROJECTIONS + (loss_fn is not None))]
-    exacts = [training_step(model, model, args, kwargs, rng, loss).grads for loss in losses]
+    exacts = training_grads(model, model, args, kwargs, rng, losses)  # one forward, a backward per loss
     steps, cache = [len(losses)], {}
 
     def evaluate(run: List[Unit]) -> Tuple[Dict[str, Dict[str, Any]], List[str]]:
         key = tuple(u.path for u in run)
         if key not in cache:
-            figures = []
             with routed(model, run):
-                for loss, exact in zip(losses, exacts):
-                    approx = training_step(model, model, args, kwargs, rng, loss).grads
-                    steps[0] += 1
-                    figures.append(parameter_fidelity(names, exact, approx, gate.tiny, invariant))
-            cache[key] = worst_over(figures)
+                approx = training_grads(model, model, args, kwargs, rng, losses)
+            steps[0] += len(losses)
+            cache[key] = worst_over([parameter_fidelity(names, exact, grads, gate.tiny, invariant)
+                                     for exact, grads in zip(exacts, approx)])
         per = cache[key]
         return per, sorted((p for p, f in per.items() if judged(f) < gate.min_cosine),
                            key=lambda p: per[p]["cosine"])

@@ -18,7 +18,7 @@ import logging
 import random
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import fx, nn
@@ -145,6 +145,44 @@ def training_step(fn, model: nn.Module, args: tuple, kwargs: dict, rng: torch.Te
         grads = [None if p.grad is None else p.grad.detach().clone() for p in params]
         input_grads = [None if t.grad is None else t.grad.detach().clone() for t in inputs]
     return StepResult(outputs, buffers, grads, input_grads, saved)
+
+
+def training_grads(fn, model: nn.Module, args: tuple, kwargs: dict, rng: torch.Tensor, losses: List[Any],
+                   stop: Optional[Callable[[List[Optional[torch.Tensor]]], bool]] = None
+                   ) -> List[List[Optional[torch.Tensor]]]:
+    """The parameters' gradients of ``training_step(fn, ...)`` under each of ``losses`` in turn, from ONE forward:
+    each backward but the last keeps the graph (``retain_graph``) and starts from the RNG state the forward left,
+    so K losses cost one forward and K backwards where K steps cost K of each, with the same bits (the forward is
+    the same computation from the same state and draws; each backward reads the same saved tensors: memopt's
+    ops neither free nor overwrite what they saved, tests/capture/test_shared_forward.py). ``stop(grads)``: no
+    further backward once it is true (the gate stops at a loss a parameter misses under)."""
+    found: List[List[Optional[torch.Tensor]]] = []
+    if not losses:
+        return found
+    counters.count("real_steps")
+    params = list(model.parameters())
+    args, kwargs, inputs = _fresh_inputs(args, kwargs)
+    with preserved_state(model):
+        train_as_user(model)
+        torch.set_rng_state(rng)
+        seed_host_rngs(rng)
+        for p in params:
+            p.grad = None
+        out = fn(*args, **kwargs)
+        after = torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+        for index, loss_fn in enumerate(losses):
+            last = index == len(losses) - 1
+            for t in params + inputs:
+                t.grad = None
+            torch.set_rng_state(after[0])
+            if after[1] is not None:
+                torch.cuda.set_rng_state_all(after[1])
+            compute_loss(out, loss_fn).backward(retain_graph=not last)
+            found.append([None if p.grad is None else p.grad.detach().clone() for p in params])
+            if stop is not None and stop(found[-1]) and not last:
+                break
+        del out
+    return found
 
 
 def _same(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> bool:

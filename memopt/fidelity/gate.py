@@ -29,7 +29,8 @@ from memopt.core.meta import HISTOGRAM_KEY, META_KEY
 from memopt.fidelity.conditioning import _misses, autocast_noise, float64_noise, gate_report, judged, \
     parameter_fidelity, per_min, worst_over
 from memopt.fidelity.invariant_params import invariant_parameters
-from memopt.cost_model.step import default_loss, output_tensors
+from memopt.fidelity.losses import OwnDirection, RandomProjection, UserLoss, gate_losses, \
+    projection  # noqa: F401 (re-exported: tools and tests reach them as memopt.fidelity.gate.*)
 from memopt.fidelity.repair import _fewest_exact, _key, _raise, _raise_all, _without, coupled, freed_by, \
     freed_table, shortest_passing  # noqa: F401 (re-exported: tests reach them as memopt.fidelity.gate.*)
 from memopt.fidelity.scope import after, responsible, weight_only_units, within_reach
@@ -37,75 +38,9 @@ from memopt.passes.base import Decision, PassContext
 from memopt.passes.planning.candidates import copy_graph_module, rewritten_units
 from memopt.passes.planning.planner import apply_decision
 from memopt.reversible.check import real_examples
-from memopt.capture.soundness import batch_slice, training_step
+from memopt.capture.soundness import batch_slice, training_grads
 
 log = logging.getLogger("memopt")
-
-class RandomProjection:
-    """The loss of the gate's steps: each floating output times fixed random weights, summed. A plain sum would
-    hide errors (through a training-mode BatchNorm or a softmax its gradient is partly exactly zero); a real
-    loss weighs outputs unevenly, as these weights do. The same weights serve the exact and rewritten steps."""
-
-    def __init__(self, seed: int = 0) -> None:
-        self.generator = torch.Generator().manual_seed(seed)
-        self.weights: List[torch.Tensor] = []
-
-    def __call__(self, output: Any) -> torch.Tensor:
-        terms = [t for t in output_tensors(output) if t.is_floating_point() and t.requires_grad]
-        if not terms:
-            return default_loss(output)  # says what is wrong
-        while len(self.weights) < len(terms):
-            t = terms[len(self.weights)]
-            self.weights.append(torch.randn(t.shape, generator=self.generator, dtype=torch.float32).to(t))
-        return sum((t * w).sum() for t, w in zip(terms, self.weights))
-
-
-class OwnDirection:
-    """The loss ``sum(t^2) / 2`` over the floating outputs, whose output gradient is the output itself: the
-    direction of the losses users write on the output's values (a squared error, a norm penalty, a regression head),
-    which a fixed random projection does not weigh. A plan can pass every random projection and miss this one: a
-    BN-ReLU CNN whose 4-bit chains kept cosine 0.998 under two projections gave 0.98 under ``out.square().mean()``
-    (tests/builder/test_user_module.py)."""
-
-    def __call__(self, output: Any) -> torch.Tensor:
-        terms = [t for t in output_tensors(output) if t.is_floating_point() and t.requires_grad]
-        if not terms:
-            return default_loss(output)  # says what is wrong
-        return sum(t.float().square().sum() / 2 for t in terms)
-
-
-def projection(index: int) -> Any:
-    """The gate's ``index``-th loss: a random projection first (it drives the repair), the output's own direction
-    second (every passing plan is confirmed on it), further random projections after."""
-    return OwnDirection() if index == 1 else RandomProjection(seed=index)
-
-
-class UserLoss:
-    """``memopt.optimize(..., loss_fn=)``: the loss that trains, checked beside the projections (a plan's error can
-    lie in the direction that loss weighs). Run on the gate's slice: a loss that cannot take it says how to fix it."""
-
-    def __init__(self, loss_fn: Callable[[Any], Any], where: str) -> None:
-        self.loss_fn, self.where = loss_fn, where
-
-    def __call__(self, output: Any) -> torch.Tensor:
-        try:
-            loss = self.loss_fn(output)
-        except Exception as error:  # noqa: BLE001 - said once, with the fix
-            raise MemoptError(
-                f"loss_fn raised on the output of the fidelity gate's slice ({self.where}): "
-                f"{type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}. The gate runs the "
-                f"loss on the first samples only: index the targets by the output's length (lambda out: "
-                f"F.cross_entropy(out, y[:len(out)])), or leave loss_fn out") from None
-        return loss  # a non-scalar one is refused by compute_loss, as in every step
-
-
-def gate_losses(loss_fn: Optional[Callable[[Any], Any]], where: str) -> Callable[[int], Any]:
-    """The gate's ``index``-th loss (``projection``), with the user's own loss second when there is one."""
-    if loss_fn is None:
-        return projection
-    return lambda index: projection(0) if index == 0 else UserLoss(loss_fn, where) if index == 1 else \
-        projection(index - 1)
-
 
 # When more than this fraction of the gated parameters miss (and more than WIDESPREAD_LEAST of them), the error is
 # the compounding of many lossy units along the whole backward (3-bit SiLU / hard-swish tables over 20-50 layers),
@@ -189,10 +124,19 @@ def fidelity_gate(model: nn.Module, args: tuple, kwargs: dict, config: Config, d
     next_loss = gate_losses(loss_fn, which)
     least = PROJECTIONS + (loss_fn is not None)
     most = max(least, gate.max_projections + (loss_fn is not None))
-    losses = [next_loss(0)]
+    drawn: Dict[int, Any] = {}  # each loss made once: its own random weights
+
+    def loss_at(index: int) -> Any:
+        if index not in drawn:
+            drawn[index] = next_loss(index)
+        return drawn[index]
+
+    losses = [loss_at(0)]
     twins: Dict[str, nn.Module] = {}  # the float64 copy of the model, made once for every loss
-    steps = [0]
+    steps = [0]  # gradients computed (a backward each; ``training_grads`` shares one forward between losses)
     cache: Dict[tuple, List[Dict[str, Dict[str, Any]]]] = {}  # plan -> its figures under each projection
+    ahead: Dict[tuple, Dict[int, Dict[str, Dict[str, Any]]]] = {}  # plan -> figures under losses not in use yet
+    exact_ahead: Dict[int, List[Optional[torch.Tensor]]] = {}  # the eager step's gradients, loss by loss
     first = [True]
 
     unresolved: Set[int] = set()  # losses whose precision check has not run yet
@@ -210,21 +154,36 @@ def fidelity_gate(model: nn.Module, args: tuple, kwargs: dict, config: Config, d
         steps[0] += noisy is not None
         new = {p: why for p, why in (noisy or {}).items() if p not in invariant}
         invariant.update(new)
-        for figures in (f for done in cache.values() for f in done):  # plans measured before: listed apart too
+        exclude(new)
+
+    def exclude(new: Dict[str, str]) -> None:
+        """Plans measured before list ``new`` apart too (under the losses in use and those measured ahead)."""
+        for figures in [f for done in cache.values() for f in done] + [f for a in ahead.values() for f in
+                                                                       a.values()]:
             for p in new.keys() & figures.keys():
                 figures[p]["excluded"] = True
 
-    def exact_step(loss: Any) -> List[Optional[torch.Tensor]]:
-        """The eager step's gradients under ``loss``. Its precision check (``resolve``) runs at once for the first
-        loss, so the report lists what float32 does not resolve; for a later loss only once a parameter misses
-        under it: it can only list parameters apart, and on most plans every parameter passes (a float64 step
-        costs several float32 ones on CPU)."""
-        steps[0] += 1
+    def exact_grads(index: int) -> List[Optional[torch.Tensor]]:
+        """The eager step's gradients under loss ``index``, in batches from one forward: the first ``least``
+        losses, then every one up to ``most`` (a plan that passes by less than MARGIN, as most do, is confirmed on
+        all of them)."""
+        if index not in exact_ahead:
+            batch = list(range(index, least if index < least else most))
+            exact_ahead.update(zip(batch, training_grads(model, model, sliced_args, sliced_kwargs, rng,
+                                                         [loss_at(i) for i in batch])))
+            steps[0] += len(batch)
+        return exact_ahead[index]
+
+    def exact_step(index: int) -> List[Optional[torch.Tensor]]:
+        """``exact_grads`` of loss ``index``, which joins those in use. Its precision check (``resolve``) runs at
+        once for the first loss, so the report lists what float32 does not resolve; for a later loss only once a
+        parameter misses under it: it can only list parameters apart, and on most plans every parameter passes (a
+        float64 step costs several float32 ones on CPU)."""
         unresolved.add(len(exacts))
-        return training_step(model, model, sliced_args, sliced_kwargs, rng, loss).grads
+        return exact_grads(index)
 
     exacts: List[List[Optional[torch.Tensor]]] = []
-    exacts.append(exact_step(losses[0]))
+    exacts.append(exact_step(0))
     resolve(0)
     # a joint option's parts share their group's nodes (coupled units are neighbours)
     parts = [(part, u["nodes"]) for u in units for part in (u["chosen"].get("parts") or [u["chosen"]]) if _lossy(part)]
@@ -252,9 +211,7 @@ def fidelity_gate(model: nn.Module, args: tuple, kwargs: dict, config: Config, d
                        f"rewritten graph's float32 rounding, not a code's error") for p, f in figures[index].items()
                    if judged(f) < gate.min_cosine and p not in invariant}
             invariant.update(new)
-            for each in (f for done in cache.values() for f in done):
-                for p in new.keys() & each.keys():
-                    each[p]["excluded"] = True
+            exclude(new)
 
     def evaluate(trial: Decision) -> Tuple[Dict[str, Dict[str, Any]], List[str]]:
         """(per-parameter fidelity, the failing parameters, worst first) of the plan ``trial`` (its couplings kept:
@@ -278,12 +235,14 @@ def fidelity_gate(model: nn.Module, args: tuple, kwargs: dict, config: Config, d
 
     def figures_of(trial: Decision, every: bool = False) -> List[Dict[str, Dict[str, Any]]]:
         """The figures of the plan ``trial`` under each loss in use, in order, up to the first under which a
-        parameter misses (the repair's trial plans mostly miss: the rest would cost a step each and change
-        nothing), or with ``every`` under all of them; each step runs once, cached per plan."""
-        trial = {t: dict(us) for t, us in trial.items()}
-        coupled(trial, couplings)
-        key = _key(trial)
+        parameter misses (the repair's trial plans mostly miss: the rest would cost a backward each and change
+        nothing), or with ``every`` under all of them; each loss's gradient is computed once per plan, those
+        still missing in one forward (``measure``)."""
+        key, trial = _planned(trial)
         done = cache.setdefault(key, [])
+        kept = ahead.setdefault(key, {})
+        while len(done) < len(losses) and len(done) in kept:  # measured ahead of confirmation (``prefetch``)
+            done.append(kept.pop(len(done)))
         if len(done) < len(losses) and (every or not any(_misses(figures, gate.min_cosine) for figures in done)):
             rewritten, _ = apply_decision(base, config, trial, ctx)
             if first[0]:  # the plan as given (a trial may leave a unit unrewritten that needs another)
@@ -298,13 +257,41 @@ def fidelity_gate(model: nn.Module, args: tuple, kwargs: dict, config: Config, d
                 if missing:
                     log.info("memopt: fidelity gate on %s: %d of the plan's units rewrite under another unit's "
                              "name: %s", type(model).__name__, len(missing), ", ".join(missing[:4]))
-            for loss, exact in list(zip(losses, exacts))[len(done):]:
-                approx = training_step(rewritten, model, sliced_args, sliced_kwargs, rng, loss).grads
-                steps[0] += 1
-                done.append(parameter_fidelity(names, exact, approx, gate.tiny, invariant))
-                if not every and _misses(done[-1], gate.min_cosine):
-                    break
+            measure(rewritten, done, kept, len(losses), every)
         return done
+
+    def _planned(trial: Decision) -> Tuple[tuple, Decision]:
+        trial = {t: dict(us) for t, us in trial.items()}
+        coupled(trial, couplings)
+        return _key(trial), trial
+
+    def measure(rewritten: fx.GraphModule, done: List[Dict[str, Dict[str, Any]]], kept: Dict[int, Any], upto: int,
+                every: bool) -> None:
+        """A plan's figures under losses ``len(done)`` to ``upto`` from one forward and a backward each, up to the
+        first under which a parameter misses unless ``every``; those past the losses in use go to ``kept``."""
+        start, measured = len(done), []
+        exact = [exact_grads(i) for i in range(start, upto)]  # first: another step inside would restore the weights
+
+        def take(approx: List[Optional[torch.Tensor]]) -> bool:
+            index = start + len(measured)
+            measured.append(parameter_fidelity(names, exact[index - start], approx, gate.tiny, invariant))
+            if index < len(losses):
+                done.append(measured[-1])
+            else:
+                kept[index] = measured[-1]
+            return not every and _misses(measured[-1], gate.min_cosine)
+
+        training_grads(rewritten, model, sliced_args, sliced_kwargs, rng, [loss_at(i) for i in range(start, upto)],
+                       stop=take)
+        steps[0] += len(measured)
+
+    def prefetch(trial: Decision) -> None:
+        """Ahead of confirming ``trial`` on loss after loss: its figures under every loss up to ``most`` from one
+        forward (stopping at a miss), so that each loss confirmation adds costs a backward, not a step."""
+        key, trial = _planned(trial)
+        done, kept = cache.setdefault(key, []), ahead.setdefault(key, {})
+        if len(done) == len(losses) and not kept and not any(_misses(f, gate.min_cosine) for f in done):
+            measure(apply_decision(base, config, trial, ctx)[0], done, kept, most, False)
 
     def confirm(decision: Decision) -> Tuple[Dict[str, Dict[str, Any]], List[str]]:
         """``evaluate`` on ``least`` losses at least and, while the plan passes by less than MARGIN, on further
@@ -313,8 +300,10 @@ def fidelity_gate(model: nn.Module, args: tuple, kwargs: dict, config: Config, d
         per_parameter, failing = evaluate(decision)
         while not failing and len(losses) < most and (
                 len(losses) < least or per_min(per_parameter) < gate.min_cosine + MARGIN):
-            losses.append(next_loss(len(losses)))
-            exacts.append(exact_step(losses[-1]))  # counts its steps
+            if len(losses) >= least:
+                prefetch(decision)
+            losses.append(loss_at(len(losses)))
+            exacts.append(exact_step(len(losses) - 1))
             per_parameter, failing = evaluate(decision)
         return per_parameter, failing
 
@@ -328,8 +317,8 @@ def fidelity_gate(model: nn.Module, args: tuple, kwargs: dict, config: Config, d
         decision, weights = {t: dict(us) for t, us in decision.items()}, dict(weights)
         if len(losses) < least:
             while len(losses) < least:
-                losses.append(next_loss(len(losses)))
-                exacts.append(exact_step(losses[-1]))
+                losses.append(loss_at(len(losses)))
+                exacts.append(exact_step(len(losses) - 1))
             per_parameter, failing = evaluate(decision)
         missed = {p: per_parameter[p]["cosine"] for p in failing}
         notes, note = [], None

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import memopt
-from memopt.fidelity import gate as fidelity
+from memopt.fidelity import gate as fidelity, losses
 from memopt.fidelity.gate import RandomProjection, parameter_fidelity
 
 
@@ -402,7 +402,7 @@ def test_the_last_resorts_plan_is_confirmed_on_further_projections_and_resorted_
     model, x = SideBySide(), side_by_side_input()
     config = memopt.Config(fewbit=memopt.FewBitConfig(bits=3), stash=None, reversible=None,
                            fidelity=memopt.FidelityConfig(min_cosine=0.99999, max_rounds=1))
-    monkeypatch.setattr(fidelity, "projection", FirstOutputs)
+    monkeypatch.setattr(losses, "projection", FirstOutputs)
     monkeypatch.setattr(fidelity, "MARGIN", 1.0)  # every pass is confirmed up to MAX_PROJECTIONS
     om = memopt.optimize(model, example_inputs=x, config=config)
     report = om.plan.fidelity
@@ -450,16 +450,18 @@ def test_a_miss_the_all_exact_plan_shares_is_listed_apart_not_chased(monkeypatch
     """Where a parameter misses with every lossy unit exact too, the rewritten graph's own rounding moves it (a
     near-invariant gradient): no unit is to blame, so it is listed apart with that reason, measured, and the plan
     keeps its codes. Here every rewritten step turns layers.0.bias's gradient around, whatever the plan."""
-    real = fidelity.training_step
+    real = fidelity.training_grads
 
-    def step(fn, model, *args, **kwargs):
-        result = real(fn, model, *args, **kwargs)
-        if fn is not model:
-            index = [n for n, _ in model.named_parameters()].index("layers.0.bias")
-            result.grads[index] = -result.grads[index]
-        return result
+    def grads(fn, model, *args, stop=None, **kwargs):
+        index = [n for n, _ in model.named_parameters()].index("layers.0.bias")
 
-    monkeypatch.setattr(fidelity, "training_step", step)
+        def flipped(each):  # before the gate reads them
+            if fn is not model:
+                each[index] = -each[index]
+            return stop is not None and stop(each)
+        return real(fn, model, *args, stop=flipped, **kwargs)
+
+    monkeypatch.setattr(fidelity, "training_grads", grads)
     torch.manual_seed(0)
     om = memopt.optimize(GeluMLP(), example_inputs=torch.randn(64, 64),
                          config=memopt.Config(fewbit=memopt.FewBitConfig(bits=4), stash=None, reversible=None))
