@@ -124,17 +124,23 @@ def unseen_rng_state() -> torch.Tensor:
     return torch.Generator().manual_seed(seed ^ 0x5EED).get_state()
 
 
+def _start_step(model: nn.Module, params: List[torch.Tensor], rng: torch.Tensor) -> None:
+    """A compared step's start (inside ``preserved_state``): the user's training mode, the draws from ``rng``,
+    no gradients."""
+    train_as_user(model)
+    torch.set_rng_state(rng)
+    seed_host_rngs(rng)
+    for p in params:
+        p.grad = None
+
+
 def training_step(fn, model: nn.Module, args: tuple, kwargs: dict, rng: torch.Tensor, loss_fn=None) -> StepResult:
     counters.count("real_steps")
     params = list(model.parameters())
     state = {storage_key(t) for t in params + list(model.buffers())}
     args, kwargs, inputs = _fresh_inputs(args, kwargs)
     with preserved_state(model):
-        train_as_user(model)
-        torch.set_rng_state(rng)
-        seed_host_rngs(rng)
-        for p in params:
-            p.grad = None
+        _start_step(model, params, rng)
         with SavedTensorRecorder() as recorder:
             out = fn(*args, **kwargs)
         saved = distinct_saved_bytes(recorder.saved, state)
@@ -163,11 +169,7 @@ def training_grads(fn, model: nn.Module, args: tuple, kwargs: dict, rng: torch.T
     params = list(model.parameters())
     args, kwargs, inputs = _fresh_inputs(args, kwargs)
     with preserved_state(model):
-        train_as_user(model)
-        torch.set_rng_state(rng)
-        seed_host_rngs(rng)
-        for p in params:
-            p.grad = None
+        _start_step(model, params, rng)
         out = fn(*args, **kwargs)
         after = torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
         for index, loss_fn in enumerate(losses):
