@@ -260,3 +260,29 @@ void mo_fewbit_scale(const uint8_t *packed, int64_t n, int bits, const float *le
         for (int64_t i = 0; i < cc; i++) o[i] = g[i] * levels[codes[i]];
     }
 }
+
+/* ---- the fidelity gate's comparison of two gradients: sums of g*g, a*a, g*a and (a-g)^2 in double ----
+ * One pass over two float32 arrays where PyTorch takes a float64 copy of each and four reductions. Each block of
+ * CMP_BLOCK elements is summed in order in double, the blocks' sums then added in block order: the result does
+ * not depend on the thread count. */
+#define CMP_BLOCK 65536
+
+void mo_compare(const float *g, const float *a, int64_t n, double *partial, double *out, int nthreads) {
+    const int64_t nblocks = (n + CMP_BLOCK - 1) / CMP_BLOCK;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t b = 0; b < nblocks; b++) {
+        const int64_t i0 = b * CMP_BLOCK, i1 = i0 + CMP_BLOCK < n ? i0 + CMP_BLOCK : n;
+        double gg = 0, aa = 0, ga = 0, dd = 0;
+        for (int64_t i = i0; i < i1; i++) {
+            const double x = g[i], y = a[i], d = y - x;
+            gg += x * x;
+            aa += y * y;
+            ga += x * y;
+            dd += d * d;
+        }
+        partial[4 * b] = gg, partial[4 * b + 1] = aa, partial[4 * b + 2] = ga, partial[4 * b + 3] = dd;
+    }
+    out[0] = out[1] = out[2] = out[3] = 0;
+    for (int64_t b = 0; b < nblocks; b++)
+        for (int k = 0; k < 4; k++) out[k] += partial[4 * b + k];
+}

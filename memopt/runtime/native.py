@@ -64,6 +64,7 @@ _SIGNATURES = {
                        _P, _I, _I],
     "mo_channel_extremes": [_P, _P, _I64, _I64, _I64, _P, _I],
     "mo_chain_grid": [_I64, _P, _P, _P, _P, _P, _P, _I, _I, _F, _F, _F, _I, _I, _I, _I, _P, _P, _P, _P],
+    "mo_compare": [_P, _P, _I64, _P, _P, _I],
 }
 
 

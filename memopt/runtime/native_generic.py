@@ -21,10 +21,11 @@ import ctypes
 from typing import Optional, Tuple
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from memopt.runtime import native
 
-__all__ = ["applies", "group_encode", "group_decode", "fewbit_scale", "encodable", "decodable"]
+__all__ = ["applies", "group_encode", "group_decode", "fewbit_scale", "encodable", "decodable", "compare"]
 
 _P, _I64, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _SIGNATURES = {
@@ -112,3 +113,21 @@ def fewbit_scale(packed: torch.Tensor, bits: int, grad: torch.Tensor, levels: to
         _library().mo_fewbit_scale(packed.data_ptr(), n, bits, table.data_ptr(), grad.data_ptr(), out.data_ptr(),
                                    native._threads(n))
     return out
+
+
+def compare(g: torch.Tensor, a: torch.Tensor) -> Optional[Tuple[float, float, float, float]]:
+    """(sum g², sum a², sum g·a, sum (a - g)²) of two float32 tensors of one shape, in double, from one pass
+    (``mo_compare``; the fidelity gate's ``parameter_fidelity`` took a float64 copy of each and four reductions);
+    None where the kernel does not take them (the caller computes them in PyTorch). The sums are in a fixed
+    order whatever the thread count."""
+    if g.shape != a.shape or not (applies(g, a, float_dtype=True) and type(g) is not FakeTensor
+                                  and type(a) is not FakeTensor):
+        return None
+    n = g.numel()
+    partial = torch.empty(4 * max(1, -(-n // 65536)), dtype=torch.float64)
+    out = torch.zeros(4, dtype=torch.float64)
+    if n:
+        _library().mo_compare(g.data_ptr(), a.data_ptr(), n, partial.data_ptr(), out.data_ptr(),
+                              native._threads(n))
+    gg, aa, ga, dd = out.tolist()
+    return gg, aa, ga, dd

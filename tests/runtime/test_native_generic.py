@@ -215,3 +215,33 @@ def test_a_transformer_trains_to_the_same_bits_with_and_without_the_kernels(monk
     (out, grads), (out_p, grads_p) = results
     assert _same(out, out_p)
     assert len(grads) == len(grads_p) and all(_same(a, b) for a, b in zip(grads, grads_p))
+
+
+def test_the_gates_comparison_sums_in_double_whatever_the_threads():
+    """``compare``: the four sums parameter_fidelity reads, from one pass, as float64 copies give them (to double
+    rounding), the same bits on 1 and 2 threads; what it does not take is left to PyTorch (None)."""
+    torch.manual_seed(0)
+    g = torch.randn(300_001)  # several blocks and a partial one
+    a = g + 1e-3 * torch.randn_like(g)
+    g64, a64 = g.double(), a.double()
+    want = [float(g64 @ g64), float(a64 @ a64), float(g64 @ a64), float((a64 - g64) @ (a64 - g64))]
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = native_generic.compare(g, a)
+        torch.set_num_threads(2)
+        two = native_generic.compare(g, a)
+    finally:
+        torch.set_num_threads(before)
+    assert one == two
+    assert all(abs(x - y) <= 1e-12 * abs(y) for x, y in zip(one, want)), (one, want)
+    assert native_generic.compare(torch.zeros(0), torch.zeros(0)) == (0.0, 0.0, 0.0, 0.0)
+    m = torch.randn(8, 6)
+    assert native_generic.compare(m, torch.randn(6, 8)) is None  # another shape
+    assert native_generic.compare(m.t(), m.t()) is None  # not contiguous
+    assert native_generic.compare(m, m.double()) is None  # not float32
+    with kernels.forced("torch"):
+        assert native_generic.compare(m, m) is None
+    with FakeTensorMode():
+        f = torch.randn(4)
+        assert native_generic.compare(f, f) is None
