@@ -470,3 +470,25 @@ def test_a_miss_the_all_exact_plan_shares_is_listed_apart_not_chased(monkeypatch
     assert report["invariant"]["layers.0.bias"].startswith("with every lossy unit exact its gradient is at cosine "
                                                           "-1.000 to eager's"), report["invariant"]
     assert any(n.technique == "fewbit" for n in om.plan.nodes)  # the codes stay
+
+
+def test_a_plan_confirmed_on_eight_losses_shares_its_forwards(monkeypatch):
+    """Eight losses cost five forwards, not sixteen steps: the eager side's gradients in two batches (the first two
+    losses, then the rest), the plan's under the first loss, the second, then the other six from one forward
+    measured ahead of confirmation; every (plan, loss) gradient once."""
+    calls = []
+    real = fidelity.training_grads
+
+    def counted(fn, model, *args, **kwargs):
+        found = real(fn, model, *args, **kwargs)
+        calls.append(("eager" if fn is model else "plan", len(found)))
+        return found
+
+    monkeypatch.setattr(fidelity, "training_grads", counted)
+    torch.manual_seed(0)
+    om = memopt.optimize(GeluMLP(), example_inputs=torch.randn(64, 64),
+                         config=memopt.Config(fewbit=memopt.FewBitConfig(bits=8), stash=None, reversible=None))
+    report = om.plan.fidelity
+    assert report["passed"] and not report["changes"] and report["projections"] == fidelity.MAX_PROJECTIONS == 8
+    assert calls == [("eager", 2), ("plan", 1), ("plan", 1), ("eager", 6), ("plan", 6)], calls
+    assert report["steps"] == 16 + 1  # a gradient per loss on each side, and the float64 check of the first
