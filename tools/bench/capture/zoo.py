@@ -264,18 +264,24 @@ def build(family: str, name: str, min_size: int = IMAGE_SIZES[0]):
 
 
 def count_params(family: str, name: str) -> int:
-    """Parameters, counted on the meta device (0 if that fails)."""
+    """Parameters, counted on the meta device; where a model's init cannot run there (torchvision's RegNetY reads
+    a value), on the CPU; 0 if that fails too. The sweeps skip models by this count before building them:
+    a 0 for regnet_y_128gf (644M parameters) let a sweep build and plan it until the kernel killed it."""
     import torch
-    try:
-        with torch.device("meta"):
-            if family == "torchvision":
-                import torchvision
-                m = getattr(torchvision.models, name)(weights=None)
-            elif family == "timm":
-                import timm
-                m = timm.create_model(name, pretrained=False, num_classes=10)
-            else:
-                m = hf_models()[name][0]()
-        return sum(p.numel() for p in m.parameters())
-    except Exception:  # noqa: BLE001
-        return 0
+
+    def build():
+        if family == "torchvision":
+            import torchvision
+            return getattr(torchvision.models, name)(weights=None)
+        if family == "timm":
+            import timm
+            return timm.create_model(name, pretrained=False, num_classes=10)
+        return hf_models()[name][0]()
+
+    for device in ("meta", "cpu"):
+        try:
+            with torch.device(device):
+                return sum(p.numel() for p in build().parameters())
+        except Exception:  # noqa: BLE001
+            continue
+    return 0
