@@ -86,6 +86,13 @@ class StashConfig:
             per element, and a cross-entropy over 2-d logits its logits instead of their log-softmax, with its
             backward in chunks of rows (``memopt/stash/loss.py``) (default True: exact, same ops and random
             draws, bit-identical outputs and gradients; CPU dropout otherwise keeps a float32 noise tensor).
+        head_loss: with ``compact_extras``, a linear head whose logits feed a cross-entropy (through views and
+            one cast) and nothing but the model's output joins that loss as one op that keeps the head's input, not
+            the logits, and recomputes the logits a chunk of rows at a time in backward (default True;
+            ``passes/stash/head_loss.py``). Applied where the logits have more columns than the head's input
+            has features (an LM's vocabulary). Forward outputs and the loss bit-identical; the head's weight and
+            bias gradients are summed over row chunks (rounding-level: the gate checks them), the input gradient
+            is eager's kernel on each chunk of rows.
         recompute_weights: a conv or linear whose weight the graph computes from parameters alone (timm's
             weight-standardised convs, weight norm) keeps the parameters it reads and recomputes the weight in
             backward, instead of keeping a weight-sized copy per op (default True: exact, the same ops on the
@@ -106,6 +113,7 @@ class StashConfig:
     consumers: Tuple[str, ...] = CONSUMERS
     compact_extras: bool = True
     recompute_weights: bool = True
+    head_loss: bool = True
     scale_identity: bool = True
     identity_extra_bit: bool = True
     bin_means: bool = True
@@ -116,7 +124,7 @@ class StashConfig:
         if not isinstance(self.coded_ops, (tuple, list)) or not set(self.coded_ops) <= set(CODED_OPS):
             raise ValueError(f"StashConfig.coded_ops must be a tuple drawn from {CODED_OPS}, got {self.coded_ops!r}")
         object.__setattr__(self, "coded_ops", tuple(self.coded_ops))
-        for name in ("generic", "stochastic", "compact_extras", "recompute_weights", "scale_identity",
+        for name in ("generic", "stochastic", "compact_extras", "recompute_weights", "head_loss", "scale_identity",
                      "identity_extra_bit", "bin_means"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"StashConfig.{name} must be True or False, got {getattr(self, name)!r}")

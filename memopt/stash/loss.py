@@ -11,13 +11,24 @@ and runs eager's own backward kernels on each chunk (``nll_loss_backward`` with 
 ``_log_softmax_backward_data``), which work row by row: the logits' gradient is eager's, bit for bit, and only one
 full-size tensor (that gradient) is made in the whole loss. Applied where the cross-entropy takes 2-d float32 / float64 logits and
 class-index targets, with no class weights and no label smoothing, reduced by mean or sum.
+
+``linear_cross_entropy_rows`` goes one step further where a linear head makes the logits (an LM's ``lm_head``):
+head and loss are one op that keeps the head's input (tokens x features, in the dtype the head ran in), not the
+logits (tokens x vocabulary), and recomputes the logits a chunk of rows at a time in backward, where each chunk's
+logits gradient becomes the chunk's input gradient and a term of the weight gradient at once: after the forward
+neither the logits nor their gradient is ever whole. The forward is eager's calls (the loss and the logits output
+bit for bit, a bf16 head's ``.float()`` cast a chunk at a time); the weight and bias gradients are summed over
+the chunks (in float32 for a bf16 / fp16 head, rounded once), so they differ from eager's one GEMM by rounding.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
+import torch.nn.functional as F
 
 from memopt.core.errors import MemoptError
-from memopt.core.leaf import graph_leaf
+from memopt.core.leaf import graph_leaf, spec_of
 
 aten = torch.ops.aten
 REDUCTIONS = {"none": 0, "mean": 1, "sum": 2}  # aten's Reduction enum, as cross_entropy_loss takes it
@@ -26,29 +37,35 @@ MIN_CHUNKS = 8  # and at least this many chunks: a chunk's two temporaries besid
 # then a quarter of the tensor that stock backward makes on top (its log-softmax's gradient), on small logits too
 
 
-def _rows_per_chunk(logits: torch.Tensor) -> int:
-    """Rows per chunk: a multiple of 4, so that each chunk's rows start at the same address modulo 16 bytes as in a
-    whole-tensor call (GPU softmax kernels vectorise a row by its alignment, which can change its sum's order)."""
-    rows = logits.shape[0]
-    step = max(1, min(CHUNK_BYTES // max(1, logits.shape[1] * logits.element_size()), -(-rows // MIN_CHUNKS)))
+def _rows_per_chunk_of(rows: int, classes: int, element_size: int) -> int:
+    """``_rows_per_chunk`` for logits of ``rows`` x ``classes`` elements of ``element_size`` bytes."""
+    step = max(1, min(CHUNK_BYTES // max(1, classes * element_size), -(-rows // MIN_CHUNKS)))
     return -(-step // 4) * 4
 
 
-def _loss_in_chunks(logits: torch.Tensor, target: torch.Tensor, reduction: int, ignore_index: int):
+def _rows_per_chunk(logits: torch.Tensor) -> int:
+    """Rows per chunk: a multiple of 4, so that each chunk's rows start at the same address modulo 16 bytes as in a
+    whole-tensor call (GPU softmax kernels vectorise a row by its alignment, which can change its sum's order)."""
+    return _rows_per_chunk_of(logits.shape[0], logits.shape[1], logits.element_size())
+
+
+def _loss_in_chunks(logits: torch.Tensor, target: torch.Tensor, reduction: int, ignore_index: int, up=None):
     """``nll_loss_forward(log_softmax(logits, 1), target, ...)`` without the whole log-softmax: each row's
     ``log_softmax(logits)[row, target]`` is taken a chunk of rows at a time (the same per-row kernel), and the one
     reduction runs over those picked values as a ``(rows, 1)`` input with targets 0 (ignored rows kept ignored; a
     second column when 0 is the ignored class):
     the CPU kernel sums the picked values in row order whatever the class count, so the loss and its total weight
-    are eager's, bit for bit."""
+    are eager's, bit for bit. ``up``: a dtype each chunk is cast to first (the cast eager makes of the whole
+    logits before its loss, a chunk at a time)."""
     ignored = target == ignore_index
     index = target.masked_fill(ignored, 0).unsqueeze(1)
     column = int(ignore_index == 0)  # the picked values' class: never the ignored one
-    picked = logits.new_zeros((logits.shape[0], column + 1))
-    step = _rows_per_chunk(logits)
+    up = up or logits.dtype
+    picked = logits.new_zeros((logits.shape[0], column + 1), dtype=up)
+    step = _rows_per_chunk_of(logits.shape[0], logits.shape[1], torch.empty((), dtype=up).element_size())
     for start in range(0, logits.shape[0], step):
         rows = slice(start, start + step)
-        picked[rows, column:] = torch.log_softmax(logits[rows], 1).gather(1, index[rows])
+        picked[rows, column:] = torch.log_softmax(logits[rows].to(up), 1).gather(1, index[rows])
     return aten.nll_loss_forward(picked, target.masked_fill(~ignored, column), None, reduction, ignore_index)
 
 
@@ -92,3 +109,98 @@ def cross_entropy_rows(logits, target, reduction: int = 1, ignore_index: int = -
     if not (torch.is_grad_enabled() and logits.requires_grad) or logits.dtype not in (torch.float32, torch.float64):
         return aten.cross_entropy_loss(logits, target, None, reduction, ignore_index, 0.0)
     return _CrossEntropyRows.apply(logits, target, reduction, ignore_index)
+
+
+class HeadLossSpec(NamedTuple):
+    """The non-tensor parameters of ``linear_cross_entropy_rows``: ``reduction`` (aten's enum: 1 mean, 2 sum) and
+    ``ignore_index`` of the cross-entropy, ``up``: the dtype the logits are cast to before the loss ("" for none;
+    Hugging Face's ``logits.float()`` under autocast)."""
+
+    reduction: int
+    ignore_index: int
+    up: str = ""
+
+    of = classmethod(spec_of)  # HeadLossSpec.of(node)
+
+
+class _LinearCrossEntropyRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, target, reduction: int, ignore_index: int, up: str):
+        logits = F.linear(x, weight, bias)  # under the caller's autocast, as eager's call: the same bits
+        flat = logits.reshape(-1, logits.shape[-1])
+        with torch.autocast("cpu", enabled=False), torch.autocast("cuda", enabled=False):
+            if flat.device.type == "cpu":  # the cast a chunk at a time: no whole float32 copy of bf16 logits
+                out, total_weight = _loss_in_chunks(flat, target, reduction, ignore_index,
+                                                    getattr(torch, up) if up else None)
+            else:
+                log_probs = torch.log_softmax(flat.to(getattr(torch, up)) if up else flat, 1)
+                out, total_weight = aten.nll_loss_forward(log_probs, target, None, reduction, ignore_index)
+                del log_probs
+        compute = logits.dtype  # the linear's dtype: autocast's (bf16 copies of x and weight), else x's
+        # what eager's linear keeps: its input in the dtype it ran in, as rows (a view where x is contiguous)
+        ctx.save_for_backward(x.to(compute).reshape(-1, x.shape[-1]), weight, bias, target, total_weight)
+        ctx.reduction, ctx.ignore_index, ctx.up, ctx.compute = reduction, ignore_index, up, compute
+        ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
+        ctx.set_materialize_grads(False)
+        return out, logits
+
+    @staticmethod
+    def backward(ctx, grad, grad_logits):
+        if torch.is_grad_enabled():
+            raise MemoptError("double backward (create_graph=True) through memopt's linear_cross_entropy_rows is "
+                              "not supported; set StashConfig(head_loss=False) to keep the model's own head and loss")
+        if grad is None and grad_logits is None:
+            return None, None, None, None, None, None, None
+        rows_x, weight, bias, target, total_weight = ctx.saved_tensors
+        compute = ctx.compute
+        w = weight.to(compute)
+        b = bias.to(compute) if bias is not None else None
+        up = getattr(torch, ctx.up) if ctx.up else compute
+        flat_grad = grad_logits.reshape(-1, grad_logits.shape[-1]) if grad_logits is not None else None
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        grad_x = torch.empty_like(rows_x) if need_x else None
+        # the weight gradient is summed over chunks: in float32 where the linear ran in a narrower dtype (as its
+        # one GEMM would accumulate), rounded to that dtype once at the end, as eager's GEMM rounds its output
+        acc = torch.float32 if compute in (torch.bfloat16, torch.float16) else compute
+        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
+        grad_b = torch.zeros(weight.shape[0], dtype=acc, device=weight.device) if need_b and b is not None else None
+        step = _rows_per_chunk_of(rows_x.shape[0], weight.shape[0], torch.empty((), dtype=up).element_size())
+        for start in range(0, rows_x.shape[0], step):
+            rows = slice(start, start + step)
+            part = rows_x[rows]
+            g = None
+            if grad is not None:
+                logits = F.linear(part, w, b)
+                log_probs = torch.log_softmax(logits.to(up), 1)
+                del logits
+                grad_log_probs = aten.nll_loss_backward(grad, log_probs, target[rows], None, ctx.reduction,
+                                                        ctx.ignore_index, total_weight)
+                g = aten._log_softmax_backward_data(grad_log_probs, log_probs, 1, log_probs.dtype).to(compute)
+                del log_probs, grad_log_probs
+            if flat_grad is not None:
+                g = flat_grad[rows].to(compute) if g is None else g.add_(flat_grad[rows])
+            if need_x:
+                torch.mm(g, w, out=grad_x[rows])
+            if need_w:
+                grad_w.addmm_(g.t().to(acc), part.to(acc))
+            if grad_b is not None:
+                grad_b.add_(g.sum(0, dtype=acc))
+            del g
+        grads = [grad_x.view(ctx.x_shape).to(ctx.x_dtype) if need_x else None,
+                 grad_w.to(compute).to(weight.dtype) if need_w else None,
+                 grad_b.to(compute).to(bias.dtype) if grad_b is not None else None]
+        return (*grads, None, None, None, None)
+
+
+@graph_leaf
+def linear_cross_entropy_rows(x, weight, bias, target, spec: HeadLossSpec):
+    """``(F.cross_entropy(F.linear(x, weight, bias).to(up).view(-1, classes), target, ...), the linear's output)``:
+    a language model's head and loss, keeping the head's input instead of the logits; backward recomputes the
+    logits a chunk of rows at a time (module docstring)."""
+    if not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
+        logits = F.linear(x, weight, bias)
+        flat = logits.reshape(-1, logits.shape[-1])
+        with torch.autocast("cpu", enabled=False), torch.autocast("cuda", enabled=False):
+            flat = flat.to(getattr(torch, spec.up)) if spec.up else flat
+            return aten.cross_entropy_loss(flat, target, None, spec.reduction, spec.ignore_index, 0.0), logits
+    return _LinearCrossEntropyRows.apply(x, weight, bias, target, spec.reduction, spec.ignore_index, spec.up)

@@ -44,7 +44,7 @@ from memopt.core.meta import DECISION_KEY
 from memopt.cost_model.analysis import Estimate
 from memopt.stash.config import StashConfig
 from memopt.passes.base import PassContext, PassResult, PlannerHooks, node_numel, register_pass
-from memopt.passes.stash.extras import compact_extras
+from memopt.passes.stash.extras import compact_extras, head_losses
 from memopt.passes.stash.generic import generic_stash
 from memopt.passes.stash.weights import recompute_weights
 from memopt.passes.stash.forms import (BNForm, bn_form, consumer, consumer_reason, in_place_add, max_pool,
@@ -327,6 +327,8 @@ def stash_pass(gm: fx.GraphModule, cfg: StashConfig, ctx: PassContext) -> PassRe
     if cfg.scale_identity:
         for first, conv, following in _identity_links(gm, modules):
             _link(gm, modules, first, conv, following)
+    if cfg.compact_extras and cfg.head_loss:  # before the generic stash, which would code the head's input
+        modified |= head_losses(gm, cfg)
     if cfg.generic or cfg.coded_ops:  # after the chains: what they cover is no longer a plain conv / linear input
         modified |= generic_stash(gm, cfg, ctx)
     if cfg.compact_extras:

@@ -2,7 +2,8 @@
 mask, ``torch.where`` a 1-bit condition, where the node alone keeps that tensor; a 2-d max pool keeps its window
 offsets instead of its input and int64 indices (a ReLU keeping the same tensor joins it with its 1-bit mask); a
 cross-entropy over 2-d logits keeps the logits instead of its log-softmax, and runs its backward in chunks of rows
-(``memopt.stash.loss``).
+(``memopt.stash.loss``); with ``StashConfig.head_loss`` a linear head before it joins it and the logits are not kept
+at all (``head_loss.py``).
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from memopt.core.meta import DECISION_KEY, META_KEY
 from memopt.cost_model.op_registry import op_kind
 from memopt.passes.fewbit import exact_masks, replace_with_mask
 from memopt.passes.stash.generic import _arg, _dtype, _kept, _keeping_only
+from memopt.passes.stash.head_loss import fuse_head_loss
 from memopt.stash.config import StashConfig
 from memopt.stash.generic import dropout_1bit, where_1bit
 from memopt.stash.loss import REDUCTIONS, cross_entropy_rows
@@ -101,6 +103,22 @@ def _cross_entropy_args(node: fx.Node, modules) -> Optional[Tuple[fx.Node, fx.No
             _dtype(logits) not in ("float32", "float64") or _dtype(target) != "int64":
         return None
     return logits, target, reduction, ignore_index
+
+
+def head_losses(gm: fx.GraphModule, cfg: StashConfig) -> bool:
+    """Each cross-entropy that keeps its own log-softmax, fed by a linear head, as one ``linear_cross_entropy_rows``
+    (``head_loss.py``); before the generic stash, which would otherwise code the head's input; True when anything
+    changed."""
+    modules = dict(gm.named_modules())
+    modified = False
+    for node in list(gm.graph.nodes):
+        if op_kind(node, modules) != "cross_entropy" or node.name in cfg.deny:
+            continue
+        loss = _cross_entropy_args(node, modules)
+        if loss is not None and any(set(s.savers) == {node.name} and s.source in ("", node.name)
+                                    for s in _kept(node)):
+            modified |= fuse_head_loss(gm, node, loss, modules)
+    return modified
 
 
 def compact_extras(gm: fx.GraphModule, cfg: StashConfig) -> bool:

@@ -101,7 +101,7 @@ def test_a_models_loss_is_rewritten_exactly_and_lowers_the_estimated_peak(spelli
     tokens, labels = torch.randint(0, 512, (8, 64)), torch.randint(0, 512, (8, 64))
     labels[:, :3] = -100
     only_extras = memopt.Config(fewbit=None, recompute=None, reversible=None,
-                                stash=memopt.StashConfig(generic=False), fidelity=None)
+                                stash=memopt.StashConfig(generic=False, head_loss=False), fidelity=None)
     loss_fn = lambda out: out[0]  # noqa: E731
     om = memopt.optimize(model, example_inputs=(tokens, labels), config=only_extras, loss_fn=loss_fn)
     rows = [n for n in om.graph_modules[""].graph.nodes if n.target is cross_entropy_rows]
@@ -134,7 +134,7 @@ def test_a_hugging_face_masked_lm_loss_is_rewritten_and_training_stays_bit_ident
     inputs = {"input_ids": ids, "labels": labels}
     eager = copy.deepcopy(model)
     extras_only = memopt.Config(fewbit=None, recompute=None, reversible=None, fidelity=None, stash=memopt.StashConfig(
-        generic=False, coded_ops=(), recompute_weights=False))
+        generic=False, coded_ops=(), recompute_weights=False, head_loss=False))
     om = memopt.optimize(model, example_inputs=inputs, config=extras_only, loss_fn=lambda out: out.loss)
     assert any(n.target is cross_entropy_rows for gm in om.graph_modules.values() for n in gm.graph.nodes)
     torch.manual_seed(1)
