@@ -18,7 +18,8 @@ logits (tokens x vocabulary), and recomputes the logits a chunk of rows at a tim
 logits gradient becomes the chunk's input gradient and a term of the weight gradient at once: after the forward
 neither the logits nor their gradient is ever whole. The forward is eager's calls (the loss and the logits output
 bit for bit, a bf16 head's ``.float()`` cast a chunk at a time); the weight and bias gradients are summed over
-the chunks (in float32 for a bf16 / fp16 head, rounded once), so they differ from eager's one GEMM by rounding.
+the chunks (a bf16 / fp16 head's chunk products summed in float32, rounded once), so they differ from eager's one
+GEMM by rounding.
 """
 from __future__ import annotations
 
@@ -159,8 +160,9 @@ class _LinearCrossEntropyRows(torch.autograd.Function):
         flat_grad = grad_logits.reshape(-1, grad_logits.shape[-1]) if grad_logits is not None else None
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         grad_x = torch.empty_like(rows_x) if need_x else None
-        # the weight gradient is summed over chunks: in float32 where the linear ran in a narrower dtype (as its
-        # one GEMM would accumulate), rounded to that dtype once at the end, as eager's GEMM rounds its output
+        # the weight gradient is summed over chunks: each chunk's GEMM in the linear's dtype (a bf16 GEMM costs
+        # half a float32 one on the CPU), their sum in float32 where that dtype is narrower, rounded to it once
+        # at the end as eager's one GEMM rounds its output
         acc = torch.float32 if compute in (torch.bfloat16, torch.float16) else compute
         grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
         grad_b = torch.zeros(weight.shape[0], dtype=acc, device=weight.device) if need_b and b is not None else None
@@ -182,7 +184,7 @@ class _LinearCrossEntropyRows(torch.autograd.Function):
             if need_x:
                 torch.mm(g, w, out=grad_x[rows])
             if need_w:
-                grad_w.addmm_(g.t().to(acc), part.to(acc))
+                grad_w.addmm_(g.t(), part) if acc == compute else grad_w.add_(torch.mm(g.t(), part))
             if grad_b is not None:
                 grad_b.add_(g.sum(0, dtype=acc))
             del g
