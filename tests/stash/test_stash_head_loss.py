@@ -152,6 +152,22 @@ def test_no_fusion_where_it_would_free_nothing(why):
     assert linear_cross_entropy_rows not in found and cross_entropy_rows in found
 
 
+def test_a_fused_graph_pickles_and_runs_the_same(tmp_path):
+    """The op and its spec resolve by name in a pickled graph (``torch.save`` / ``memopt.load`` read them)."""
+    import pickle
+
+    torch.manual_seed(0)
+    model = TinyLM()
+    tokens, labels = torch.randint(0, 512, (2, 16)), torch.randint(0, 512, (2, 16))
+    om = memopt.optimize(model, example_inputs=(tokens, labels), loss_fn=lambda out: out[0], config=memopt.Config(
+        **ONLY_EXTRAS, stash=memopt.StashConfig(generic=False)))
+    gm = pickle.loads(pickle.dumps(om.graph_modules[""]))
+    assert linear_cross_entropy_rows in _targets(gm)
+    assert "HeadLossSpec(1, -100, " in gm.code
+    expected, got = om.graph_modules[""](tokens, labels), gm(tokens, labels)
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))
+
+
 def _hf(name: str):
     transformers = pytest.importorskip("transformers")
     tiny = dict(vocab_size=1024, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128)

@@ -1,9 +1,12 @@
-"""python -m tools.bench.stash.bench_peak_ops [--model resnet50] [--batch 8] [--size 224] [--bf16] [--out PATH]
+"""python -m tools.bench.stash.bench_peak_ops [--model resnet50|llama|bert|vit] [--batch 8] [--size 224] [--bf16] [--out PATH]
 
 What is alive at the peak of one training step, measured: stock against memopt's default plan (the fidelity gate
 off), with the storages alive at each one's peak, largest first, and the op and memopt source line that made each.
 
-One forward and backward of a torchvision model (random weights; SGD's step adds nothing here: no state) under
+One forward and backward of a torchvision model (loss: logsumexp of the outputs), or of a transformer of the peak
+benchmark (``--model llama|bert|vit``: ``tools/bench/peak/child.py``'s models at their default shapes, ``--size``
+the ViT's image side; the model's own loss, which memopt gets as ``loss_fn``), random weights, the optimizer's
+step left out (it adds nothing to the peak of forward and backward), under
 the storage tracker ``memopt.measure`` uses (``LiveStorageTracker``: every storage an op creates, weakly
 referenced until it dies); parameters, buffers and the input are preexisting and not counted, their gradients
 are (the floor line). With ``--bf16`` the planning, the forward and the loss run under CPU bf16 autocast and the
@@ -24,6 +27,7 @@ from tabulate import tabulate
 import memopt
 from memopt.cost_model.storage import LiveStorageTracker
 from tools.bench.common import RESULTS, write_results
+from tools.bench.peak import child
 
 
 class _Who(LiveStorageTracker):
@@ -47,12 +51,12 @@ class _Who(LiveStorageTracker):
         self.snapshot = [(record[2], self.made.get(key)) for key, (_, record) in self._live.items()]
 
 
-def _peak(module, x, cast, params):
-    tracker = _Who(preexisting=params + [x])
+def _peak(module, forward_loss, inputs, cast, params):
+    tracker = _Who(preexisting=params + inputs)
     with tracker:
         tracker.phase = "forward"
         with cast():
-            loss = module(x).float().logsumexp(1).mean()
+            loss = forward_loss(module)
         tracker.phase = "backward"
         loss.backward()
     for p in params:
@@ -70,23 +74,33 @@ def main() -> None:
     parser.add_argument("--out", default="")
     a = parser.parse_args()
     torch.manual_seed(0)
-    model = getattr(torchvision.models, a.model)()
-    x = torch.randn(a.batch, 3, a.size, a.size)
     cast = (lambda: torch.autocast("cpu", torch.bfloat16)) if a.bf16 else contextlib.nullcontext
+    if a.model in ("llama", "bert", "vit"):
+        case = child.build(a.model, a.batch, child.shape_args(res=a.size))
+        model, example, loss_fn, forward_loss = case.model, case.inputs, case.loss_of_output, case.forward_loss
+        inputs = list(example.values()) if isinstance(example, dict) else [example]
+        optimizer = "adamw"
+    else:
+        model = getattr(torchvision.models, a.model)()
+        example = torch.randn(a.batch, 3, a.size, a.size)
+        inputs, optimizer, loss_fn = [example], "sgd", None
+        forward_loss = lambda net: net(example).float().logsumexp(1).mean()  # noqa: E731
     with cast():
-        om = memopt.optimize(model, example_inputs=x, optimizer="sgd", config=memopt.Config(fidelity=None))
+        om = memopt.optimize(model, example_inputs=example, optimizer=optimizer, loss_fn=loss_fn,
+                             config=memopt.Config(fidelity=None))
     params = list(model.parameters()) + list(model.buffers())
     grads = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     body = [f"Floor: the parameters' gradients, {grads / 2 ** 20:.1f} MiB, alive at the end of every backward."]
     for name, module in (("stock", model), ("memopt", om)):
-        peak, alive = _peak(module, x, cast, params)
+        peak, alive = _peak(module, forward_loss, inputs, cast, params)
         rows = [[f"{nbytes / 2 ** 20:.2f}", *(who or ("?", "", ""))] for nbytes, who in alive[:a.top]]
         body.append(f"## {name}: peak {peak / 2 ** 20:.1f} MiB\n\n" + tabulate(
             rows, headers=["MiB", "made by", "phase", "memopt source"], tablefmt="github"))
     command = (f"python -m tools.bench.stash.bench_peak_ops --model {a.model} --batch {a.batch} --size {a.size}"
                + (" --bf16" if a.bf16 else ""))
     out = a.out or str(RESULTS / "stash" / f"peak_ops_{a.model}_{'bf16' if a.bf16 else 'fp32'}.md")
-    write_results(out, f"What is alive at the peak: {a.model}, batch {a.batch}, {a.size}x{a.size}"
+    shape = f"{a.size}x{a.size}" if a.model not in ("llama", "bert") else "default sequence"
+    write_results(out, f"What is alive at the peak: {a.model}, batch {a.batch}, {shape}"
                   + (", bf16 autocast" if a.bf16 else ""), command, __doc__, "\n\n".join(body))
 
 
