@@ -6,7 +6,8 @@ cost model mirrors, on real tensors), and the anonymous resident memory ``memopt
 before and after it, after a garbage collection): what a process holds from then on besides the step's tensors
 (modules it imported, caches); then the parts of the estimated peak (parameters, optimizer state, activations
 kept for backward, transients alive at the peak) and the nodes that keep the most. Run it with ``MALLOC_MMAP_THRESHOLD_=131072`` as the peak table is, so freed large
-blocks go back to the kernel. Prints three lines; no results file (the peak table's Reading quotes it).
+blocks go back to the kernel. Prints three lines; no results file (the peak table's Reading quotes it). ``--twice``
+then runs ``optimize()`` a second time with the first plan dropped and prints what that leaves held.
 """
 from __future__ import annotations
 
@@ -25,6 +26,8 @@ def main() -> None:
     p.add_argument("--model", default="llama", choices=("llama", "resnet50"))
     p.add_argument("--batch", type=int, default=None)
     p.add_argument("--res", type=int, default=128)
+    p.add_argument("--twice", action="store_true", help="then optimize() again in the same process (the first plan "
+                   "dropped) and print what that second call leaves held: one-time process costs vs per-plan ones")
     args = p.parse_args()
     import torch
 
@@ -50,6 +53,16 @@ def main() -> None:
                                                       for p in parts) + " MiB (cost_model.analysis.Estimate.breakdown)")
     kept = sorted(((c.saved_bytes, name, c.target, c.shapes[:1]) for name, c in
                    om.estimate.nodes.items()), reverse=True)[:4]
+    if args.twice:
+        del om, measured
+        gc.collect()
+        before = anon_mib()
+        om = memopt.optimize(case.model, example_inputs=case.inputs, optimizer=opt, loss_fn=case.loss_of_output)
+        del om
+        gc.collect()
+        print(f"a second optimize() in the same process, its plan dropped: {anon_mib() - before:.1f} MiB more "
+              f"anonymous memory held")
+        return
     print("the nodes that keep the most for backward: " + "; ".join(
         f"{name} ({target}, out {shapes[0] if shapes else '?'}) {b / 2**20:.1f} MiB" for b, name, target, shapes in kept))
 
