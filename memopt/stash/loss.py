@@ -115,7 +115,8 @@ def cross_entropy_rows(logits, target, reduction: int = 1, ignore_index: int = -
 class HeadLossSpec(NamedTuple):
     """The non-tensor parameters of ``linear_cross_entropy_rows``: ``reduction`` (aten's enum: 1 mean, 2 sum) and
     ``ignore_index`` of the cross-entropy, ``up``: the dtype the logits are cast to before the loss ("" for none;
-    Hugging Face's ``logits.float()`` under autocast)."""
+    Hugging Face's ``logits.float()`` under autocast; "autocast": float32 where autocast is on for the logits'
+    device when the op runs, as autocast up-casts a cross-entropy's input, else none)."""
 
     reduction: int
     ignore_index: int
@@ -199,6 +200,8 @@ def linear_cross_entropy_rows(x, weight, bias, target, spec: HeadLossSpec):
     """``(F.cross_entropy(F.linear(x, weight, bias).to(up).view(-1, classes), target, ...), the linear's output)``:
     a language model's head and loss, keeping the head's input instead of the logits; backward recomputes the
     logits a chunk of rows at a time (module docstring)."""
+    if spec.up == "autocast":
+        spec = spec._replace(up="float32" if torch.is_autocast_enabled(x.device.type) else "")
     if not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
         logits = F.linear(x, weight, bias)
         flat = logits.reshape(-1, logits.shape[-1])

@@ -68,10 +68,12 @@ def _max_pool_args(node: fx.Node, modules) -> Optional[Tuple]:
     return tuple(values)
 
 
-def _cross_entropy_args(node: fx.Node, modules) -> Optional[Tuple[fx.Node, fx.Node, int, int]]:
+def _cross_entropy_args(node: fx.Node, modules, autocast: bool = False
+                        ) -> Optional[Tuple[fx.Node, fx.Node, int, int]]:
     """(logits, target, reduction as aten's enum, ignore_index) of a cross-entropy that ``cross_entropy_rows``
     computes exactly: 2-d float32 / float64 logits, 1-d int64 class targets, no class weights, no label smoothing,
-    reduced by mean or sum; else None."""
+    reduced by mean or sum; else None. ``autocast``: bf16 / fp16 logits too where the loss came out float32 (autocast
+    up-cast them: ``linear_cross_entropy_rows`` does as autocast does at run time)."""
     if node.op == "call_module":
         module = modules[node.target]
         if type(module) is not nn.CrossEntropyLoss or has_hooks(module) or module.weight is not None:
@@ -100,7 +102,9 @@ def _cross_entropy_args(node: fx.Node, modules) -> Optional[Tuple[fx.Node, fx.No
     shapes = [n.meta[META_KEY].shapes[0] if n.meta.get(META_KEY) is not None and n.meta[META_KEY].shapes else None
               for n in (logits, target)]
     if shapes[0] is None or shapes[1] is None or len(shapes[0]) != 2 or len(shapes[1]) != 1 or \
-            _dtype(logits) not in ("float32", "float64") or _dtype(target) != "int64":
+            _dtype(logits) not in ("float32", "float64") + (("bfloat16", "float16") if autocast and
+                                                             _dtype(node) == "float32" else ()) or \
+            _dtype(target) != "int64":
         return None
     return logits, target, reduction, ignore_index
 
@@ -114,7 +118,7 @@ def head_losses(gm: fx.GraphModule, cfg: StashConfig) -> bool:
     for node in list(gm.graph.nodes):
         if op_kind(node, modules) != "cross_entropy" or node.name in cfg.deny:
             continue
-        loss = _cross_entropy_args(node, modules)
+        loss = _cross_entropy_args(node, modules, autocast=True)
         if loss is not None and any(set(s.savers) == {node.name} and s.source in ("", node.name)
                                     for s in _kept(node)):
             modified |= fuse_head_loss(gm, node, loss, modules)

@@ -120,6 +120,8 @@ def fuse_head_loss(gm: fx.GraphModule, loss: fx.Node, found, modules) -> bool:
     up = dtypes[-1] if dtypes[-1] != dtypes[0] else ""
     if up and (up not in ("float32", "float64") or dtypes[0] not in ("bfloat16", "float16", "float32")):
         return False
+    if dtypes[-1] in ("bfloat16", "float16"):  # the loss's float32 is autocast's (``_cross_entropy_args``)
+        up = "autocast"
     # only the loss, export's metadata checks, the graph's output (of the head's own value) and shape reads for
     # the chain's own reshapes (``logits.view(-1, logits.shape[-1])``) read the chain
     chain = [head] + steps

@@ -60,6 +60,21 @@ def test_the_loss_and_logits_are_eagers_and_the_gradients_within_rounding(monkey
         assert float((a - b).abs().max()) <= tolerance * float(a.abs().max()), name
 
 
+@pytest.mark.parametrize("autocast", [False, True])
+def test_up_autocast_casts_as_autocast_does_when_the_op_runs(autocast):
+    """``up="autocast"`` (a cross-entropy on bf16 logits that autocast up-cast while planning): float32 under
+    autocast, the logits' own dtype without it: eager's loss either way."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 24, 16, dtype=torch.bfloat16, requires_grad=True)
+    weight = torch.randn(64, 16, dtype=torch.bfloat16, requires_grad=True)
+    target = torch.randint(0, 64, (48,))
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        expected = F.cross_entropy(F.linear(x, weight).view(-1, 64), target)
+        got, _ = linear_cross_entropy_rows(x, weight, None, target, HeadLossSpec(1, -100, "autocast"))
+    assert got.dtype == (torch.float32 if autocast else torch.bfloat16) and torch.equal(expected, got)
+    got.backward()
+
+
 @pytest.mark.parametrize("reduction", [1, 2])
 def test_gradcheck_in_float64(reduction):
     torch.manual_seed(0)
@@ -186,7 +201,7 @@ def _hf(name: str):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name, autocast", [("llama", False), ("llama", True), ("gpt2", False), ("gpt2", True),
-                                            ("gpt_neox", True), ("bert_mlm", False)])
+                                            ("gpt_neox", True), ("bert_mlm", False), ("bert_mlm", True)])
 def test_hugging_face_language_models_with_the_default_config(name, autocast):
     torch.manual_seed(0)
     model = _hf(name).train()
