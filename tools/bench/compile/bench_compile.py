@@ -96,7 +96,8 @@ def step(module: nn.Module, params: nn.Module, x: torch.Tensor):
               if t.dim() >= 2 and any(t.shape == w.shape and torch.equal(t, w) for w in weights)]
     copied = sum(t.untyped_storage().nbytes() for t in copies)
     saved = sum(t.untyped_storage().nbytes() for t in packed.values()) - copied
-    del packed, copies
+    packed.clear()  # autograd keeps what it saved; these references go before backward
+    del copies
     out.logsumexp(1).mean().backward()
     return saved, copied, out.detach(), [p.grad.clone() for p in params.parameters()]
 
