@@ -88,11 +88,11 @@ class StashConfig:
             draws, bit-identical outputs and gradients; CPU dropout otherwise keeps a float32 noise tensor).
         head_loss: with ``compact_extras``, a linear head whose logits feed a cross-entropy (through views and
             one cast) and nothing but the model's output joins that loss as one op that keeps the head's input, not
-            the logits, and recomputes the logits a chunk of rows at a time in backward (default True;
+            the logits, and makes the head's gradients in the forward a chunk of rows at a time (default True;
             ``passes/stash/head_loss.py``). Applied where the logits have more columns than the head's input
             has features (an LM's vocabulary). Forward outputs and the loss bit-identical; the head's weight and
             bias gradients are summed over row chunks (rounding-level: the gate checks them), the input gradient
-            is eager's kernel on each chunk of rows.
+            is eager's kernel on each chunk of rows (scaled by the loss's gradient after it, exact for 1).
         recompute_weights: a conv or linear whose weight the graph computes from parameters alone (timm's
             weight-standardised convs, weight norm) keeps the parameters it reads and recomputes the weight in
             backward, instead of keeping a weight-sized copy per op (default True: exact, the same ops on the

@@ -13,13 +13,16 @@ full-size tensor (that gradient) is made in the whole loss. Applied where the cr
 class-index targets, with no class weights and no label smoothing, reduced by mean or sum.
 
 ``linear_cross_entropy_rows`` goes one step further where a linear head makes the logits (an LM's ``lm_head``):
-head and loss are one op that keeps the head's input (tokens x features, in the dtype the head ran in), not the
-logits (tokens x vocabulary), and recomputes the logits a chunk of rows at a time in backward, where each chunk's
-logits gradient becomes the chunk's input gradient and a term of the weight gradient at once: after the forward
-neither the logits nor their gradient is ever whole. The forward is eager's calls (the loss and the logits output
-bit for bit, a bf16 head's ``.float()`` cast a chunk at a time); the weight and bias gradients are summed over
-the chunks (a bf16 / fp16 head's chunk products summed in float32, rounded once), so they differ from eager's one
-GEMM by rounding.
+head and loss are one op. Its forward makes the logits (eager's call: the model's output, bit for bit), then a
+chunk of rows at a time the loss's log-softmax (a bf16 head's ``.float()`` cast per chunk), the picked values
+(the loss, bit for bit) and, from the same log-softmax, the loss's gradient to those logits, which becomes the
+chunk's input gradient and a term of the weight gradient at once. It keeps those gradients (tokens x features and
+the weight's size) and the head's input, not the logits (tokens x vocabulary); backward only scales them by the
+loss's gradient (exactly them for ``loss.backward()``'s 1), so the logits are never recomputed and their gradient
+is never whole. The weight and bias gradients are summed over the chunks (a bf16 / fp16 head's chunk products
+summed in float32, rounded once), so they differ from eager's one GEMM by rounding; under another output gradient
+than 1 the scaling comes after the GEMMs instead of before (rounding too). The price: a forward that will not be
+followed by a backward (an evaluation with autograd on) still computes the head's gradients.
 """
 from __future__ import annotations
 
@@ -38,9 +41,11 @@ MIN_CHUNKS = 8  # and at least this many chunks: a chunk's two temporaries besid
 # then a quarter of the tensor that stock backward makes on top (its log-softmax's gradient), on small logits too
 
 
-def _rows_per_chunk_of(rows: int, classes: int, element_size: int) -> int:
-    """``_rows_per_chunk`` for logits of ``rows`` x ``classes`` elements of ``element_size`` bytes."""
-    step = max(1, min(CHUNK_BYTES // max(1, classes * element_size), -(-rows // MIN_CHUNKS)))
+def _rows_per_chunk_of(rows: int, classes: int, element_size: int, chunk_bytes: int = 0) -> int:
+    """``_rows_per_chunk`` for logits of ``rows`` x ``classes`` elements of ``element_size`` bytes (chunks of at
+    most ``chunk_bytes``, default ``CHUNK_BYTES``)."""
+    chunk_bytes = chunk_bytes or CHUNK_BYTES
+    step = max(1, min(chunk_bytes // max(1, classes * element_size), -(-rows // MIN_CHUNKS)))
     return -(-step // 4) * 4
 
 
@@ -125,24 +130,63 @@ class HeadLossSpec(NamedTuple):
     of = classmethod(spec_of)  # HeadLossSpec.of(node)
 
 
+HEAD_CHUNK_BYTES = 4 << 20  # the head's chunks: each makes about four such temporaries beside the logits output
+
+
 class _LinearCrossEntropyRows(torch.autograd.Function):
+    """Forward: the logits (eager's call), then per chunk of rows the loss's picked log-probabilities and, from
+    the same log-softmax, the loss's gradient to the chunk's logits (eager's backward kernels with an output
+    gradient of 1), turned at once into the chunk's input gradient and a term of the weight and bias gradients.
+    Backward scales those by the loss's gradient (bit for bit the stored ones when it is 1, as a plain
+    ``loss.backward()`` gives) and adds what a second use of the logits output sends; it recomputes nothing."""
+
     @staticmethod
     def forward(ctx, x, weight, bias, target, reduction: int, ignore_index: int, up: str):
         logits = F.linear(x, weight, bias)  # under the caller's autocast, as eager's call: the same bits
-        flat = logits.reshape(-1, logits.shape[-1])
-        with torch.autocast("cpu", enabled=False), torch.autocast("cuda", enabled=False):
-            if flat.device.type == "cpu":  # the cast a chunk at a time: no whole float32 copy of bf16 logits
-                out, total_weight = _loss_in_chunks(flat, target, reduction, ignore_index,
-                                                    getattr(torch, up) if up else None)
-            else:
-                log_probs = torch.log_softmax(flat.to(getattr(torch, up)) if up else flat, 1)
-                out, total_weight = aten.nll_loss_forward(log_probs, target, None, reduction, ignore_index)
-                del log_probs
         compute = logits.dtype  # the linear's dtype: autocast's (bf16 copies of x and weight), else x's
-        # what eager's linear keeps: its input in the dtype it ran in, as rows (a view where x is contiguous)
-        ctx.save_for_backward(x.to(compute).reshape(-1, x.shape[-1]), weight, bias, target, total_weight)
-        ctx.reduction, ctx.ignore_index, ctx.up, ctx.compute = reduction, ignore_index, up, compute
-        ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
+        rows_x = x.detach().to(compute).reshape(-1, x.shape[-1])  # what eager's linear keeps, as rows
+        w = weight.detach().to(compute)
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        need_b = need_b and bias is not None
+        # the weight gradient is summed over chunks: each chunk's GEMM in the linear's dtype, their sum in float32
+        # where that dtype is narrower, rounded to it once at the end as eager's one GEMM rounds its output
+        acc = torch.float32 if compute in (torch.bfloat16, torch.float16) else compute
+        grad_x = torch.empty_like(rows_x) if need_x else None
+        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
+        grad_b = torch.zeros(weight.shape[0], dtype=acc, device=weight.device) if need_b else None
+        flat = logits.detach().reshape(-1, logits.shape[-1])
+        with torch.autocast("cpu", enabled=False), torch.autocast("cuda", enabled=False):
+            up_dtype = getattr(torch, up) if up else compute
+            ignored = target == ignore_index
+            index = target.masked_fill(ignored, 0).unsqueeze(1)
+            column = int(ignore_index == 0)  # as _loss_in_chunks: the picked values' class is never the ignored one
+            picked = flat.new_zeros((flat.shape[0], column + 1), dtype=up_dtype)
+            step = _rows_per_chunk_of(flat.shape[0], flat.shape[1], up_dtype.itemsize, HEAD_CHUNK_BYTES)
+            # the loss's total weight first: the chunks' gradients divide by it (nll_loss's own count)
+            total_weight = (~ignored).sum().to(up_dtype) if reduction == 1 else flat.new_ones((), dtype=up_dtype)
+            one = flat.new_ones((), dtype=up_dtype)
+            for start in range(0, flat.shape[0], step):
+                rows = slice(start, start + step)
+                log_probs = torch.log_softmax(flat[rows].to(up_dtype), 1)
+                picked[rows, column:] = log_probs.gather(1, index[rows])
+                if need_x or need_w or need_b:
+                    grad_log_probs = aten.nll_loss_backward(one, log_probs, target[rows], None, reduction,
+                                                            ignore_index, total_weight)
+                    g = aten._log_softmax_backward_data(grad_log_probs, log_probs, 1, up_dtype).to(compute)
+                    del grad_log_probs
+                    if need_x:
+                        torch.mm(g, w, out=grad_x[rows])
+                    if need_w:
+                        _add_mm(grad_w, g.t(), rows_x[rows], acc == compute)
+                    if need_b:
+                        grad_b.add_(g.sum(0, dtype=acc))
+                    del g
+                del log_probs
+            out, total = aten.nll_loss_forward(picked, target.masked_fill(~ignored, column), None, reduction,
+                                               ignore_index)
+        ctx.save_for_backward(rows_x, w, grad_x, grad_w, grad_b)
+        ctx.compute, ctx.x_shape, ctx.x_dtype = compute, x.shape, x.dtype
+        ctx.weight_dtype, ctx.bias_dtype = weight.dtype, bias.dtype if bias is not None else None
         ctx.set_materialize_grads(False)
         return out, logits
 
@@ -153,53 +197,47 @@ class _LinearCrossEntropyRows(torch.autograd.Function):
                               "not supported; set StashConfig(head_loss=False) to keep the model's own head and loss")
         if grad is None and grad_logits is None:
             return None, None, None, None, None, None, None
-        rows_x, weight, bias, target, total_weight = ctx.saved_tensors
-        compute = ctx.compute
-        w = weight.to(compute)
-        b = bias.to(compute) if bias is not None else None
-        up = getattr(torch, ctx.up) if ctx.up else compute
-        flat_grad = grad_logits.reshape(-1, grad_logits.shape[-1]) if grad_logits is not None else None
+        rows_x, w, grad_x, grad_w, grad_b = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        grad_x = torch.empty_like(rows_x) if need_x else None
-        # the weight gradient is summed over chunks: each chunk's GEMM in the linear's dtype (a bf16 GEMM costs
-        # half a float32 one on the CPU), their sum in float32 where that dtype is narrower, rounded to it once
-        # at the end as eager's one GEMM rounds its output
-        acc = torch.float32 if compute in (torch.bfloat16, torch.float16) else compute
-        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
-        grad_b = torch.zeros(weight.shape[0], dtype=acc, device=weight.device) if need_b and b is not None else None
-        step = _rows_per_chunk_of(rows_x.shape[0], weight.shape[0], torch.empty((), dtype=up).element_size())
-        for start in range(0, rows_x.shape[0], step):
-            rows = slice(start, start + step)
-            part = rows_x[rows]
-            g = None
-            if grad is not None:
-                logits = F.linear(part, w, b)
-                log_probs = torch.log_softmax(logits.to(up), 1)
-                del logits
-                grad_log_probs = aten.nll_loss_backward(grad, log_probs, target[rows], None, ctx.reduction,
-                                                        ctx.ignore_index, total_weight)
-                g = aten._log_softmax_backward_data(grad_log_probs, log_probs, 1, log_probs.dtype).to(compute)
-                del log_probs, grad_log_probs
-            if flat_grad is not None:
-                g = flat_grad[rows].to(compute) if g is None else g.add_(flat_grad[rows])
-            if need_x:
-                torch.mm(g, w, out=grad_x[rows])
-            if need_w:
-                grad_w.addmm_(g.t(), part) if acc == compute else grad_w.add_(torch.mm(g.t(), part))
-            if grad_b is not None:
-                grad_b.add_(g.sum(0, dtype=acc))
-            del g
-        grads = [grad_x.view(ctx.x_shape).to(ctx.x_dtype) if need_x else None,
-                 grad_w.to(compute).to(weight.dtype) if need_w else None,
-                 grad_b.to(compute).to(bias.dtype) if grad_b is not None else None]
-        return (*grads, None, None, None, None)
+        compute = ctx.compute
+        if grad is not None:  # new tensors (a retained graph's next backward reads the stored ones again)
+            grad_x = grad_x * grad.to(compute) if need_x else None
+            grad_w = grad_w * grad.to(grad_w.dtype) if need_w else None
+            grad_b = grad_b * grad.to(grad_b.dtype) if grad_b is not None else None
+        else:
+            grad_x = torch.zeros_like(rows_x) if need_x else None
+            grad_w = torch.zeros_like(grad_w) if need_w else None
+            grad_b = torch.zeros_like(grad_b) if grad_b is not None else None
+        if grad_logits is not None:  # the logits output read by something else too: its gradient a chunk at a time
+            flat = grad_logits.reshape(-1, grad_logits.shape[-1])
+            step = _rows_per_chunk_of(flat.shape[0], flat.shape[1], flat.element_size(), HEAD_CHUNK_BYTES)
+            for start in range(0, flat.shape[0], step):
+                rows = slice(start, start + step)
+                g = flat[rows].to(compute)
+                if need_x:
+                    grad_x[rows] += g @ w
+                if need_w:
+                    _add_mm(grad_w, g.t(), rows_x[rows], grad_w.dtype == compute)
+                if grad_b is not None:
+                    grad_b.add_(g.sum(0, dtype=grad_b.dtype))
+        return (grad_x.view(ctx.x_shape).to(ctx.x_dtype) if need_x else None,
+                grad_w.to(compute).to(ctx.weight_dtype) if need_w else None,
+                grad_b.to(compute).to(ctx.bias_dtype) if grad_b is not None else None, None, None, None, None)
+
+
+def _add_mm(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, same_dtype: bool) -> None:
+    """``out += a @ b``: in one ``addmm_`` where ``out`` has their dtype, else their product (in theirs) added."""
+    if same_dtype:
+        out.addmm_(a, b)
+    else:
+        out.add_(torch.mm(a, b))
 
 
 @graph_leaf
 def linear_cross_entropy_rows(x, weight, bias, target, spec: HeadLossSpec):
     """``(F.cross_entropy(F.linear(x, weight, bias).to(up).view(-1, classes), target, ...), the linear's output)``:
-    a language model's head and loss, keeping the head's input instead of the logits; backward recomputes the
-    logits a chunk of rows at a time (module docstring)."""
+    a language model's head and loss, keeping the head's gradients (made in the forward, a chunk of rows at a time)
+    and input instead of the logits (module docstring)."""
     if spec.up == "autocast":
         spec = spec._replace(up="float32" if torch.is_autocast_enabled(x.device.type) else "")
     if not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):

@@ -1,13 +1,14 @@
 """The stash pass, a language model's head and loss as one op (``StashConfig.head_loss``): a linear whose output
 reaches a cross-entropy only through views and one cast (``lm_head(h)``, ``.float()``, ``.view(-1, vocab)``:
-Hugging Face's causal and masked LMs) becomes ``linear_cross_entropy_rows``, which keeps the head's input instead
-of the logits and recomputes the logits a chunk of rows at a time in backward (``memopt/stash/loss.py``).
+Hugging Face's causal and masked LMs) becomes ``linear_cross_entropy_rows``, which computes the head's gradients
+in the forward a chunk of rows at a time and keeps them and the head's input, not the logits
+(``memopt/stash/loss.py``).
 
 Why: the logits are the largest tensor of an LM's step (tokens x vocabulary). ``cross_entropy_rows`` alone keeps
 them (not their log-softmax) and makes their whole gradient in backward; here neither exists after the forward
-(the model's logits output is still produced, bit for bit, and freed when the caller drops it). The cost is one
-more head matmul in backward and a weight gradient summed over row chunks (rounding-level, not bit-identical:
-the gate checks it), so it applies only where the logits are larger than the head's input (more classes than
+(the model's logits output is still produced, bit for bit, and freed when the caller drops it). The cost is a
+weight gradient summed over row chunks (rounding-level, not bit-identical: the gate checks it) and the head's
+gradient work done in the forward (wasted where no backward follows), so it applies only where the logits are larger than the head's input (more classes than
 features) and the logits feed nothing but the loss and the model's output.
 """
 from __future__ import annotations
@@ -148,8 +149,8 @@ def fuse_head_loss(gm: fx.GraphModule, loss: fx.Node, found, modules) -> bool:
                                   (*parts, target, HeadLossSpec(reduction, ignore_index, up)), name=f"{loss.name}_head")
         value = graph.call_function(operator.getitem, (fused, 0))
         out = graph.call_function(operator.getitem, (fused, 1))
-    note = (f"the head {head.name} and this loss as one op: keeps the head's input, not the logits; backward "
-            f"recomputes the logits a chunk of rows at a time (weight gradient summed over the chunks)")
+    note = (f"the head {head.name} and this loss as one op: keeps the head's input, not the logits; its gradients "
+            f"are made in the forward a chunk of rows at a time (weight gradient summed over the chunks)")
     fused.meta[DECISION_KEY] = {"technique": "stash", "bits": None, "replaces": [head.name, loss.name],
                                 "reason": note}
     loss.replace_all_uses_with(value)
