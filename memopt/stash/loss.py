@@ -165,10 +165,12 @@ class _LinearCrossEntropyRows(torch.autograd.Function):
             # the loss's total weight first: the chunks' gradients divide by it (nll_loss's own count)
             total_weight = (~ignored).sum().to(up_dtype) if reduction == 1 else flat.new_ones((), dtype=up_dtype)
             one = flat.new_ones((), dtype=up_dtype)
+            whole = _whole_loss(flat.device)
             for start in range(0, flat.shape[0], step):
                 rows = slice(start, start + step)
                 log_probs = torch.log_softmax(flat[rows].to(up_dtype), 1)
-                picked[rows, column:] = log_probs.gather(1, index[rows])
+                if not whole:
+                    picked[rows, column:] = log_probs.gather(1, index[rows])
                 if need_x or need_w or need_b:
                     grad_log_probs = aten.nll_loss_backward(one, log_probs, target[rows], None, reduction,
                                                             ignore_index, total_weight)
@@ -182,8 +184,12 @@ class _LinearCrossEntropyRows(torch.autograd.Function):
                         grad_b.add_(g.sum(0, dtype=acc))
                     del g
                 del log_probs
-            out, total = aten.nll_loss_forward(picked, target.masked_fill(~ignored, column), None, reduction,
-                                               ignore_index)
+            if whole:  # eager's two calls: the reduction order of other devices' kernels is not checked here
+                out = aten.nll_loss_forward(torch.log_softmax(flat.to(up_dtype), 1), target, None, reduction,
+                                            ignore_index)[0]
+            else:
+                out = aten.nll_loss_forward(picked, target.masked_fill(~ignored, column), None, reduction,
+                                            ignore_index)[0]
         ctx.save_for_backward(rows_x, w, grad_x, grad_w, grad_b)
         ctx.compute, ctx.x_shape, ctx.x_dtype = compute, x.shape, x.dtype
         ctx.weight_dtype, ctx.bias_dtype = weight.dtype, bias.dtype if bias is not None else None
@@ -223,6 +229,12 @@ class _LinearCrossEntropyRows(torch.autograd.Function):
         return (grad_x.view(ctx.x_shape).to(ctx.x_dtype) if need_x else None,
                 grad_w.to(compute).to(ctx.weight_dtype) if need_w else None,
                 grad_b.to(compute).to(ctx.bias_dtype) if grad_b is not None else None, None, None, None, None)
+
+
+def _whole_loss(device: torch.device) -> bool:
+    """Whether the head's loss value comes from eager's whole-tensor calls (off the CPU, as ``cross_entropy_rows``
+    there) rather than from the picked values of each chunk (the CPU, whose bits ``_loss_in_chunks`` matches)."""
+    return device.type != "cpu"
 
 
 def _add_mm(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, same_dtype: bool) -> None:

@@ -75,6 +75,22 @@ def test_up_autocast_casts_as_autocast_does_when_the_op_runs(autocast):
     got.backward()
 
 
+def test_off_the_cpu_the_loss_is_eagers_whole_call_and_the_gradients_the_same(monkeypatch):
+    """Off the CPU the loss value comes from eager's two whole-tensor calls (their reduction order unchecked
+    there); the gradients come from the same chunks either way (checked here on the CPU)."""
+    torch.manual_seed(0)
+    x, weight = torch.randn(3, 40, 16, requires_grad=True), torch.randn(100, 16, requires_grad=True)
+    target = torch.randint(0, 100, (120,))
+    results = []
+    for whole in (False, True):
+        monkeypatch.setattr(stash_loss, "_whole_loss", lambda device, whole=whole: whole)
+        results.append(_run(lambda: linear_cross_entropy_rows(x, weight, None, target, HeadLossSpec(1, -100, "")),
+                            (x, weight), 0.0))
+    assert torch.equal(results[1][0], F.cross_entropy(F.linear(x, weight).view(-1, 100), target).detach())
+    assert torch.equal(results[0][0], results[1][0])
+    assert all(torch.equal(a, b) for a, b in zip(results[0][2], results[1][2]))
+
+
 @pytest.mark.parametrize("reduction", [1, 2])
 def test_gradcheck_in_float64(reduction):
     torch.manual_seed(0)
