@@ -173,6 +173,7 @@ def _node_error(n: fx.Node, env: dict[fx.Node, Any], error: Exception) -> Memopt
         f"stock model fails on these too.")
 
 
+@counters.counted("cost_model_runs")
 def annotate(gm: fx.GraphModule, args: tuple, kwargs: dict, *, device: Optional[str] = None,
              optimizer: Any = None, loss_fn: Optional[LossFn] = None, simulate: bool = True) -> Estimate:
     """Run the cost model on ``gm`` for the example inputs and write ``node.meta[META_KEY]``.
@@ -184,7 +185,6 @@ def annotate(gm: fx.GraphModule, args: tuple, kwargs: dict, *, device: Optional[
     planner's candidate runs): ``peak_bytes`` is then 0 and ``breakdown`` empty.
     """
 
-    counters.count("cost_model_runs")
     target = torch.device(device or _model_device(gm))
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     fake_gm, fargs, fkwargs = fake_copy(gm, args, kwargs, mode, target)

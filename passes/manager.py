@@ -33,10 +33,10 @@ def passes_for(config: Any) -> List[Tuple[str, PassFn, Any]]:
     return selected
 
 
+@counters.counted("pass_runs")
 def run_passes(gm: fx.GraphModule, passes: Sequence[Tuple[str, PassFn, Any]],
                ctx: Optional[PassContext] = None) -> Tuple[fx.GraphModule, List[PassRecord]]:
     ctx = PassContext() if ctx is None else ctx
-    counters.count("pass_runs")
     records = []
     for name, fn, cfg in passes:
         try:

@@ -134,8 +134,8 @@ def _start_step(model: nn.Module, params: List[torch.Tensor], rng: torch.Tensor)
         p.grad = None
 
 
+@counters.counted("real_steps")
 def training_step(fn, model: nn.Module, args: tuple, kwargs: dict, rng: torch.Tensor, loss_fn=None) -> StepResult:
-    counters.count("real_steps")
     params = list(model.parameters())
     state = {storage_key(t) for t in params + list(model.buffers())}
     args, kwargs, inputs = _fresh_inputs(args, kwargs)
@@ -162,10 +162,15 @@ def training_grads(fn, model: nn.Module, args: tuple, kwargs: dict, rng: torch.T
     the same computation from the same state and draws; each backward reads the same saved tensors: memopt's
     ops neither free nor overwrite what they saved, tests/capture/test_shared_forward.py). ``stop(grads)``: no
     further backward once it is true (the gate stops at a loss a parameter misses under)."""
-    found: List[List[Optional[torch.Tensor]]] = []
     if not losses:
-        return found
-    counters.count("real_steps")
+        return []
+    return _training_grads(fn, model, args, kwargs, rng, losses, stop)
+
+
+@counters.counted("real_steps")
+def _training_grads(fn, model: nn.Module, args: tuple, kwargs: dict, rng: torch.Tensor, losses: List[Any],
+                    stop: Optional[Callable[[List[Optional[torch.Tensor]]], bool]]) -> List[List[Optional[torch.Tensor]]]:
+    found: List[List[Optional[torch.Tensor]]] = []
     params = list(model.parameters())
     args, kwargs, inputs = _fresh_inputs(args, kwargs)
     with preserved_state(model):

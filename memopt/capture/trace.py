@@ -359,10 +359,10 @@ def on_model(model: nn.Module, ep_module: fx.GraphModule) -> fx.GraphModule:
     return _rebuild_on_model(model, graph, ep_module, functions)
 
 
+@counters.counted("traces")
 def export_capture(model: nn.Module, args: tuple, kwargs: dict) -> Captured:
     """Capture ``model`` with ``torch.export`` (``export_module``), with what a trace builds that eager does not
     replaced by what eager runs."""
-    counters.count("traces")
     gm = on_model(model, export_module(model, args, kwargs))
     drop_constant_masks(gm)
     share_repeated_constants(gm, model)  # what eager caches, the trace built per call
@@ -381,9 +381,9 @@ def opaque_functions(gm: fx.GraphModule) -> List[str]:
                    and not (node.target.__module__ or "").split(".")[0] in _OWN_MODULES})
 
 
+@counters.counted("traces")
 def capture(model: nn.Module, args: tuple, kwargs: dict) -> Captured:
     """Capture ``model`` on the example inputs; raise ``TraceError`` when neither path works."""
-    counters.count("traces")
     try:
         # symbolic tracing runs the forward's Python: what it does to real tensors (a buffer counter, an EMA
         # that no traced value flows into) happens for real, and is undone here

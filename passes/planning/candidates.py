@@ -37,10 +37,10 @@ from memopt.core import counters
 # in backward): the time proxy. Stash also rebuilds the conv input from the codes.
 
 
+@counters.counted("graph_copies")
 def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     """A GraphModule over a copy of ``gm``'s graph (node.meta copied shallowly) sharing its attributes,
     so a pass can rewrite the copy without touching ``gm``."""
-    counters.count("graph_copies")
     graph = copy.deepcopy(gm.graph)
     graph._tracer_cls = getattr(gm.graph, "_tracer_cls", None)
     graph._tracer_extras = getattr(gm.graph, "_tracer_extras", {})
@@ -71,10 +71,10 @@ def candidates(gm: fx.GraphModule, args: tuple, kwargs: dict, config: Any, basel
     for technique, cfg in technique_passes(config, last_resort):
         for bits in technique.planner.levels(cfg):
             variant = copy_graph_module(gm)
-            counters.count("pass_runs")  # one technique's pass at one level
-            technique.run(variant, cfg, dataclasses.replace(ctx, decision=None, explore=True, level=bits))
-            variant.graph.lint()
-            variant.recompile()
+            with counters.timed("pass_runs"):  # one technique's pass at one level
+                technique.run(variant, cfg, dataclasses.replace(ctx, decision=None, explore=True, level=bits))
+                variant.graph.lint()
+                variant.recompile()
             after = ctx.annotate(variant, simulate=False)
             for unit, (nodes, new_nodes) in rewritten_units(variant, technique.name).items():
                 key = f"{technique.name}:{unit}"

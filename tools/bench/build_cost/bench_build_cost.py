@@ -22,6 +22,7 @@ from tools.bench.common import RESULTS, write_results
 
 MODELS = ("resnet50", "bert", "vit", "mobilenetv3")
 KINDS = ("traces", "cost_model_runs", "pass_runs", "real_steps", "graph_copies")
+SECONDS = tuple(f"{k}_s" for k in KINDS) + ("other_s",)  # om.plan.build's seconds per kind (memopt/core/counters.py)
 OUT = RESULTS / "build_cost" / "build_cost.md"
 
 
@@ -72,14 +73,14 @@ def measure(name: str, batch: int) -> dict:
     plan = om.plan
     steps += [stock_step() for _ in range(3)]
     out["stock_step_s"] = statistics.median(steps)
-    out["default"] = {"seconds": default_s, **{k: plan.build.get(k) for k in KINDS}}
+    out["default"] = {"seconds": default_s, **{k: plan.build.get(k) for k in KINDS + SECONDS}}
     budget = (plan.baseline_peak_bytes + plan.estimated_peak_bytes) / 2 / 2**20
     out["budget_mb"] = round(budget, 1)
     del om
     start = time.perf_counter()
     try:
         om = memopt.optimize(case.model, budget_mb=budget, example_inputs=case.inputs, optimizer=opt)
-        out["budget"] = {"seconds": time.perf_counter() - start, **{k: om.plan.build.get(k) for k in KINDS}}
+        out["budget"] = {"seconds": time.perf_counter() - start, **{k: om.plan.build.get(k) for k in KINDS + SECONDS}}
     except memopt.BudgetError as error:
         out["budget"] = {"seconds": time.perf_counter() - start, "error": str(error).splitlines()[0][:200]}
     return out
@@ -114,6 +115,17 @@ def _row(r: dict, which: str) -> str:
             f"{r['stock_step_s']:.2f} | {b['seconds']:.1f} | {ratio:.1f} | {counts} | {note} |")
 
 
+def _seconds_row(r: dict, which: str) -> str:
+    """Where one optimize()'s seconds went, each kind in stock steps (each second booked to the innermost kind)."""
+    b = r[which]
+    if "error" in b or b.get("real_steps_s") is None:
+        return ""
+    step = r["stock_step_s"]
+    parts = " | ".join(f"{b[k] / step:.1f}" for k in SECONDS)
+    return (f"| {r['model']} | {which}{' ' + str(r['budget_mb']) + ' MiB' if which == 'budget' else ''} | "
+            f"{b['seconds'] / step:.1f} | {parts} |")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[1])
     p.add_argument("--models", default=",".join(MODELS))
@@ -139,6 +151,14 @@ def main() -> None:
     head = ("| model | optimize() | stock step s | optimize() s | in stock steps | " + " | ".join(KINDS) +
             " | note |\n|" + "---|" * (6 + len(KINDS)))
     body = head + "\n" + "\n".join(_row(r, w) for r in rows for w in ("default", "budget"))
+    seconds = [row for r in rows for w in ("default", "budget") if (row := _seconds_row(r, w))]
+    if seconds:
+        body += ("\n\nWhere the seconds went, in stock steps (``om.plan.build``: each second booked to the innermost "
+                 "kind running, so a cost-model run inside a pass run is the cost model's; ``real_steps`` holds the "
+                 "capture check's and the fidelity gate's steps, float64 ones included; ``other``: the rest, the "
+                 "gate's and the planner's own Python):\n\n| model | optimize() | all | " +
+                 " | ".join(k[:-2] for k in SECONDS) + " |\n|" + "---|" * (3 + len(SECONDS)) + "\n" +
+                 "\n".join(seconds))
     body += "\n\nModels:\n" + "\n".join(f"- {r['model']}: {r['describe']}, batch {r['batch']}" for r in rows)
     command = "python -m tools.bench.build_cost.bench_build_cost " + " ".join(sys.argv[1:])
     write_results(args.out, "What optimize() costs, in stock steps", command.strip(), __doc__, body)
