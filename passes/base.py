@@ -50,6 +50,9 @@ class PassContext:
         optimizer, loss_fn: what the training step around the graph runs (``memopt.optimize``'s arguments), so
             that every estimate of one build (``annotate``) counts the same whole step: the optimizer's state and
             step, and the loss computed from the outputs (None: the sum of the outputs).
+        later: the passes ``run_passes`` runs after the current one, as (name, pass, config): a pass that moves
+            nodes into a graph of their own (a block recomputed from codes) runs them on that graph, so what it
+            moved is rewritten as it would have been where it was.
     """
 
     args: tuple = ()
@@ -63,6 +66,7 @@ class PassContext:
     foreign_inputs: bool = False
     optimizer: Any = None
     loss_fn: Optional[Callable[[Any], Any]] = None
+    later: Tuple[Tuple[str, Any, Any], ...] = ()
 
     def annotate(self, gm: fx.GraphModule, simulate: bool = True) -> Estimate:
         """The cost model on ``gm`` for this context's inputs, device, optimizer and loss (``node.meta`` written)."""

@@ -38,9 +38,10 @@ def run_passes(gm: fx.GraphModule, passes: Sequence[Tuple[str, PassFn, Any]],
                ctx: Optional[PassContext] = None) -> Tuple[fx.GraphModule, List[PassRecord]]:
     ctx = PassContext() if ctx is None else ctx
     records = []
-    for name, fn, cfg in passes:
+    passes = list(passes)
+    for index, (name, fn, cfg) in enumerate(passes):
         try:
-            result = fn(gm, cfg, ctx)
+            result = fn(gm, cfg, dataclasses.replace(ctx, later=tuple(passes[index + 1:])))
             if not isinstance(result, PassResult):
                 raise TypeError(f"a pass must return PassResult, got {type(result).__name__}")
             gm = result.graph_module

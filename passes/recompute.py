@@ -6,6 +6,14 @@ or ModuleList) and that is not the node's own leaf module. A block is eligible w
 contiguous in the graph, take from outside only tensors and values holding no tensor (``attn_mask=None``, a
 size: passed through as they are; attributes are copied in), have exactly one value used outside (a tensor),
 and contain no in-place op on an outside tensor.
+
+A block recomputed from codes (``bits`` set) is approximate and gated anyway, so what it keeps while backward runs
+it again is coded too (``RecomputeConfig.codes_inside``): the passes after this one (``PassContext.later``: the
+stash, few-bit) run on the block's own graph at their configs' defaults, as they would have where the block was.
+Its second forward then keeps codes where checkpointing keeps float tensors, which is what is alive at the peak
+of a model whose every block is recomputed (the block being recomputed's own saved tensors and its backward).
+The forward stays bit-identical (every such rewrite keeps it); the gate checks the gradients of the block as one
+unit, and makes the whole block exact where they miss.
 """
 from __future__ import annotations
 
@@ -17,13 +25,14 @@ import torch
 from torch import fx
 
 from memopt.core.leaf import argument
-from memopt.core.meta import META_KEY
+from memopt.core.meta import HISTOGRAM_KEY, META_KEY
 from memopt.cost_model.op_registry import op_kind
 from memopt.recompute.ops import RecomputeSpec, recompute_block, recompute_from_codes
 from memopt.core.meta import DECISION_KEY
 from memopt.recompute.config import RecomputeConfig
 from memopt.passes.stash.chains import code_error
 from memopt.passes.base import PassContext, PassResult, PlannerHooks, register_pass
+from memopt.passes.manager import run_passes
 
 
 @dataclass
@@ -131,6 +140,21 @@ def _extract(gm: fx.GraphModule, block: Block, inputs: List[fx.Node], output: fx
     return fx.GraphModule(gm, graph, class_name=f"Recomputed_{block.name}")
 
 
+def _code_inside(sub: fx.GraphModule, inputs: List[fx.Node], ctx: PassContext) -> List[str]:
+    """Run the passes after recompute (``ctx.later``) on a block's own graph ``sub`` at their configs' defaults
+    (never the planner's decision: its units are the outer graph's); the names of the nodes they rewrote.
+    The block's inputs are foreign to its graph: backward keeps the rebuilt ones alive while it runs, so a code
+    that only frees an input frees nothing."""
+    placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
+    for placeholder, outer in zip(placeholders, inputs):
+        placeholder.meta.update({k: outer.meta[k] for k in (META_KEY, HISTOGRAM_KEY) if k in outer.meta})
+    inner = dataclasses.replace(ctx, decision=None, explore=False, level=None, later=(), examples=None,
+                                foreign_inputs=True, gate_exact=frozenset())
+    run_passes(sub, ctx.later, inner)
+    return sorted(n.name for n in sub.graph.nodes if n.op != "placeholder"
+                  and n.meta.get(DECISION_KEY, {}).get("technique") not in (None, "exact"))
+
+
 GROUP = 256  # the generic stash's group: a float32 minimum and step per 256 codes
 
 
@@ -173,6 +197,7 @@ def recompute_pass(gm: fx.GraphModule, cfg: RecomputeConfig, ctx: PassContext) -
         gm.add_submodule(attr, sub)
         random = any(op_kind(n, modules) == "dropout" for n in block.nodes)
         bits = ctx.bits("recompute", block.name, cfg.bits)
+        inside = _code_inside(sub, inputs, ctx) if bits is not None and cfg.codes_inside and ctx.later else []
         with gm.graph.inserting_before(block.nodes[0]):
             module_node = gm.graph.get_attr(attr)
             spec = RecomputeSpec(random, block.path, bits, GROUP)  # bits None: inputs kept as they are
@@ -182,7 +207,10 @@ def recompute_pass(gm: fx.GraphModule, cfg: RecomputeConfig, ctx: PassContext) -
                                   "replaces": [n.name for n in block.nodes],
                                   "reason": "recomputed in backward from its inputs (exact; one extra forward)"
                                   if bits is None else f"recomputed in backward from its inputs' {bits}-bit codes "
-                                  f"(approximate gradients; one extra forward)"}
+                                  f"(approximate gradients; one extra forward)" + (
+                                      f"; inside it {len(inside)} ops keep codes as the other techniques' defaults "
+                                      f"rewrite them ({', '.join(inside[:3])}{' ...' if len(inside) > 3 else ''})"
+                                      if inside else ""), "inside": inside}
         if META_KEY in output.meta:  # shapes for the next block's checks (the re-annotation replaces it)
             new.meta[META_KEY] = dataclasses.replace(output.meta[META_KEY], name=new.name, saved=[], flops=0)
         output.replace_all_uses_with(new)

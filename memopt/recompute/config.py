@@ -40,6 +40,11 @@ class RecomputeConfig:
         time_allowance: the estimated step time the peak-first step may reach, in stock steps, >= 1 (default
             1.25): blocks are taken by bytes freed per recomputed FLOP until the cost model's FLOPs of a step
             (forward, twice the forward for backward, and the forwards recomputed) would pass it.
+        codes_inside: a block recomputed from codes also keeps codes while backward runs it again: the other
+            techniques (stash, few-bit, at their configs) rewrite the block's own graph as they would have in
+            place (default True). Without it the second forward keeps what eager keeps, as checkpointing does,
+            and that, the block's saved tensors, is what sits at the peak of a step whose blocks are all
+            recomputed. Exact recomputation (``bits`` None) never codes inside.
     """
 
     segments: Optional[Tuple[str, ...]] = ()
@@ -47,6 +52,7 @@ class RecomputeConfig:
     peak_first_bits: Optional[int] = 8
     peak_first_gain: float = 0.05
     time_allowance: float = 1.25
+    codes_inside: bool = True
 
     def __post_init__(self) -> None:
         normalise_node_names(self, "segments")
@@ -56,6 +62,8 @@ class RecomputeConfig:
         gain = self.peak_first_gain
         if isinstance(gain, bool) or not isinstance(gain, (int, float)) or not 0 < gain < 1:
             raise ValueError(f"RecomputeConfig.peak_first_gain must be a fraction in (0, 1), got {gain!r}")
+        if not isinstance(self.codes_inside, bool):
+            raise ValueError(f"RecomputeConfig.codes_inside must be True or False, got {self.codes_inside!r}")
         allowance = self.time_allowance
         if isinstance(allowance, bool) or not isinstance(allowance, (int, float)) or not 1 <= allowance < float("inf"):
             raise ValueError(f"RecomputeConfig.time_allowance must be a finite number of stock steps >= 1, got "

@@ -27,7 +27,6 @@ from memopt.runtime.autocast import autocast_state, replayed_autocast
 from memopt.runtime.rng import replayed_rng, rng_state
 from memopt.stash.generic import group_dequantize, group_quantize
 
-_BatchNorm = nn.modules.batchnorm._BatchNorm
 
 
 def _merged(values: tuple, tensors) -> list:
@@ -91,6 +90,18 @@ def _rebuilt(ctx, spec: RecomputeSpec, saved: Tuple[torch.Tensor, ...]) -> List[
     return out
 
 
+_STATISTICS = ("running_mean", "running_var", "num_batches_tracked")
+
+
+def _updated(block: nn.Module, versions: List[int]) -> List[torch.Tensor]:
+    """The buffers the block's forward updates, which backward's second forward updates again and restores after:
+    BatchNorm's running statistics, by name, whether a module or the functional ops of a rewritten or exported
+    graph run them (a batch-norm kernel writes them without bumping their version counter), and any buffer whose
+    version the forward moved (an in-place op in Python: an EMA)."""
+    return [b for (name, b), v in zip(block.named_buffers(), versions)
+            if b._version != v or name.rsplit(".", 1)[-1] in _STATISTICS]
+
+
 class _Recompute(torch.autograd.Function):
     @staticmethod
     def forward(ctx, block: nn.Module, values: tuple, spec: RecomputeSpec, *tensors: torch.Tensor):
@@ -98,8 +109,10 @@ class _Recompute(torch.autograd.Function):
         inputs = tensors[:n_inputs]
         ctx.block, ctx.values, ctx.spec = block, values, spec
         rng = rng_state(inputs) if spec.random else []
+        versions = [b._version for b in block.buffers()]
         with torch.no_grad():
             out = block(*_merged(values, [t.detach() for t in inputs]))  # hooks must not see inputs needing grad
+        ctx.updated = _updated(block, versions)
         if not isinstance(out, torch.Tensor):
             raise TypeError(f"memopt recompute: block {spec.where} returned {type(out).__name__}, expected one "
                             f"tensor")
@@ -121,8 +134,7 @@ class _Recompute(torch.autograd.Function):
         params = [p for p in ctx.block.parameters() if p.requires_grad]
         needs = ctx.needs_input_grad[3:3 + ctx.n_inputs]
         detached = [t.detach().requires_grad_(need) for t, need in zip(inputs, needs)]
-        stats = [(b, b.clone()) for m in ctx.block.modules() if isinstance(m, _BatchNorm) and m.training
-                 for b in (m.running_mean, m.running_var, m.num_batches_tracked) if b is not None]
+        stats = [(b, b.clone()) for b in ctx.updated]
         with replayed_rng(rng if spec.random else None, inputs):
             with torch.enable_grad(), replayed_autocast(ctx.autocast):  # the forward's precision, not fp32
                 out = ctx.block(*_merged(ctx.values, detached))
