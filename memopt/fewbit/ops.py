@@ -19,7 +19,7 @@ fused C kernels on the CPU. Both write the same codes and gradients (tests/runti
 from __future__ import annotations
 
 import struct
-from typing import NamedTuple, Optional, Tuple
+from typing import Callable, NamedTuple, Optional, Tuple
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
@@ -28,7 +28,7 @@ from memopt.core.errors import MemoptError
 from memopt.fewbit.activations import Params, get_activation
 from memopt.core.leaf import graph_leaf, spec_of
 from memopt.runtime import kernels, native_generic, triton_fewbit
-from memopt.runtime.bitpack import pack_bits, unpack_bits
+from memopt.runtime.bitpack import pack_bits, packed_nbytes, unpack_bits
 from memopt.runtime.layout import memory_order, memory_order_perm
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # table ops
@@ -98,6 +98,24 @@ def _contiguous_strides(shape) -> list:
 
 
 CHUNK = 1 << 20  # elements per slice of the backward gather: bounds its int64 index to 8 MiB
+ENCODE_CHUNK = 1 << 20  # elements per slice of the forward's encode (a multiple of 8: whole bytes of packed codes)
+
+
+def _packed_codes(dense: torch.Tensor, encode: Callable[[torch.Tensor], torch.Tensor], bits: int) -> torch.Tensor:
+    """``pack_bits(encode(dense), bits)`` a slice of ``ENCODE_CHUNK`` elements at a time: the same bytes (packing
+    is local to each 8 codes, and every slice but the last is a multiple of 8), but the encode's temporaries (a
+    comparison per border, the codes before packing: a byte per element each) are a slice's, not the activation's
+    size, beside the activation's own output at the forward's peak."""
+    flat = dense.reshape(-1)
+    n = flat.numel()
+    if n <= ENCODE_CHUNK:
+        return pack_bits(encode(flat), bits)
+    out = torch.empty(packed_nbytes(n, bits), dtype=torch.uint8, device=dense.device)
+    for start in range(0, n, ENCODE_CHUNK):
+        part = pack_bits(encode(flat[start:start + ENCODE_CHUNK]), bits)
+        first = start // 8 * bits
+        out[first:first + part.numel()].copy_(part)
+    return out
 
 
 def _scale_by_levels(grad: torch.Tensor, codes: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
@@ -125,9 +143,10 @@ class _FewBit(torch.autograd.Function):
             ctx.save_for_backward(*([packed] if level_t is None else [packed, level_t]))
             return y
         if act.exact:  # the two levels are Python floats; only the mask is kept
-            ctx.save_for_backward(pack_bits(act.mask(dense, dict(params)), bits))
+            kwargs = dict(params)
+            ctx.save_for_backward(_packed_codes(dense, lambda part: act.mask(part, kwargs), bits))
             return y
-        packed = pack_bits(_encode(dense, borders), bits)
+        packed = _packed_codes(dense, lambda part: _encode(part, borders), bits)
         # copied to the device once per table (triton_fewbit.constants), not per call: a host-to-device copy of a
         # Python list makes a CUDA host wait; tensor subclasses (fake, functional) get a fresh tensor of their mode
         level_t = (triton_fewbit.constants(levels, x.device) if type(x) is torch.Tensor

@@ -163,3 +163,41 @@ def test_borders_are_rounded_to_the_activation_dtype(dtype):
     rounded = torch.tensor(borders, dtype=torch.float64).to(dtype).to(torch.float32)
     codes = torch.bucketize(x.detach().float(), rounded)
     assert torch.equal(x.grad, grad * torch.tensor(levels, dtype=torch.float32).to(dtype)[codes])
+
+
+@pytest.mark.parametrize("name", list(ACTIVATIONS))
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("n", [64, 67, 1003])  # one slice, slices with a ragged last one
+def test_the_encode_in_slices_packs_the_same_bytes_as_one_encode(monkeypatch, name, bits, n):
+    from memopt.fewbit import ops
+
+    act = ACTIVATIONS[name]
+    if act.exact and bits != 1:
+        pytest.skip("exact ops keep a 1-bit mask")
+    _, params, bits, borders, _ = _args(name, bits)
+    torch.manual_seed(n)
+    x = torch.randn(n) * 4
+    if act.exact:
+        encode = lambda part: act.mask(part, dict(params))  # noqa: E731
+    else:
+        encode = lambda part: ops._encode(part, borders)  # noqa: E731
+    whole = ops.pack_bits(encode(x), bits)
+    monkeypatch.setattr(ops, "ENCODE_CHUNK", 16)
+    sliced = ops._packed_codes(x, encode, bits)
+    assert sliced.dtype == torch.uint8 and torch.equal(sliced, whole)
+    assert sliced.numel() == ops.packed_nbytes(n, bits)
+
+
+def test_the_forward_keeps_no_activation_sized_code_temporaries(monkeypatch):
+    # the few-bit forward's temporaries beside its output: a slice's bytes, not a byte per element of the input
+    from memopt.cost_model.storage import LiveStorageTracker
+
+    x = torch.randn(64, 1024, requires_grad=True)
+    name, p, bits, borders, levels = _args("gelu", 3)
+    monkeypatch.setattr(memopt.fewbit.ops, "ENCODE_CHUNK", 4096)
+    with LiveStorageTracker(preexisting=[x]) as tracker:
+        y = fewbit_activation(x, FewBitSpec(name, p, bits, borders, levels, "gelu"))
+    kept = y.numel() * 4 + (x.numel() * bits + 7) // 8 + 4 * len(levels)
+    assert tracker.peak - kept < x.numel() // 4  # a whole-tensor encode adds 2-3 bytes per element
+    y.sum().backward()
+    assert torch.isfinite(x.grad).all()
