@@ -193,7 +193,16 @@ def check_seed(seed: int, dtype: torch.dtype) -> None:
     spec, config = draw_spec(rng), draw_config(rng)
     channels_last = spec[0] == "image" and rng.random() < 0.5
     note(f"{describe(spec)}; {config}; channels_last={channels_last}")
-    check_model(spec, config, dtype, channels_last)
+    with torch.backends.mkldnn.flags(enabled=not (channels_last and _strided_pointwise_conv(spec))):
+        check_model(spec, config, dtype, channels_last)
+
+
+def _strided_pointwise_conv(spec) -> bool:
+    """Whether the drawn model has a 1x1 conv with stride > 1. In channels_last such a conv's weight gradient crashes
+    eager PyTorch itself through oneDNN on some CPUs (torch 2.14.1 on an AMD EPYC with AVX2: glibc aborts with
+    "corrupted double-linked list" after ``Conv2d(3, 8, 1, stride=2)`` on a 2x3x6x6 channels_last input, forward
+    and backward; fine with oneDNN off): such examples run on PyTorch's own conv kernels, eager and memopt alike."""
+    return any(op[0] == "conv" and op[2] == 1 and op[3] > 1 for op in spec[2])
 
 
 # CI: 100 + 30 fixed examples. tools/fuzz_nightly.py sets MEMOPT_FUZZ_EXAMPLES for a larger, random run.

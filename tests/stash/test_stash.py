@@ -19,8 +19,10 @@ STASH_ONLY = memopt.Config(fewbit=None)
 
 
 def stash_config(bits=4, **kw):
-    # the stash by itself: the fidelity gate (tests/fidelity) would raise the bits these tests measure
-    return memopt.Config(stash=memopt.StashConfig(bits=bits, **kw), fewbit=None, fidelity=None)
+    # the stash by itself: the fidelity gate (tests/fidelity) would raise the bits these tests measure, and the
+    # peak-first step would recompute some chains inside blocks
+    return memopt.Config(stash=memopt.StashConfig(bits=bits, **kw), fewbit=None, fidelity=None,
+                         recompute=memopt.RecomputeConfig(peak_first_bits=None))
 
 
 def _chain_nodes(om):

@@ -18,7 +18,8 @@ from memopt.passes.stash.forms import BNForm, bn_form
 
 def stash_config(bits=4, **kw):
     # the stash by itself: the fidelity gate would raise the bits these tests compare
-    return memopt.Config(stash=memopt.StashConfig(bits=bits, **kw), fewbit=None, fidelity=None)
+    return memopt.Config(stash=memopt.StashConfig(bits=bits, **kw), fewbit=None, fidelity=None,
+                         recompute=memopt.RecomputeConfig(peak_first_bits=None))
 
 
 def _chains(om):
