@@ -17,7 +17,9 @@ from memopt.passes.planning.candidates import candidates
 from memopt.passes.stash.generic import stash_nbytes
 
 # the generic stash alone (coded ops, which make input gradients approximate too, are tests/stash/test_stash_coded.py)
-GENERIC = memopt.Config(stash=memopt.StashConfig(generic=True, generic_bits=4, coded_ops=()), fewbit=None)
+# the generic stash by itself: no block recomputed from codes by the peak-first step (it would take the ops inside)
+GENERIC = memopt.Config(stash=memopt.StashConfig(generic=True, generic_bits=4, coded_ops=()), fewbit=None,
+                        recompute=memopt.RecomputeConfig(peak_first_bits=None))
 
 
 @pytest.fixture(autouse=True)

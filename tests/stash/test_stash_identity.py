@@ -64,9 +64,11 @@ def _grads(model, x, config, seed=1):
 
 def _config(**kw):
     # the chains by themselves: the fidelity gate (tests/fidelity) would raise the bits these tests measure, and the
-    # generic stash / coded ops would code the convs' inputs and the BatchNorms left exact
+    # generic stash / coded ops would code the convs' inputs and the BatchNorms left exact, and the peak-first step
+    # would recompute blocks from codes (with the chains inside them)
     kw = {"generic": False, "coded_ops": (), **kw}
-    return memopt.Config(stash=memopt.StashConfig(bits=4, min_per_channel=1, **kw), fewbit=None, fidelity=None)
+    return memopt.Config(stash=memopt.StashConfig(bits=4, min_per_channel=1, **kw), fewbit=None, fidelity=None,
+                         recompute=memopt.RecomputeConfig(peak_first_bits=None))
 
 
 def _cos(a, b):
