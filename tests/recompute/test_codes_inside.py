@@ -11,22 +11,12 @@ from torch import nn
 import memopt
 from memopt.core.meta import DECISION_KEY
 from memopt.testing.zoo import build
+from test_recompute_codes import _cosine, _step  # the same step and cosine as recompute from codes
 
 
 def _config(inside: bool, bits=8) -> memopt.Config:
     return memopt.Config(recompute=memopt.RecomputeConfig(segments=None, bits=bits, codes_inside=inside),
                          fidelity=None)
-
-
-def _step(model, x, seed=0):
-    torch.manual_seed(seed)
-    out = model(x)
-    out.logsumexp(-1).mean().backward()
-    return out
-
-
-def _cosine(a, b):
-    return torch.nn.functional.cosine_similarity(a.flatten().double(), b.flatten().double(), 0).item()
 
 
 def _recomputed(om):
