@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from memopt.capture.soundness import training_step
+from memopt.fidelity.tail import with_tails
 from memopt.runtime import native_generic
 
 log = logging.getLogger("memopt")
@@ -42,8 +43,9 @@ def _double(value: Any) -> Any:
 
 def parameter_fidelity(names: List[str], exact: List[Optional[torch.Tensor]], approx: List[Optional[torch.Tensor]],
                        tiny: float, invariant: Optional[Dict[str, str]] = None) -> Dict[str, Dict[str, Any]]:
-    """{parameter: {"cosine", "relative_error", "tiny", "negligible", "excluded"}} of the approximate gradients
-    against the exact ones; ``tiny``: an exact gradient below ``tiny`` times the median norm; ``negligible``: an
+    """{parameter: {"cosine", "relative_error", "tiny", "negligible", "excluded", "numel", "exact_sq",
+    "perpendicular_sq"}} of the approximate gradients against the exact ones (the last three for ``tail``);
+    ``tiny``: an exact gradient below ``tiny`` times the median norm; ``negligible``: an
     error below that too (a bound at 0.1 of the median let the BatchNorm weight of timm MobileNetV2-035 below
     through again); ``excluded`` (``judged`` passes it whatever its cosine): tiny with a negligible error, or in
     ``invariant`` (parameters whose exact gradient is ~0 by construction). A tiny exact gradient whose
@@ -65,7 +67,9 @@ def parameter_fidelity(names: List[str], exact: List[Optional[torch.Tensor]], ap
         small = norm <= tiny * median
         negligible = error <= tiny * median
         out[name] = {"cosine": cosine, "relative_error": relative, "tiny": small, "negligible": negligible,
-                     "excluded": (small and negligible) or name in invariant}
+                     "excluded": (small and negligible) or name in invariant, "numel": g.numel(),
+                     "exact_sq": norm * norm, "perpendicular_sq": max(aa - ga * ga / (norm * norm), 0.0) if norm > 0
+                     else aa}
     return out
 
 
@@ -157,14 +161,16 @@ def worst_over(figures: List[Dict[str, Dict[str, Any]]]) -> Dict[str, Dict[str, 
     under every one. A gradient tiny under one loss is judged under the others: excluded under any, it passed
     unchecked under all (timm MobileNetV2-035 at 8x128: a BatchNorm weight tiny under one gate loss had cosines
     0.03-0.55 under every fresh projection). What is excluded under one loss only is a small gradient whose error is
-    negligible there (``parameter_fidelity``): rounding near the tiny bar, not a miss."""
+    negligible there (``parameter_fidelity``): rounding near the tiny bar, not a miss. A parameter of few elements
+    whose losses predict a lower cosine under fresh projections than any of them gave is judged by that prediction
+    (``tail.with_tails``)."""
     per: Dict[str, Dict[str, Any]] = {}
     for each in figures:
         for p, f in each.items():
             if p not in per or (not f["excluded"], -judged(f), -f["cosine"]) > \
                     (not per[p]["excluded"], -judged(per[p]), -per[p]["cosine"]):
                 per[p] = f
-    return per
+    return with_tails(per, figures)
 
 
 def gate_report(per_parameter: Dict[str, Dict[str, Any]], failing: List[str], invariant: Dict[str, str],
@@ -177,11 +183,12 @@ def gate_report(per_parameter: Dict[str, Dict[str, Any]], failing: List[str], in
         **head,
         "worst": None if worst is None else {"parameter": worst[0], "cosine": round(worst[1]["cosine"], 6),
                                              "relative_error": round(worst[1]["relative_error"], 6)},
-        "below": [f"{p} ({per_parameter[p]['cosine']:.4f})" for p in failing],
+        "below": [f"{p} ({per_parameter[p]['cosine']:.4f}" + (f", the 1% tail its {per_parameter[p]['tail']} losses "
+                  f"predict)" if per_parameter[p].get("tail") else ")") for p in failing],
         "tiny": sorted(p for p, f in per_parameter.items() if f["tiny"]),
         "invariant": {p: invariant[p] for p in sorted(invariant) if p in per_parameter},
-        "parameters": {p: {"cosine": round(f["cosine"], 6), "relative_error": round(f["relative_error"], 6)}
-                       for p, f in per_parameter.items()},
+        "parameters": {p: {"cosine": round(f["cosine"], 6), "relative_error": round(f["relative_error"], 6),
+                           **({"tail": f["tail"]} if f.get("tail") else {})} for p, f in per_parameter.items()},
     }
 
 

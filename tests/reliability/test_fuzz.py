@@ -60,7 +60,11 @@ def test_regression_stash_of_a_constant_channel_rebuilds_zero():
     with torch.no_grad():
         model.conv.bias[1] = -100.0  # channel 1 is dead: its BN input is all zeros
     reference = copy.deepcopy(model)
-    om = memopt.optimize(model, example_inputs=x, config=memopt.Config(stash=memopt.StashConfig(bits=4), fewbit=None))
+    # the codec itself, without the gate: over fresh projections a third of this 4-channel toy's 4-bit gradients
+    # fall below cosine 0.99, so the gate (which judges a small parameter by its predicted tail) rightly keeps it
+    # at 8 bits or exact
+    om = memopt.optimize(model, example_inputs=x, config=memopt.Config(stash=memopt.StashConfig(bits=4), fewbit=None,
+                                                                        fidelity=None))
     assert any(n.op == "bn_act_stash" for n in om.plan.nodes)
     out, ref = om(x), reference(x)
     assert torch.equal(out, ref)
