@@ -37,6 +37,7 @@ from memopt.core.inputs import normalize_inputs
 from memopt.config import Config
 from memopt.core.errors import MemoptError, TraceError
 from memopt.builder.pipeline import Built, build, input_signature
+from memopt.builder.request import Request
 from memopt.record.plan import Plan
 from memopt.core.state import module_flags, preserved_buffers, restore_flags, share_module_state, train_as_user
 from memopt.builder.per_submodule import build_partial
@@ -193,17 +194,21 @@ class OptimizedModule(nn.Module):
                         plan.input_signature, list(signature))
             plan = None
         try:
-            return build(self._memopt_model, args, kwargs, self._memopt_config, self._memopt_budget,
-                         self._memopt_optimizer, plan, capture_fn=capture_fn, checked=checked,
-                         loss_fn=self._loss_for(signature))
+            return build(self._request(args, kwargs, plan, signature), capture_fn=capture_fn, checked=checked)
         except TraceError as error:  # optimize the submodules that can be captured (memopt/builder/per_submodule.py)
             whole = error
         # outside the except block: a refusal of the fallback is one message (it quotes the whole capture's), not a
         # traceback chained to the first
         log.warning("memopt: %s cannot be captured whole; capturing its submodules instead (%s)",
                     type(self._memopt_model).__name__, whole.summary)
-        return build_partial(self._memopt_model, args, kwargs, self._memopt_config, self._memopt_budget,
-                             self._memopt_optimizer, plan, whole, self._loss_for(signature))
+        return build_partial(self._request(args, kwargs, plan, signature), whole)
+
+    def _request(self, args: tuple, kwargs: dict, plan: Optional[Plan] = None,
+                 signature: Optional[tuple] = None) -> Request:
+        """What a build for these inputs is asked: optimize()'s model, config, budget and optimizer, ``plan``, and
+        its loss_fn where ``signature`` is its example inputs' (``_loss_for``)."""
+        return Request(self._memopt_model, args, kwargs, self._memopt_config, self._memopt_budget,
+                       self._memopt_optimizer, plan, None if signature is None else self._loss_for(signature))
 
     def _loss_for(self, signature: tuple) -> Optional[Callable[[Any], Any]]:
         """optimize()'s loss_fn for the signature of its example inputs; None (the default loss) for any other."""
@@ -230,8 +235,7 @@ class OptimizedModule(nn.Module):
             why = "the plan given to optimize(plan=...) is for its own inputs only" if reference.given_plan else \
                 reference.serves(args, kwargs, shapes)
             if why is None:
-                result, seconds = timed(reuse, reference, self._memopt_model, args, kwargs, list(signature),
-                                        self._memopt_config, self._memopt_budget, self._memopt_optimizer)
+                result, seconds = timed(reuse, reference, self._request(args, kwargs), list(signature))
                 self._memopt_shape_stats.reuse_seconds += seconds
                 if isinstance(result, Built):
                     references.remove(reference)

@@ -40,7 +40,8 @@ from memopt.core.errors import BudgetError, MemoptError, TraceError
 from memopt.core.state import preserved_state, train_as_user
 from memopt.record.measure import measure
 from memopt.builder.pipeline import build, input_signature
-from memopt.record.plan import PartialPlan, Plan
+from memopt.builder.request import Request
+from memopt.record.plan import PartialPlan
 from memopt.core.units import fmt_bytes
 from memopt.fidelity.gate import PROJECTIONS, gate_losses, gate_report, has_lossy_units, parameter_fidelity, \
     judged, per_min, shortest_passing, worst_over
@@ -158,7 +159,7 @@ def capture_units(model: nn.Module, args: tuple, kwargs: dict, config: Config, w
                                        "model runs it"})
                 continue
             try:
-                built = build(child, a, kw, config, None, whole=False)
+                built = build(Request(child, a, kw, config), whole=False)
             except (MemoptError, ValueError) as e:
                 # not capturable, or its analysis failed (a data-dependent op the cost model cannot run on fake
                 # tensors, nothing to train in its outputs, ...): this submodule runs eagerly, its children are
@@ -182,11 +183,13 @@ def capture_units(model: nn.Module, args: tuple, kwargs: dict, config: Config, w
     return units, records
 
 
-def build_partial(model: nn.Module, args: tuple, kwargs: dict, config: Config, budget_bytes: Optional[int],
-                  optimizer: Any, plan: Optional[Plan], whole_error: TraceError,
-                  loss_fn: Optional[Callable[[Any], Any]] = None) -> PartialBuilt:
-    """The fallback of ``pipeline.build`` when ``model`` cannot be captured whole (``loss_fn``: the step's loss of
-    the model's output, in both measured steps and the whole-model gate; the submodules' own gates cannot use it)."""
+def build_partial(request: Request, whole_error: TraceError) -> PartialBuilt:
+    """The fallback of ``pipeline.build`` when ``request.model`` cannot be captured whole (``request.loss_fn``: the
+    step's loss of the model's output, in both measured steps and the whole-model gate; the submodules' own gates
+    cannot use it)."""
+    model, args, kwargs, config, budget_bytes, optimizer, plan, loss_fn = (
+        request.model, request.args, request.kwargs, request.config, request.budget_bytes, request.optimizer,
+        request.plan, request.loss_fn)
 
     if plan is not None:
         raise MemoptError(f"{type(model).__name__} cannot be captured whole ({whole_error.summary}); a saved plan "

@@ -17,7 +17,8 @@ from memopt.capture.trace import Captured, capture, check_inputs, export_capture
 from memopt.config import Config
 from memopt.core.errors import BudgetError, MemoptError
 from memopt.record.plan import NodePlan, Plan, node_plans, option_label
-from memopt.fidelity.gate import fidelity_gate, has_lossy_units
+from memopt.fidelity.gate import has_lossy_units
+from memopt.builder.request import Request, Session
 from memopt.capture.soundness import Soundness, check_capture
 from memopt.passes.planning.candidates import copy_graph_module
 from memopt.core.meta import DECISION_KEY
@@ -105,47 +106,46 @@ def _without_opaque_functions(model: nn.Module, args: tuple, kwargs: dict,
     return exported, soundness
 
 
-def build(model: nn.Module, args: tuple, kwargs: dict, config: Config, budget_bytes: Optional[int],
-          optimizer: Any = None, plan: Optional[Plan] = None, whole: bool = True,
-          capture_fn: Callable[[nn.Module, tuple, dict], Any] = capture, checked: Optional[Soundness] = None,
-          loss_fn: Optional[Callable[[Any], Any]] = None) -> Built:
+def build(request: Request, whole: bool = True, capture_fn: Callable[[nn.Module, tuple, dict], Any] = capture,
+          checked: Optional[Soundness] = None) -> Built:
     """Capture, annotate, choose the rewrites, apply them and re-annotate, for one input signature.
 
-    ``plan`` (a saved ``Plan`` for these inputs) replaces planning: its chosen units are applied
+    ``request.plan`` (a saved ``Plan`` for these inputs) replaces planning: its chosen units are applied
     as they are. Otherwise no budget applies every enabled technique at its defaults, a budget the
     baseline meets changes nothing, and any other budget goes to the planner. ``capture_fn`` captures
     (``memopt/builder/shape_reuse.py`` passes a torch.export with some dimensions dynamic, or a graph captured and
-    checked before that serves these sizes: ``checked`` is then its soundness check, not run again). ``loss_fn``
-    (``memopt.optimize``'s) is the loss of every estimate's step and one of the fidelity gate's losses.
+    checked before that serves these sizes: ``checked`` is then its soundness check, not run again).
+    ``request.loss_fn`` is the loss of every estimate's step and one of the fidelity gate's losses; ``whole``:
+    False for a submodule's graph (per-submodule capture), whose inputs come from outside it.
     """
+    model, args, kwargs, config = request.model, request.args, request.kwargs, request.config
     check_inputs(model, args, kwargs)
     captured = capture_fn(model, args, kwargs)
     if capture_fn is capture and checked is None:
         captured, checked = _without_opaque_functions(model, args, kwargs, captured)
     gm = captured.graph_module
     if whole:  # a submodule's graph (per-submodule capture) holds only some of the names
-        warn_unknown_names(config, {n.name for n in gm.graph.nodes}, type(model).__name__)
+        warn_unknown_names(config, {n.name for n in gm.graph.nodes}, request.name)
     ctx = PassContext(args, kwargs, config.device,
                       None if _has_meta(args, kwargs) else real_examples(flat_inputs(gm, args, kwargs)),
-                      foreign_inputs=not whole, optimizer=optimizer, loss_fn=loss_fn)
-    baseline = ctx.annotate(gm)
+                      foreign_inputs=not whole, optimizer=request.optimizer, loss_fn=request.loss_fn)
+    # the gate's slice is captured as this graph was (an export graph is specialised to the batch size)
+    recapture = (lambda a, k: capture_fn(model, a, k).graph_module) if capture_fn is not capture else \
+        (lambda a, k: export_capture(model, a, k).graph_module) if captured.method == "export" else \
+        (lambda a, k: capture(model, a, k).graph_module)
+    session = Session(request, captured.method, ctx.annotate(gm), ctx, recapture=recapture)
     soundness = checked or check_capture(model, gm, captured.method, args, kwargs,
                                          recapture=lambda a, k: capture_fn(model, a, k).graph_module)
     if config.fewbit is not None and config.fewbit.weight == "data" and not _has_meta(args, kwargs):
         record_input_histograms(gm, flat_inputs(gm, args, kwargs), TABLE_ACTIVATIONS, config.fewbit.domain)
-    gated = config.fidelity is not None and plan is None and soundness.checked
-    pristine = copy_graph_module(gm)  # the no-budget rewrite works on gm itself
-    built = _rewrite(model, captured, args, kwargs, config, budget_bytes, plan, baseline, ctx)
+    gated = config.fidelity is not None and request.plan is None and soundness.checked
+    session.pristine = copy_graph_module(gm)  # the no-budget rewrite works on gm itself
+    built = _rewrite(session, gm)
     initial = decision_set(built.graph_module)
     if gated and has_lossy_units(built.plan.units):
-        # the gate's slice is captured as this graph was (an export graph is specialised to the batch size)
-        recapture = (lambda a, k: capture_fn(model, a, k).graph_module) if capture_fn is not capture else \
-            (lambda a, k: export_capture(model, a, k).graph_module) if captured.method == "export" else \
-            (lambda a, k: capture(model, a, k).graph_module)
-        built = _gate(model, captured.method, args, kwargs, config, budget_bytes, baseline, pristine, ctx, built,
-                      recapture)
+        built = _gate(session, built)
     built.plan.soundness = soundness.to_dict()
-    built.captured, built.method, built.initial = pristine, captured.method, initial
+    built.captured, built.method, built.initial = session.pristine, captured.method, initial
     return built
 
 
@@ -179,31 +179,28 @@ def warn_unknown_names(config: Config, names: set, model: str) -> None:
                             " (om.report() lists the node names)")
 
 
-def _gate(model: nn.Module, method: str, args: tuple, kwargs: dict, config: Config, budget_bytes: Optional[int],
-          baseline: Estimate, pristine: fx.GraphModule, ctx: PassContext, built: Built,
-          recapture: Optional[Callable[[tuple, dict], fx.GraphModule]] = None) -> Built:
+def _gate(session: Session, built: Built) -> Built:
     """Run the fidelity gate on ``built``'s plan; re-apply the repaired decision when it changed anything. Under a
     budget, the bytes the repair gives back are found again by exact recomputation (the planner's last resort);
     a budget that cannot be met at the gate's cosine raises ``BudgetError`` with the least peak that can."""
-    decision, report = fidelity_gate(model, args, kwargs, config, built.plan.chosen_units(), built.plan.units,
-                                     pristine, recapture=recapture, loss_fn=ctx.loss_fn)
+    name, config = session.request.name, session.config
+    decision, report = session.gate(built.plan.chosen_units(), built.plan.units)
     if report["changes"]:
-        log.info("memopt: the fidelity gate changed %d units of %s: %s", len(report["changes"]),
-                 type(model).__name__, "; ".join(report["changes"][:3]))
+        log.info("memopt: the fidelity gate changed %d units of %s: %s", len(report["changes"]), name,
+                 "; ".join(report["changes"][:3]))
         before = built.plan.chosen_units()
-        ctx = dataclasses.replace(ctx, gate_exact=frozenset(
+        session.ctx = dataclasses.replace(session.ctx, gate_exact=frozenset(
             (t, u) for t, us in before.items() for u in us if u not in decision.get(t, {})))
         if built.planned is None:
-            gm, records = apply_decision(pristine, config, decision, ctx)
-            estimate, _ = chunk_to_fit(gm, ctx.annotate(gm), None, ctx.annotate)
-            plan = make_plan(model, method, args, kwargs, config, None, baseline, estimate, records, gm, None)
-            built = Built(gm, plan, baseline, estimate)
+            gm, records = apply_decision(session.pristine, config, decision, session.ctx)
+            estimate, _ = chunk_to_fit(gm, session.ctx.annotate(gm), None, session.ctx.annotate)
+            built = Built(gm, make_plan(session, estimate, records, gm, None, budget_bytes=None), session.baseline,
+                          estimate)
         else:
-            built = _refit(model, method, args, kwargs, config, budget_bytes, baseline, pristine, ctx, built,
-                           decision, report, recapture)
+            built = _refit(session, built, decision, report)
     if not report["passed"]:
         log.warning("memopt: %s: the fidelity gate could not bring every parameter to cosine %s in %d rounds: %s",
-                    type(model).__name__, report["min_cosine"], report["rounds"], ", ".join(report["below"][:4]))
+                    name, report["min_cosine"], report["rounds"], ", ".join(report["below"][:4]))
     built.plan.fidelity = report
     return built
 
@@ -217,22 +214,18 @@ def _lowered(found: Dict[str, Dict[str, Any]], decision: Dict[str, Dict[str, Any
                   if t != "recompute" for u, b in us.items() if b and decision.get(t, {}).get(u) != b)
 
 
-def _refit(model: nn.Module, method: str, args: tuple, kwargs: dict, config: Config, budget_bytes: int,
-           baseline: Estimate, pristine: fx.GraphModule, ctx: PassContext, built: Built,
-           decision: Dict[str, Dict[str, Any]], report: Dict[str, Any],
-           recapture: Optional[Callable[[tuple, dict], fx.GraphModule]] = None) -> Built:
+def _refit(session: Session, built: Built, decision: Dict[str, Dict[str, Any]], report: Dict[str, Any]) -> Built:
     """The gate's repaired decision under the budget: recomputed blocks on top where it no longer fits."""
-    target = config.planning_target(budget_bytes, baseline.device)
-    found, best = fit_decision(pristine, ctx, config, baseline, target, built.planned, decision)
+    config, baseline, pristine, budget_bytes = session.config, session.baseline, session.pristine, \
+        session.request.budget_bytes
+    found, best = fit_decision(pristine, session.ctx, config, baseline, session.target, built.planned, decision)
     for _ in range(MAX_REPLANS):
         lowered = [] if found is None else _lowered(found.decision, decision)
         if not lowered:
             break
         # planned again around the repairs: units the gate left alone gave up bits, so the gate checks that plan
-        plan = make_plan(model, method, args, kwargs, config, budget_bytes, baseline, found.estimate, found.records,
-                         found.graph_module, found)
-        again, checked = fidelity_gate(model, args, kwargs, config, plan.chosen_units(), plan.units, pristine,
-                                       recapture=recapture, loss_fn=ctx.loss_fn)
+        plan = make_plan(session, found.estimate, found.records, found.graph_module, found)
+        again, checked = session.gate(plan.chosen_units(), plan.units)
         report["steps"] += checked["steps"]
         report["changes"] += checked["changes"]  # the repairs of the plan made again are the plan's story too
         if checked["passed"] and not checked["changes"]:
@@ -240,48 +233,47 @@ def _refit(model: nn.Module, method: str, args: tuple, kwargs: dict, config: Con
             report.update({k: checked[k] for k in ("passed", "worst", "below", "parameters")})
             return Built(found.graph_module, plan, baseline, found.estimate, found)
         decision = again
-        found, best = fit_decision(pristine, ctx, config, baseline, target, found, decision)
+        found, best = fit_decision(pristine, session.ctx, config, baseline, session.target, found, decision)
     else:
         found = None
     if found is None:
         least = best.estimate.peak_bytes
         raise BudgetError(
-            f"budget_mb={budget_bytes / 2**20:.1f} ({fmt_bytes(budget_bytes)}) cannot be met for {type(model).__name__} "
-            f"with every parameter's gradient at cosine >= {report['min_cosine']} (Config.fidelity): the planner's "
-            f"plan reaches {fmt_bytes(built.plan.estimated_peak_bytes)} but its gradients miss (worst "
-            f"{report['before']['parameter']} at cosine {report['before']['cosine']:.4f}), and with the gate's repairs "
+            f"budget_mb={budget_bytes / 2**20:.1f} ({fmt_bytes(budget_bytes)}) cannot be met for "
+            f"{session.request.name} with every parameter's gradient at cosine >= {report['min_cosine']} "
+            f"(Config.fidelity): the planner's plan reaches {fmt_bytes(built.plan.estimated_peak_bytes)} but its "
+            f"gradients miss (worst {report['before']['parameter']} at cosine {report['before']['cosine']:.4f}), and "
+            f"with the gate's repairs "
             f"{'plus every recomputable block' if config.recompute is not None else '(recomputation is off)'} "
             f"the least estimated peak is {fmt_bytes(least)}. Raise the budget to at least "
             f"{math.ceil((least + config.workspace_bytes(baseline.device)) / 2**20 * 100) / 100} MiB, lower "
             f"FidelityConfig.min_cosine, or accept the approximate gradients with Config(fidelity=None).",
             budget_bytes, least)
     added = sorted(set(found.decision.get("recompute", {})) - set(built.planned.decision.get("recompute", {})))
-    plan = make_plan(model, method, args, kwargs, config, budget_bytes, baseline, found.estimate, found.records,
-                     found.graph_module, found)
+    plan = make_plan(session, found.estimate, found.records, found.graph_module, found)
     if added:
         report["changes"].append(f"recompute {', '.join(added)}: exact recomputation frees the bytes the raised "
                                  f"bits gave back, within the budget")
         # the figures of the plan that runs: recomputed blocks replaced some lossy units by exact ones
-        _, final = fidelity_gate(model, args, kwargs, dataclasses.replace(config, fidelity=dataclasses.replace(
-            config.fidelity, max_rounds=1)), plan.chosen_units(), plan.units, pristine, verify_only=True,
-            recapture=recapture, loss_fn=ctx.loss_fn)
+        _, final = session.gate(plan.chosen_units(), plan.units, verify_only=True, config=dataclasses.replace(
+            config, fidelity=dataclasses.replace(config.fidelity, max_rounds=1)))
         report.update({k: final[k] for k in ("passed", "worst", "below", "parameters")})
         report["steps"] += final["steps"]
     return Built(found.graph_module, plan, baseline, found.estimate, found)
 
 
-def _rewrite(model: nn.Module, captured: Any, args: tuple, kwargs: dict, config: Config, budget_bytes: Optional[int],
-             plan: Optional[Plan], baseline: Estimate, ctx: PassContext) -> Built:
-    """Apply ``plan``, every technique, or the planner's choice (real example inputs visible to checks)."""
-    gm = captured.graph_module
+def _rewrite(session: Session, gm: fx.GraphModule) -> Built:
+    """Apply the request's plan, every technique, or the planner's choice to the captured ``gm`` (real example
+    inputs visible to checks)."""
+    request, config, baseline, ctx = session.request, session.config, session.baseline, session.ctx
     planned: Optional[BudgetPlan] = None
     trial = None
-    target = config.planning_target(budget_bytes, baseline.device)
-    if plan is not None:
-        gm, records = apply_decision(gm, config, plan.chosen_units(), ctx)
-        _check_applied(gm, plan)
-        set_chunks(gm, plan.weight_grad_chunks)
-    elif budget_bytes is None:
+    target = session.target
+    if request.plan is not None:
+        gm, records = apply_decision(gm, config, request.plan.chosen_units(), ctx)
+        _check_applied(gm, request.plan)
+        set_chunks(gm, request.plan.weight_grad_chunks)
+    elif target is None:
         trial = peak_first_trial(gm, config, ctx, baseline)
         pristine = copy_graph_module(gm) if trial is not None else None  # the default run rewrites gm in place
         gm, records = run_passes(gm, passes_for(config), ctx)
@@ -290,41 +282,46 @@ def _rewrite(model: nn.Module, captured: Any, args: tuple, kwargs: dict, config:
     else:
         planned, best = plan_for_budget(gm, config, baseline, target, ctx)
         if planned is None:
-            least = make_plan(model, captured.method, args, kwargs, config, budget_bytes, baseline, best.estimate,
-                              best.records, best.graph_module, best)
-            raise BudgetError(_budget_message(least, config), budget_bytes,
+            least = make_plan(session, best.estimate, best.records, best.graph_module, best)
+            raise BudgetError(_budget_message(least, config), request.budget_bytes,
                               min(least.estimated_peak_bytes, least.baseline_peak_bytes))
         gm, records = planned.graph_module, planned.records
     modified = any(r.modified for r in records)
     estimate = planned.estimate if planned is not None else (ctx.annotate(gm) if modified else baseline)
-    if plan is None and budget_bytes is None and trial is not None:  # peak first: blocks recomputed from codes
+    if trial is not None:  # peak first (no plan, no budget): blocks recomputed from codes
         found = peak_first(pristine, trial, ctx, estimate, ctx.annotate)
         if found is not None:
             log.info("memopt: %s: recomputing %d blocks from %d-bit codes lowers the estimated peak %s -> %s at "
-                     "about %.2fx a stock step's FLOPs", type(model).__name__, len(found.blocks),
+                     "about %.2fx a stock step's FLOPs", request.name, len(found.blocks),
                      config.recompute.peak_first_bits, fmt_bytes(estimate.peak_bytes),
                      fmt_bytes(found.estimate.peak_bytes), found.time_ratio)
             gm, records, estimate, modified = found.graph_module, found.records, found.estimate, True
-    if modified and plan is None and budget_bytes is None:  # no budget: chunks wherever they lower the peak
+    if modified and request.plan is None and target is None:  # no budget: chunks wherever they lower the peak
         estimate, _ = chunk_to_fit(gm, estimate, None, ctx.annotate)
-    result = make_plan(model, captured.method, args, kwargs, config, budget_bytes, baseline, estimate, records, gm,
-                       planned)
-    if budget_bytes is not None and plan is None and result.estimated_peak_bytes > target:
-        raise BudgetError(_budget_message(result, config), budget_bytes, result.estimated_peak_bytes)
+    result = make_plan(session, estimate, records, gm, planned)
+    if target is not None and request.plan is None and result.estimated_peak_bytes > target:
+        raise BudgetError(_budget_message(result, config), request.budget_bytes, result.estimated_peak_bytes)
     return Built(gm, result, baseline, estimate, planned)
 
 
-def make_plan(model: nn.Module, method: str, args: tuple, kwargs: dict, config: Config, budget_bytes: Optional[int],
-              baseline: Estimate, estimate: Estimate, records: list, gm: fx.GraphModule,
-              planned: Optional[BudgetPlan]) -> Plan:
+_REQUESTED = object()  # make_plan's budget_bytes default: the request's
+
+
+def make_plan(session: Session, estimate: Estimate, records: list, gm: fx.GraphModule,
+              planned: Optional[BudgetPlan], budget_bytes: Any = _REQUESTED) -> Plan:
+    """The plan record of ``gm`` (rewritten from the session's capture; ``estimate`` its estimate, ``records``
+    its passes' records, ``planned`` the budget planner's choice or None), for the request's budget unless
+    ``budget_bytes`` says otherwise."""
+    request, baseline = session.request, session.baseline
+    budget_bytes = request.budget_bytes if budget_bytes is _REQUESTED else budget_bytes
     decisions = {n.name: n.meta[DECISION_KEY] for n in gm.graph.nodes if DECISION_KEY in n.meta}
     units = plan_units(gm, baseline, estimate, planned)
     if planned is not None:
         _explain_exact(decisions, units)
     return Plan(
-        model=type(model).__name__, capture=method, device=estimate.device,
-        input_signature=input_signature(args, kwargs), torch_version=torch.__version__,
-        config=config.to_dict(), budget_bytes=budget_bytes,
+        model=request.name, capture=session.method, device=estimate.device,
+        input_signature=input_signature(request.args, request.kwargs), torch_version=torch.__version__,
+        config=request.config.to_dict(), budget_bytes=budget_bytes,
         baseline_saved_bytes=baseline.saved_bytes, estimated_saved_bytes=estimate.saved_bytes,
         baseline_peak_bytes=baseline.peak_bytes, estimated_peak_bytes=estimate.peak_bytes,
         baseline_breakdown=dict(baseline.breakdown), estimated_breakdown=dict(estimate.breakdown),

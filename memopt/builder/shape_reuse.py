@@ -25,6 +25,8 @@ passes wrote into the graph as a constant is the new one. Anything else plans an
 """
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 import time
 from dataclasses import dataclass, field
@@ -45,6 +47,7 @@ from memopt.passes.planning.candidates import copy_graph_module
 from memopt.passes.manager import passes_for, run_passes
 from memopt.passes.planning.planner import apply_decision
 from memopt.builder.pipeline import Built, autocast_state, build, decision_set, make_plan
+from memopt.builder.request import Request, Session
 from memopt.reversible.check import real_examples
 
 log = logging.getLogger("memopt")
@@ -213,20 +216,20 @@ class Reused(Built):
     estimate at these sizes, for reports) are computed on first use, on meta copies of the inputs."""
 
     def __init__(self, graph_module: fx.GraphModule, reference: Built, records: list, signature: List[str],
-                 model: nn.Module, args: tuple, kwargs: dict, config: Config, budget_bytes: Optional[int],
-                 optimizer: Any, estimates: Optional[tuple] = None) -> None:
+                 request: Request, estimates: Optional[tuple] = None) -> None:
         self.graph_module, self.planned, self.reference = graph_module, None, reference
         self.captured, self.method, self.initial = reference.captured, reference.method, reference.initial
-        self._inputs = torch.utils._pytree.tree_map(_meta, (args, kwargs))
-        self._context = (records, signature, model, config, budget_bytes, optimizer)
+        args, kwargs = torch.utils._pytree.tree_map(_meta, (request.args, request.kwargs))
+        self._request = dataclasses.replace(request, args=args, kwargs=kwargs)
+        self._records, self._signature = records, signature
         self._estimates = estimates
         self._plan = None
         self.remembered = False  # served with no check: these very inputs were checked before
         self.inside = False  # served with no check: inside the sizes checked (Config.shape_checks="range")
 
     def _complete(self) -> None:
-        records, signature, model, config, budget_bytes, optimizer = self._context
-        args, kwargs = self._inputs
+        request, records = self._request, self._records
+        args, kwargs, config, optimizer = request.args, request.kwargs, request.config, request.optimizer
         if self._estimates is None:
             baseline = annotate(copy_graph_module(self.captured), args, kwargs, device=config.device,
                                 optimizer=optimizer)
@@ -234,9 +237,9 @@ class Reused(Built):
             estimate = annotate(self.graph_module, args, kwargs, device=config.device, optimizer=optimizer) \
                 if modified else baseline
             self._estimates = (baseline, estimate)
-        plan = make_plan(model, self.method, args, kwargs, config, budget_bytes, *self._estimates, records,
-                         self.graph_module, None)
-        plan.input_signature = list(signature)
+        baseline, estimate = self._estimates
+        plan = make_plan(Session(request, self.method, baseline), estimate, records, self.graph_module, None)
+        plan.input_signature = list(self._signature)
         plan.soundness, plan.fidelity = self.reference.plan.soundness, self.reference.plan.fidelity
         self._plan = plan
 
@@ -266,25 +269,24 @@ def _meta(value: Any) -> Any:
                                device="meta").requires_grad_(value.requires_grad)
 
 
-def reuse(reference: Reference, model: nn.Module, args: tuple, kwargs: dict, signature: List[str], config: Config,
-          budget_bytes: Optional[int], optimizer: Any) -> Union[Built, str]:
-    """``reference``'s plan at the sizes of ``args`` / ``kwargs`` when every rewrite decision is the same there
+def reuse(reference: Reference, request: Request, signature: List[str]) -> Union[Built, str]:
+    """``reference``'s plan at the sizes of the request's inputs when every rewrite decision is the same there
     (and, with a budget, the rewrites are needed and fit); else why not (a re-plan's cause)."""
+    args, kwargs, config, budget_bytes, optimizer = request.args, request.kwargs, request.config, \
+        request.budget_bytes, request.optimizer
     built = reference.built
     budget = budget_bytes is not None
     if list(signature) == reference.signature:  # its own inputs, seen again after the cache dropped them
         return built
     if not budget and not passes_for(config):  # nothing to decide: the captured graph runs as it is
-        return Reused(built.graph_module, built, [], signature, model, args, kwargs, config, budget_bytes, optimizer)
+        return Reused(built.graph_module, built, [], signature, request)
     if tuple(signature) in reference.checked:  # checked before, and it ran this graph
-        result = Reused(built.graph_module, built, reference.checked[tuple(signature)], signature, model, args,
-                        kwargs, config, budget_bytes, optimizer)
+        result = Reused(built.graph_module, built, reference.checked[tuple(signature)], signature, request)
         result.remembered = True
         return result
     shapes = input_shapes(args, kwargs)
     if not budget and config.shape_checks == "range" and reference.checked and reference.within(shapes):
-        result = Reused(built.graph_module, built, next(iter(reference.checked.values())), signature, model, args,
-                        kwargs, config, budget_bytes, optimizer)
+        result = Reused(built.graph_module, built, next(iter(reference.checked.values())), signature, request)
         result.inside = True
         return result
     base = copy_graph_module(built.captured)
@@ -319,7 +321,7 @@ def reuse(reference: Reference, model: nn.Module, args: tuple, kwargs: dict, sig
             reference.record(shapes)
             while len(reference.checked) > MAX_CHECKED:
                 reference.checked.pop(next(iter(reference.checked)))
-    return Reused(gm, built, records, signature, model, args, kwargs, config, budget_bytes, optimizer, estimates)
+    return Reused(gm, built, records, signature, request, estimates)
 
 
 def reapplied(reference: Reference, model: nn.Module, args: tuple, kwargs: dict, config: Config, optimizer: Any,
@@ -329,7 +331,8 @@ def reapplied(reference: Reference, model: nn.Module, args: tuple, kwargs: dict,
     reference's did, whose decisions the gate checked). None, after a log line, when the export falls back to these
     sizes only or a decision does not apply to the new graph: the caller then plans anew."""
     try:
-        built = build(model, args, kwargs, config, None, optimizer, reference.built.plan, capture_fn=capture_fn)
+        built = build(Request(model, args, kwargs, config, None, optimizer, reference.built.plan),
+                      capture_fn=capture_fn)
     except MemoptError as e:
         log.info("memopt: the plan made for %s does not apply to %s exported with %s dynamic (%s); planning anew",
                  reference.signature, type(model).__name__, describe(capture_fn.dims), str(e)[:200])

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import memopt
-import memopt.builder.pipeline
+import memopt.builder.request
 from memopt.builder.optimized import MAX_SIGNATURES
 
 
@@ -47,13 +47,13 @@ def _same(a, b):
 def gates(monkeypatch):
     """How often the fidelity gate ran."""
     calls = []
-    real = memopt.builder.pipeline.fidelity_gate
+    real = memopt.builder.request.fidelity_gate
 
     def counted(*args, **kwargs):
         calls.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(memopt.builder.pipeline, "fidelity_gate", counted)
+    monkeypatch.setattr(memopt.builder.request, "fidelity_gate", counted)
     return calls
 
 

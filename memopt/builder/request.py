@@ -1,0 +1,73 @@
+"""What one build was asked for (``Request``), and what its steps share once the model is captured (``Session``).
+
+A build's steps (rewrite, fidelity gate, the gate's re-fit under a budget, the plan record) all need the model, its
+example inputs, the config, the budget, the optimizer and the loss, and, once captured, the capture method, the
+graph before any rewrite, the baseline estimate, the pass context and how to capture the model again on the gate's
+slice. Threaded by hand they made parameter lists of 9-13 that had to agree; here they are named once: the request
+is frozen (a step cannot change what the user asked), the session is made once per capture and handed on.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from torch import fx, nn
+
+from memopt.config import Config
+from memopt.cost_model.analysis import Estimate
+from memopt.fidelity.gate import fidelity_gate
+from memopt.passes.base import Decision, PassContext
+from memopt.record.plan import Plan
+
+
+@dataclass(frozen=True)
+class Request:
+    """One build's inputs, as ``memopt.optimize`` (or a per-submodule or shape-reuse build) asks for them:
+    ``args`` / ``kwargs`` the example inputs in their one normalized form, ``budget_bytes`` None for no budget,
+    ``plan`` a saved plan to apply instead of planning, ``loss_fn`` the step's loss (None: the outputs' sum)."""
+    model: nn.Module
+    args: tuple
+    kwargs: Dict[str, Any]
+    config: Config
+    budget_bytes: Optional[int] = None
+    optimizer: Any = None
+    plan: Optional[Plan] = None
+    loss_fn: Optional[Callable[[Any], Any]] = None
+
+    @property
+    def name(self) -> str:
+        """The model's class name, as messages and plans name it."""
+        return type(self.model).__name__
+
+
+@dataclass
+class Session:
+    """What a build's steps share once the model is captured: the ``request``, the capture ``method``, the
+    ``baseline`` estimate, the pass context, the graph before any rewrite (``pristine``: the gate and the re-fit
+    rewrite copies of it), and ``recapture(args, kwargs)``: the model captured again as this graph was (the gate's
+    slice; an export graph is specialised to the batch size)."""
+    request: Request
+    method: str
+    baseline: Estimate
+    ctx: Optional[PassContext] = None
+    pristine: Optional[fx.GraphModule] = None
+    recapture: Optional[Callable[[tuple, dict], fx.GraphModule]] = None
+
+    @property
+    def config(self) -> Config:
+        return self.request.config
+
+    @property
+    def target(self) -> Optional[int]:
+        """The bytes the planner plans for: the budget less the device's workspace reserve (None: no budget)."""
+        budget = self.request.budget_bytes
+        return None if budget is None else self.config.planning_target(budget, self.baseline.device)
+
+    def gate(self, decision: Decision, units: List[Dict[str, Any]], config: Optional[Config] = None,
+             verify_only: bool = False) -> Tuple[Decision, Dict[str, Any]]:
+        """The fidelity gate (``memopt.fidelity.gate.fidelity_gate``) on this capture's pristine graph for the
+        plan ``decision`` / ``units``, under ``config`` (default the request's)."""
+        request = self.request
+        return fidelity_gate(request.model, request.args, request.kwargs, config or self.config, decision, units,
+                             self.pristine, verify_only=verify_only, recapture=self.recapture,
+                             loss_fn=request.loss_fn)
