@@ -272,8 +272,7 @@ class OptimizedModule(nn.Module):
         given = plan is not None and list(signature) == plan.input_signature
         built, seconds = None, 0.0
         if isinstance(capture_fn, DynamicExport) and self._memopt_budget is None and not exported.given_plan:
-            built, seconds = timed(reapplied, exported, self._memopt_model, args, kwargs, self._memopt_config,
-                                   self._memopt_optimizer, capture_fn)
+            built, seconds = timed(reapplied, exported, self._request(args, kwargs), capture_fn)
         if built is None:
             built, more = timed(self._build_new, signature, args, kwargs, capture_fn, checked)
             seconds += more

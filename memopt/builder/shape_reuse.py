@@ -38,7 +38,6 @@ from torch.export import Dim, ShapesCollection
 from torch.utils._pytree import keystr, tree_flatten_with_path
 
 from memopt.capture.trace import Captured, capture, export_capture, export_module, flat_inputs, on_model
-from memopt.config import Config
 from memopt.core.errors import MemoptError, TraceError
 from memopt.core.meta import DECISION_KEY
 from memopt.cost_model.analysis import annotate
@@ -324,24 +323,24 @@ def reuse(reference: Reference, request: Request, signature: List[str]) -> Union
     return Reused(gm, built, records, signature, request, estimates)
 
 
-def reapplied(reference: Reference, model: nn.Module, args: tuple, kwargs: dict, config: Config, optimizer: Any,
-              capture_fn: "DynamicExport") -> Optional[Built]:
-    """``reference``'s plan applied to the graph ``capture_fn`` exports again with the changed dimensions dynamic:
+def reapplied(reference: Reference, request: Request, capture_fn: "DynamicExport") -> Optional[Built]:
+    """``reference``'s plan applied to the graph ``capture_fn`` exports again with the changed dimensions dynamic
+    (``request``: the model, the new inputs, the config and the optimizer; no budget):
     the capture and its soundness check run, the planner and the fidelity gate do not (the graph computes what the
     reference's did, whose decisions the gate checked). None, after a log line, when the export falls back to these
     sizes only or a decision does not apply to the new graph: the caller then plans anew."""
     try:
-        built = build(Request(model, args, kwargs, config, None, optimizer, reference.built.plan),
+        built = build(dataclasses.replace(request, budget_bytes=None, plan=reference.built.plan, loss_fn=None),
                       capture_fn=capture_fn)
     except MemoptError as e:
         log.info("memopt: the plan made for %s does not apply to %s exported with %s dynamic (%s); planning anew",
-                 reference.signature, type(model).__name__, describe(capture_fn.dims), str(e)[:200])
+                 reference.signature, request.name, describe(capture_fn.dims), str(e)[:200])
         return None
     if capture_fn.guards is None or decision_set(built.graph_module) != decision_set(reference.built.graph_module):
         return None
     built.plan.fidelity = reference.built.plan.fidelity
     log.info("memopt: %s exported again with %s dynamic; the plan made for %s applied to it (no planner, no gate)",
-             type(model).__name__, describe(capture_fn.dims), reference.signature)
+             request.name, describe(capture_fn.dims), reference.signature)
     return built
 
 

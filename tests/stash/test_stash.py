@@ -15,7 +15,11 @@ from memopt.stash.ops import ChainSpec, FromStashSpec, bn_act_stash, conv_from_s
 from memopt.stash.pool import max_pool2d_indices_only
 from memopt.testing.zoo import build
 
-STASH_ONLY = memopt.Config(fewbit=None)
+# the stash's own chains and savings, without the fidelity gate: MobileNetV2's 4-bit BN weight
+# features.1.conv.2.weight falls below 0.99 under 7 of 200 fresh projections (RandomProjection seeds 5000-5199;
+# 1% quantile 0.9863), so the gate, which judges a small parameter at that tail, keeps 13 of its chains exact
+# (tests/fidelity covers the gate)
+STASH_ONLY = memopt.Config(fewbit=None, fidelity=None)
 
 
 def stash_config(bits=4, **kw):
