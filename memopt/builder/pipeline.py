@@ -194,8 +194,7 @@ def _gate(session: Session, built: Built) -> Built:
         if built.planned is None:
             gm, records = apply_decision(session.pristine, config, decision, session.ctx)
             estimate, _ = chunk_to_fit(gm, session.ctx.annotate(gm), None, session.ctx.annotate)
-            built = Built(gm, make_plan(session, estimate, records, gm, None, budget_bytes=None), session.baseline,
-                          estimate)
+            built = Built(gm, make_plan(session, estimate, records, gm, None), session.baseline, estimate)
         else:
             built = _refit(session, built, decision, report)
     if not report["passed"]:
@@ -304,16 +303,11 @@ def _rewrite(session: Session, gm: fx.GraphModule) -> Built:
     return Built(gm, result, baseline, estimate, planned)
 
 
-_REQUESTED = object()  # make_plan's budget_bytes default: the request's
-
-
 def make_plan(session: Session, estimate: Estimate, records: list, gm: fx.GraphModule,
-              planned: Optional[BudgetPlan], budget_bytes: Any = _REQUESTED) -> Plan:
+              planned: Optional[BudgetPlan]) -> Plan:
     """The plan record of ``gm`` (rewritten from the session's capture; ``estimate`` its estimate, ``records``
-    its passes' records, ``planned`` the budget planner's choice or None), for the request's budget unless
-    ``budget_bytes`` says otherwise."""
+    its passes' records, ``planned`` the budget planner's choice or None)."""
     request, baseline = session.request, session.baseline
-    budget_bytes = request.budget_bytes if budget_bytes is _REQUESTED else budget_bytes
     decisions = {n.name: n.meta[DECISION_KEY] for n in gm.graph.nodes if DECISION_KEY in n.meta}
     units = plan_units(gm, baseline, estimate, planned)
     if planned is not None:
@@ -321,7 +315,7 @@ def make_plan(session: Session, estimate: Estimate, records: list, gm: fx.GraphM
     return Plan(
         model=request.name, capture=session.method, device=estimate.device,
         input_signature=input_signature(request.args, request.kwargs), torch_version=torch.__version__,
-        config=request.config.to_dict(), budget_bytes=budget_bytes,
+        config=request.config.to_dict(), budget_bytes=request.budget_bytes,
         baseline_saved_bytes=baseline.saved_bytes, estimated_saved_bytes=estimate.saved_bytes,
         baseline_peak_bytes=baseline.peak_bytes, estimated_peak_bytes=estimate.peak_bytes,
         baseline_breakdown=dict(baseline.breakdown), estimated_breakdown=dict(estimate.breakdown),

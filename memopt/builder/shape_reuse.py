@@ -26,7 +26,6 @@ passes wrote into the graph as a constant is the new one. Anything else plans an
 from __future__ import annotations
 
 import dataclasses
-
 import logging
 import time
 from dataclasses import dataclass, field

@@ -27,7 +27,7 @@ def test_request_is_frozen_and_names_the_model():
         request.budget_bytes = 1 << 20
 
 
-def test_session_target_is_the_budget_less_the_workspace_reserve(monkeypatch):
+def test_session_target_is_the_budget_less_the_workspace_reserve():
     config = memopt.Config(workspace_mb=3)
     request = Request(_model(), (torch.randn(4, 8),), {}, config, budget_bytes=100 << 20)
     built = pipeline.build(request)
