@@ -73,17 +73,34 @@ def measure(name: str, batch: int) -> dict:
     plan = om.plan
     steps += [stock_step() for _ in range(3)]
     out["stock_step_s"] = statistics.median(steps)
-    out["default"] = {"seconds": default_s, **{k: plan.build.get(k) for k in KINDS + SECONDS}}
+    out["default"] = {"seconds": default_s, **{k: plan.build.get(k) for k in KINDS + SECONDS}, "gate": _gate(plan)}
     budget = (plan.baseline_peak_bytes + plan.estimated_peak_bytes) / 2 / 2**20
     out["budget_mb"] = round(budget, 1)
     del om
     start = time.perf_counter()
     try:
         om = memopt.optimize(case.model, budget_mb=budget, example_inputs=case.inputs, optimizer=opt)
-        out["budget"] = {"seconds": time.perf_counter() - start, **{k: om.plan.build.get(k) for k in KINDS + SECONDS}}
+        out["budget"] = {"seconds": time.perf_counter() - start, **{k: om.plan.build.get(k) for k in KINDS + SECONDS},
+                         "gate": _gate(om.plan)}
     except memopt.BudgetError as error:
         out["budget"] = {"seconds": time.perf_counter() - start, "error": str(error).splitlines()[0][:200]}
     return out
+
+
+def _gate(plan) -> dict:
+    """What the fidelity gate did for ``plan`` (``Plan.fidelity``): rounds, gradients computed, losses, changes."""
+    report = plan.fidelity or {}
+    return {k: report.get(k) for k in ("rounds", "steps", "projections", "passed")} | {
+        "changes": len(report.get("changes") or []), "last_resort": bool(report.get("last_resort"))}
+
+
+def _gate_row(r: dict, which: str) -> str:
+    gate = r[which].get("gate")
+    if not gate or gate.get("steps") is None:
+        return ""
+    return (f"| {r['model']} | {which}{' ' + str(r['budget_mb']) + ' MiB' if which == 'budget' else ''} | "
+            f"{gate['rounds']} | {gate['steps']} | {gate['projections']} | {gate['changes']} | "
+            f"{'yes' if gate['last_resort'] else 'no'} |")
 
 
 def profile(name: str, batch: int, top: int = 25) -> None:
@@ -159,6 +176,12 @@ def main() -> None:
                  "gate's and the planner's own Python):\n\n| model | optimize() | all | " +
                  " | ".join(k[:-2] for k in SECONDS) + " |\n|" + "---|" * (3 + len(SECONDS)) + "\n" +
                  "\n".join(seconds))
+    gates = [row for r in rows for w in ("default", "budget") if (row := _gate_row(r, w))]
+    if gates:
+        body += ("\n\nThe fidelity gate (``om.plan.fidelity``): its repair rounds, the gradients it computed (a backward "
+                 "each, eager and rewritten, float64 ones included: ``steps``), the losses a passing plan was confirmed "
+                 "on, its changes to the plan and whether its last resort ran:\n\n| model | optimize() | rounds | steps "
+                 "| losses | changes | last resort |\n|---|---|---|---|---|---|---|\n" + "\n".join(gates))
     body += "\n\nModels:\n" + "\n".join(f"- {r['model']}: {r['describe']}, batch {r['batch']}" for r in rows)
     command = "python -m tools.bench.build_cost.bench_build_cost " + " ".join(sys.argv[1:])
     write_results(args.out, "What optimize() costs, in stock steps", command.strip(), __doc__, body)
