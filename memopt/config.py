@@ -40,10 +40,9 @@ class FidelityConfig:
             not gated (their direction is rounding noise, e.g. attention key biases), in [0, 1) (default 1e-3).
         max_rounds: repair rounds, 1..20 (default 12); rounds that stop helping end early (``fidelity.py``
             STALL_ROUNDS), so the bound costs time only where each round brings parameters closer to the bar.
-        max_projections: the most losses a passing plan is confirmed on while they do not settle it (a parameter
-            could fall below ``min_cosine`` under 1 in 100 fresh projections: ``memopt.fidelity.tail.settled``),
-            2..32 (default 8); each costs a backward on each side on the slice. Fewer build faster and let more
-            misses through under losses the gate did not see (docs/results/fidelity/gate_miss.md).
+        max_projections: how many losses a plan that passes narrowly is confirmed on, 2..32 (default 8); each
+            costs an exact and a rewritten step on the slice. Fewer build faster and let more misses through
+            under losses the gate did not see (docs/results/fidelity/gate_miss.md).
     """
 
     min_cosine: float = 0.99

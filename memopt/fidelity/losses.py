@@ -1,9 +1,8 @@
 """The fidelity gate's losses: random projections of the outputs, the outputs' own direction, the user's loss.
 
 Why several: a plan's gradient error lies in some directions of the output more than others; a parameter can pass
-under one projection and miss under another, so the gate confirms a plan on several independent ones until they
-settle it (tail.py's ``settled``, up to gate.py's MAX_PROJECTIONS), and on the loss that trains when the user gives
-it.
+under one projection and miss under another, so the gate confirms a plan on several independent ones (gate.py's
+MARGIN and MAX_PROJECTIONS), and on the loss that trains when the user gives it.
 """
 from __future__ import annotations
 

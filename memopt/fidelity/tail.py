@@ -14,12 +14,6 @@ per-element variance across the losses (the part perpendicular to the exact grad
 times that quantile of the F ratio. With many elements the ratio is ~1 and the figure is the losses' pooled cosine
 (the per-loss check stays); with few it is the heavy tail the per-loss draws may miss. One element has no angle but
 its sign, which the per-loss check sees.
-
-How many losses a passing plan needs (``settled``): the ratio is itself estimated from the losses, so a figure from
-two of them is less sure than one from eight. A plan is settled once every parameter's cosine stays above the bar
-at the 1% tail of the *predictive* distribution, the fresh projection's F ratio over the estimate's own (an F ratio
-of ``n`` times as many degrees of freedom, for ``n`` losses): a parameter of thousands of elements is settled by
-two losses, one of a few dozen near the bar asks for more, up to ``FidelityConfig.max_projections``.
 """
 from __future__ import annotations
 
@@ -55,51 +49,6 @@ def f_quantile(elements: int, quantile: float = QUANTILE) -> float:
     generator = torch.Generator().manual_seed(0)
     ratio = _chi2_mean(elements - 1, generator) / _chi2_mean(elements, generator)
     return float(torch.quantile(ratio, quantile))
-
-
-@lru_cache(maxsize=None)
-def predictive_quantile(elements: int, losses: int, quantile: float = QUANTILE) -> float:
-    """The ``quantile`` of a fresh projection's squared tangent over the ratio estimated from ``losses`` losses
-    (``tail_cosine``'s pooled one): the fresh F(d - 1, d) draw divided by the estimate's F(n (d - 1), n d). One
-    element has no perpendicular part: there it is the squared error over the squared gradient, F(1, 1) over
-    F(n, n), whose sign flips under half of the draws where the error is the larger, so its quantile is taken at
-    twice the tail."""
-    if elements < 1 or losses < 1:
-        raise ValueError(f"predictive_quantile needs elements >= 1 and losses >= 1, got {elements} and {losses}")
-    generator = torch.Generator().manual_seed(0)
-    if elements == 1:
-        fresh = _chi2_mean(1, generator) / _chi2_mean(1, generator)
-        estimate = _chi2_mean(losses, generator) / _chi2_mean(losses, generator)
-        return float(torch.quantile(fresh / estimate, 1.0 - 2.0 * (1.0 - quantile)))
-    fresh = _chi2_mean(elements - 1, generator) / _chi2_mean(elements, generator)
-    estimate = _chi2_mean(losses * (elements - 1), generator) / _chi2_mean(losses * elements, generator)
-    return float(torch.quantile(fresh / estimate, quantile))
-
-
-def settled(figures: List[Dict[str, Dict[str, Any]]], bar: float, quantile: float = QUANTILE) -> bool:
-    """Whether a plan's figures (one dict per loss, ``parameter_fidelity``'s) settle it: every judged parameter is
-    at or above ``bar`` under every loss and at the ``quantile`` tail of its predictive distribution
-    (``predictive_quantile``); one of one element where its error is that unlikely to flip the gradient's sign.
-    An unsettled plan that passes is confirmed on further losses (gate.py's ``confirm``)."""
-    for name in figures[0] if figures else ():
-        kept = [each[name] for each in figures if name in each and "numel" in each[name]]
-        kept = [f for f in kept if not f["excluded"] and not f["negligible"] and not f["tiny"]]
-        if not kept:
-            continue
-        if min(f["cosine"] for f in kept) < bar:
-            return False
-        elements, exact = kept[0]["numel"], sum(f["exact_sq"] for f in kept)
-        if exact <= 0:
-            continue
-        if elements == 1:
-            error = sum(f["relative_error"] ** 2 * f["exact_sq"] for f in kept)
-            if error / exact * predictive_quantile(1, len(kept), quantile) > 1.0:
-                return False
-            continue
-        ratio = sum(f["perpendicular_sq"] for f in kept) / (elements - 1) / (exact / elements)
-        if 1.0 / math.sqrt(1.0 + ratio * predictive_quantile(elements, len(kept), quantile)) < bar:
-            return False
-    return True
 
 
 def tail_cosine(figures: List[Dict[str, Any]], quantile: float = QUANTILE) -> Optional[float]:

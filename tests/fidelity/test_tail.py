@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from memopt.fidelity.conditioning import gate_report, judged, parameter_fidelity, worst_over
-from memopt.fidelity.tail import EXACT_DOF, f_quantile, predictive_quantile, settled, tail_cosine, with_tails
+from memopt.fidelity.tail import EXACT_DOF, f_quantile, tail_cosine, with_tails
 
 
 def _linear_gradients(elements: int, outputs: int, error: float, seed: int):
@@ -77,68 +77,3 @@ def test_listed_apart_tiny_and_single_losses_predict_no_tail():
     perpendicular = parameter_fidelity(["p"], [exact], [approx], 1e-3)["p"]["perpendicular_sq"]
     assert perpendicular == pytest.approx(float((approx - exact).pow(2).sum()), rel=1e-6)  # the error is all across
     assert math.isfinite(tail_cosine([f["p"], f["p"]]))
-
-
-def test_predictive_quantile_falls_with_losses_towards_the_known_ratio():
-    for elements in (3, 16, 512):
-        values = [predictive_quantile(elements, n) for n in (1, 2, 4, 8, 64)]
-        assert values == sorted(values, reverse=True), (elements, values)
-        assert values[-1] == pytest.approx(f_quantile(elements), rel=0.1)  # many losses: the ratio is known
-    assert predictive_quantile(4096, 2) < 1.1 < predictive_quantile(16, 2)  # thousands of elements: two suffice
-    assert predictive_quantile(1, 2) > predictive_quantile(1, 8) > 100  # one element: a sign, a heavy tail
-    with pytest.raises(ValueError, match="elements >= 1 and losses >= 1, got 0 and 2"):
-        predictive_quantile(0, 2)
-
-
-def _figures(exact, approx, cotangents):
-    return [parameter_fidelity(["p"], [exact @ cotangents[:, i]], [approx @ cotangents[:, i]], 0.0)
-            for i in range(cotangents.shape[1])]
-
-
-@pytest.mark.parametrize("elements", [16, 64, 2048])
-def test_a_settled_plan_keeps_its_cosine_under_fresh_projections(elements):
-    """Where ``settled`` accepts two or eight losses, at most about 1 in 100 fresh projections falls below the bar;
-    where fresh ones fall below it more often, no number of losses settles it. Errors sized so that the fresh 1%
-    tail lies just above or just below the bar."""
-    bar = 0.99
-    for error, expect in ((0.35, True), (1.6, False)):
-        scale = error * math.sqrt((1 - bar ** 2) / bar ** 2) / math.sqrt(f_quantile(elements))  # tail ~ bar
-        exact, approx, g = _linear_gradients(elements, 256, scale, seed=elements)
-        fresh = _cosines(exact, approx, torch.randn(256, 20000, generator=g, dtype=torch.float64))
-        below = float((fresh < bar).double().mean())
-        seen = torch.randn(256, 8, generator=g, dtype=torch.float64)
-        verdicts = [settled(_figures(exact, approx, seen[:, :n]), bar) for n in (2, 8)]
-        if expect:
-            assert below < 0.01 and verdicts[1], (elements, below, verdicts)
-        else:
-            assert below > 0.01 and not any(verdicts), (elements, below, verdicts)
-
-
-def test_the_same_figures_settle_on_eight_losses_what_two_leave_open():
-    """A 16-element gradient whose error ratio puts its predicted tail between the two-loss and the eight-loss
-    predictive quantiles: eight losses of those figures settle it, two do not; 4096 elements settle on two."""
-    bar = 0.99
-    tangent_sq = (1 - bar ** 2) / bar ** 2
-    for elements, two in ((16, False), (4096, True)):
-        ratio = tangent_sq / ((predictive_quantile(elements, 2) + predictive_quantile(elements, 8)) / 2)
-        if two:
-            ratio = tangent_sq / predictive_quantile(elements, 2) * 0.9
-        exact = torch.ones(elements, dtype=torch.float64)
-        across = torch.zeros(elements, dtype=torch.float64)
-        across[0], across[1] = 1.0, -1.0
-        approx = exact + across / across.norm() * math.sqrt(ratio * (elements - 1))
-        one = parameter_fidelity(["p"], [exact], [approx], 0.0)
-        assert one["p"]["perpendicular_sq"] / (elements - 1) == pytest.approx(ratio, rel=1e-9)
-        assert settled([one] * 8, bar) and settled([one] * 2, bar) == two, elements
-
-
-def test_one_element_is_settled_only_while_its_error_cannot_flip_its_sign():
-    """A one-element gradient: settled by its relative error against the sign-flip tail; never below the bar
-    under a loss it was judged under; listed-apart figures are skipped."""
-    small = [parameter_fidelity(["p"], [torch.full((1,), s)], [torch.full((1,), s * 1.001)], 0.0) for s in (1.0, -2.0)]
-    large = [parameter_fidelity(["p"], [torch.full((1,), s)], [torch.full((1,), s * 1.3)], 0.0) for s in (1.0, -2.0)]
-    assert settled(small, 0.99) and not settled(large, 0.99)
-    flipped = small + [parameter_fidelity(["p"], [torch.ones(1)], [-torch.ones(1)], 0.0)]
-    assert not settled(flipped, 0.99)
-    apart = [parameter_fidelity(["p"], [torch.ones(1)], [-torch.ones(1)], 0.0, {"p": "invariant"})] * 2
-    assert settled(apart, 0.99) and settled([], 0.99)
