@@ -57,7 +57,8 @@ PROJECTIONS = 2
 # Nor do a parameter's first losses predict the rest: confirming only until each parameter's predicted 1% tail
 # (tail.py's F ratio, the estimate's own spread from n losses included) clears the bar let timm MobileViTv2-050 at
 # 8x128 pass on two losses and on four (stages.3.1.transformer.3.mlp.fc2.bias >= 0.9926 under them) and give 0.9677
-# under a fresh projection; eight found it (worst unseen 0.9935): archive/fidelity/gate_miss_settled_sample.md.
+# under a fresh projection; eight found it (worst unseen 0.9935): docs/results/archive/fidelity/
+# gate_miss_settled_sample.md.
 # MAX_PROJECTIONS is FidelityConfig.max_projections' default.
 MARGIN = 0.01
 MAX_PROJECTIONS = 8
