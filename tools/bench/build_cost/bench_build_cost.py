@@ -87,6 +87,11 @@ def measure(name: str, batch: int) -> dict:
     return out
 
 
+def _label(r: dict, which: str) -> str:
+    """A row's first two cells: the model, and which optimize() (the budget's with its MiB)."""
+    return f"{r['model']} | {which}" + (f" {r['budget_mb']} MiB" if which == "budget" else "")
+
+
 def _gate(plan) -> dict:
     """What the fidelity gate did for ``plan`` (``Plan.fidelity``): rounds, gradients computed, losses, changes."""
     report = plan.fidelity or {}
@@ -98,7 +103,7 @@ def _gate_row(r: dict, which: str) -> str:
     gate = r[which].get("gate")
     if not gate or gate.get("steps") is None:
         return ""
-    return (f"| {r['model']} | {which}{' ' + str(r['budget_mb']) + ' MiB' if which == 'budget' else ''} | "
+    return (f"| {_label(r, which)} | "
             f"{gate['rounds']} | {gate['steps']} | {gate['projections']} | {gate['changes']} | "
             f"{'yes' if gate['last_resort'] else 'no'} |")
 
@@ -128,7 +133,7 @@ def _row(r: dict, which: str) -> str:
     ratio = b["seconds"] / r["stock_step_s"]
     counts = " | ".join(str(b.get(k, "")) for k in KINDS)
     note = b.get("error", "")
-    return (f"| {r['model']} | {which}{' ' + str(r['budget_mb']) + ' MiB' if which == 'budget' else ''} | "
+    return (f"| {_label(r, which)} | "
             f"{r['stock_step_s']:.2f} | {b['seconds']:.1f} | {ratio:.1f} | {counts} | {note} |")
 
 
@@ -139,7 +144,7 @@ def _seconds_row(r: dict, which: str) -> str:
         return ""
     step = r["stock_step_s"]
     parts = " | ".join(f"{b[k] / step:.1f}" for k in SECONDS)
-    return (f"| {r['model']} | {which}{' ' + str(r['budget_mb']) + ' MiB' if which == 'budget' else ''} | "
+    return (f"| {_label(r, which)} | "
             f"{b['seconds'] / step:.1f} | {parts} |")
 
 

@@ -132,13 +132,12 @@ def run_one(zoo: str, name: str, batch: int, res: int) -> Dict[str, Any]:
     row: Dict[str, Any] = {"zoo": zoo, "model": name, "setting": f"{batch}x{res}"}
     start = time.time()
     try:
-        if zoo in ("timm", "torchvision"):  # named or --models all: never build what cannot fit
-            from tools.bench.capture.zoo import count_params
-            row["params_total"] = count_params(zoo, name)
-            if row["params_total"] > MAX_PARAMS:
-                row.update(status="skipped", error=f"{row['params_total'] / 1e6:.0f}M parameters > MAX_PARAMS "
-                                                   f"{MAX_PARAMS / 1e6:.0f}M: would not fit this machine's memory")
-                return row
+        from tools.bench.capture.zoo import count_params  # named or --models all: never build what cannot fit
+        row["params_total"] = count_params(zoo, name)
+        if row["params_total"] > MAX_PARAMS:
+            row.update(status="skipped", error=f"{row['params_total'] / 1e6:.0f}M parameters > MAX_PARAMS "
+                                               f"{MAX_PARAMS / 1e6:.0f}M: would not fit this machine's memory")
+            return row
         model, x, size = build(zoo, name, batch, res)
         if size != res:
             row["size"] = size
