@@ -148,28 +148,33 @@ def training_step(fn, model: nn.Module, args: tuple, kwargs: dict, rng: torch.Te
         compute_loss(out, loss_fn).backward()
         outputs = [t.detach().clone() for t in output_tensors(out)]
         buffers = [b.detach().clone() for b in model.buffers()]
-        grads = [None if p.grad is None else p.grad.detach().clone() for p in params]
-        input_grads = [None if t.grad is None else t.grad.detach().clone() for t in inputs]
+        # the gradients themselves, not copies (``preserved_state`` puts the user's back): no second set alive
+        grads = [None if p.grad is None else p.grad.detach() for p in params]
+        input_grads = [None if t.grad is None else t.grad.detach() for t in inputs]
     return StepResult(outputs, buffers, grads, input_grads, saved)
 
 
 def training_grads(fn, model: nn.Module, args: tuple, kwargs: dict, rng: torch.Tensor, losses: List[Any],
-                   stop: Optional[Callable[[List[Optional[torch.Tensor]]], bool]] = None
+                   stop: Optional[Callable[[List[Optional[torch.Tensor]]], bool]] = None, keep: bool = True
                    ) -> List[List[Optional[torch.Tensor]]]:
     """The parameters' gradients of ``training_step(fn, ...)`` under each of ``losses`` in turn, from ONE forward:
     each backward but the last keeps the graph (``retain_graph``) and starts from the RNG state the forward left,
     so K losses cost one forward and K backwards where K steps cost K of each, with the same bits (the forward is
     the same computation from the same state and draws; each backward reads the same saved tensors: memopt's
     ops neither free nor overwrite what they saved, tests/capture/test_shared_forward.py). ``stop(grads)``: no
-    further backward once it is true (the gate stops at a loss a parameter misses under)."""
+    further backward once it is true (the gate stops at a loss a parameter misses under). ``keep=False``: each loss's
+    gradients go to ``stop`` only and are dropped before the next backward (the list holds None for them), so one
+    set of gradients is alive at a time, not one per loss: the gate reduces them to figures at once, and eight
+    copies of the parameters' gradients would raise optimize()'s own peak above the training step's."""
     if not losses:
         return []
-    return _training_grads(fn, model, args, kwargs, rng, losses, stop)
+    return _training_grads(fn, model, args, kwargs, rng, losses, stop, keep)
 
 
 @counters.counted("real_steps")
 def _training_grads(fn, model: nn.Module, args: tuple, kwargs: dict, rng: torch.Tensor, losses: List[Any],
-                    stop: Optional[Callable[[List[Optional[torch.Tensor]]], bool]]) -> List[List[Optional[torch.Tensor]]]:
+                    stop: Optional[Callable[[List[Optional[torch.Tensor]]], bool]], keep: bool = True
+                    ) -> List[List[Optional[torch.Tensor]]]:
     found: List[List[Optional[torch.Tensor]]] = []
     params = list(model.parameters())
     args, kwargs, inputs = _fresh_inputs(args, kwargs)
@@ -185,8 +190,14 @@ def _training_grads(fn, model: nn.Module, args: tuple, kwargs: dict, rng: torch.
             if after[1] is not None:
                 torch.cuda.set_rng_state_all(after[1])
             compute_loss(out, loss_fn).backward(retain_graph=not last)
-            found.append([None if p.grad is None else p.grad.detach().clone() for p in params])
-            if stop is not None and stop(found[-1]) and not last:
+            # the gradients themselves, not copies: the next backward accumulates into fresh ones (p.grad is None)
+            grads = [None if p.grad is None else p.grad.detach() for p in params]
+            for p in params:
+                p.grad = None
+            found.append(grads if keep else None)
+            done = stop is not None and stop(grads)
+            del grads
+            if done and not last:
                 break
         del out
     return found

@@ -75,7 +75,10 @@ def parameter_fidelity(names: List[str], exact: List[Optional[torch.Tensor]], ap
 
 def _sums(g: torch.Tensor, a: torch.Tensor) -> Tuple[float, float, float, float]:
     """(sum g², sum a², sum g·a, sum (a - g)²) in double: one pass of the C kernel over two float32 gradients
-    (``native_generic.compare``), else float64 copies."""
+    (``native_generic.compare``), else float64 copies. ``g`` kept in host memory (the gate's references,
+    ``gate.on_host``) is brought to ``a``'s device, one parameter at a time."""
+    if g.device != a.device:
+        g = g.to(a.device)
     found = native_generic.compare(g, a) if g.dtype == a.dtype == torch.float32 else None
     if found is not None:
         return found
@@ -92,12 +95,13 @@ def judged(f: Dict[str, Any]) -> float:
 
 def float64_noise(model: nn.Module, args: tuple, kwargs: dict, rng: Any, loss: Any, names: List[str],
                   exact: List[Optional[torch.Tensor]], tiny: float, bar: float,
-                  fidelity: Any, twins: Optional[Dict[str, nn.Module]] = None) -> Optional[Dict[str, str]]:
+                  fidelity: Any) -> Optional[Dict[str, str]]:
     """{parameter: why} of the parameters whose eager float32 gradient (``exact``, under ``loss``) is below ``bar``
     against the same step in float64; None where this does not apply (autocast on, not every parameter float32, or
     a bar of 1: that asks for float32 eager's own bits, which float64 does not give), {} where the float64 step could
-    not run or would be too large (logged). ``fidelity``: ``parameter_fidelity``; ``twins``: where the float64 copy
-    is kept between calls (the gate calls once per loss; a training step leaves the copy's state as it found it)."""
+    not run or would be too large (logged). ``fidelity``: ``parameter_fidelity``. The float64 copy is made for the
+    call and dropped after it, not kept for the gate's next loss: alive through the gate it would sit beside the
+    gate's reference gradients at optimize()'s peak, where copying again costs a few percent of the float64 step."""
     if bar >= 1 or any(torch.is_autocast_enabled(d) for d in ("cpu", "cuda")):
         return None
     tensors = list(model.parameters()) + list(model.buffers())
@@ -109,12 +113,9 @@ def float64_noise(model: nn.Module, args: tuple, kwargs: dict, rng: Any, loss: A
                  "listed apart as beyond float32's resolution", type(model).__name__, size >> 20)
         return {}
     try:
-        twin = (twins or {}).get("float64")
-        if twin is None:
-            twin = copy.deepcopy(model).double()
-            if twins is not None:
-                twins["float64"] = twin
+        twin = copy.deepcopy(model).double()
         full = training_step(twin, twin, _double(args), _double(kwargs), rng, loss).grads
+        del twin
     except (RuntimeError, TypeError, NotImplementedError) as error:  # an op without a float64 kernel, a module that
         log.info("memopt: no float64 reference step for %s (%s); no parameter is listed apart as beyond float32's "
                  "resolution", type(model).__name__, str(error).splitlines()[0][:160] if str(error) else error)

@@ -137,7 +137,6 @@ def fidelity_gate(model: nn.Module, args: tuple, kwargs: dict, config: Config, d
         return drawn[index]
 
     losses = [loss_at(0)]
-    twins: Dict[str, nn.Module] = {}  # the float64 copy of the model, made once for every loss
     steps = [0]  # gradients computed (a backward each; ``training_grads`` shares one forward between losses)
     cache: Dict[tuple, List[Dict[str, Dict[str, Any]]]] = {}  # plan -> its figures under each projection
     ahead: Dict[tuple, Dict[int, Dict[str, Dict[str, Any]]]] = {}  # plan -> figures under losses not in use yet
@@ -155,7 +154,7 @@ def fidelity_gate(model: nn.Module, args: tuple, kwargs: dict, config: Config, d
                                gate.min_cosine)
         if noisy is None:
             noisy = float64_noise(model, sliced_args, sliced_kwargs, rng, loss, names, grads, gate.tiny,
-                                  gate.min_cosine, parameter_fidelity, twins)
+                                  gate.min_cosine, parameter_fidelity)
         steps[0] += noisy is not None
         new = {p: why for p, why in (noisy or {}).items() if p not in invariant}
         invariant.update(new)
@@ -171,11 +170,13 @@ def fidelity_gate(model: nn.Module, args: tuple, kwargs: dict, config: Config, d
     def exact_grads(index: int) -> List[Optional[torch.Tensor]]:
         """The eager step's gradients under loss ``index``, in batches from one forward: the first ``least``
         losses, then every one up to ``most`` (a plan that passes by less than MARGIN, as most do, is confirmed on
-        all of them)."""
+        all of them). Kept in host memory (``on_host``): up to ``most`` copies of the gradients."""
         if index not in exact_ahead:
             batch = list(range(index, least if index < least else most))
-            exact_ahead.update(zip(batch, training_grads(model, model, sliced_args, sliced_kwargs, rng,
-                                                         [loss_at(i) for i in batch])))
+            found: List[List[Optional[torch.Tensor]]] = []
+            training_grads(model, model, sliced_args, sliced_kwargs, rng, [loss_at(i) for i in batch],
+                           stop=lambda grads: found.append(on_host(grads)) or False, keep=False)
+            exact_ahead.update(zip(batch, found))
             steps[0] += len(batch)
         return exact_ahead[index]
 
@@ -297,7 +298,7 @@ def fidelity_gate(model: nn.Module, args: tuple, kwargs: dict, config: Config, d
             return not every and _misses(measured[-1], gate.min_cosine)
 
         training_grads(rewritten, model, sliced_args, sliced_kwargs, rng, [loss_at(i) for i in range(start, upto)],
-                       stop=take)
+                       stop=take, keep=False)
         steps[0] += len(measured)
 
     def prefetch(trial: Decision) -> None:
@@ -465,6 +466,14 @@ def fidelity_gate(model: nn.Module, args: tuple, kwargs: dict, config: Config, d
     log.info("memopt: fidelity gate on %s: %d rounds, %d steps, %d changes, %.2f s", type(model).__name__, round_,
              steps[0], len(changes), time.perf_counter() - start)
     return decision, report
+
+
+def on_host(grads: List[Optional[torch.Tensor]]) -> List[Optional[torch.Tensor]]:
+    """``grads`` in host memory: the gate keeps the eager step's gradients under each of its losses (up to
+    ``max_projections`` + 1 copies of the parameters' gradients) for every plan it measures, which on an accelerator
+    would put optimize()'s own peak far above the training step's; ``parameter_fidelity`` brings one parameter's
+    at a time to the device it compares on. On CPU: the tensors themselves."""
+    return [g if g is None or g.device.type == "cpu" else g.to("cpu") for g in grads]
 
 
 def _batch(args: tuple, kwargs: dict) -> int:

@@ -63,7 +63,8 @@ row with its error.
 ``--largest``: per model, precision and method, the largest batch whose measured step peak is at most
 ``--cap-mb``: doubling from ``--start-batch``, then bisection, each probe a fresh child, at most ``--max-probes``
 probes and ``--max-batch``; a probe that fails (error, refusal) counts as not fitting. Throughput = batch / step
-seconds at that batch. Files are rewritten after every row, so a run cut short keeps what it measured.
+seconds at that batch; optimize()'s own peak at that batch is shown beside it (a probe fits by its step's peak).
+Files are rewritten after every row, so a run cut short keeps what it measured.
 """
 from __future__ import annotations
 
@@ -177,14 +178,16 @@ def describe_models(results: Dict) -> str:
 
 # ---------------------------------------------------------------- --table
 TABLE_HEADERS = ["model", "precision", "batch", "method", "peak MiB", "peak / stock", "floor MiB",
-                 "step s (median)", "step / stock", "setup s", "setup peak MiB", "free heap MiB",
+                 "step s (median)", "step / stock", "setup s", "setup peak MiB", "optimize() peak MiB", "free heap MiB",
                  "issue 40 reference MiB", "note"]
 
 
 COLUMNS = """Columns: peak MiB, the largest measured step's peak (above); floor MiB, parameters + gradients +
 optimizer state; step s, the median measured step in that child, and its ratio to the stock child's; setup s,
 ``memopt.optimize`` or torch.compile's first step; setup peak MiB, the peak (measured the same way) from building
-the model through optimize / compile and the warm-up steps; free heap MiB, what glibc's ``malloc_trim(0)`` handed
+the model through optimize / compile and the warm-up steps; optimize() peak MiB, the peak while
+``memopt.optimize`` ran (the model, inputs and optimizer included: above the step's peak, optimize() is what runs
+out of memory first; empty for other methods); free heap MiB, what glibc's ``malloc_trim(0)`` handed
 back to the kernel after the measured steps: memory the step freed that the allocator still kept resident
 (diagnostic, read after the measurement; large values go with a heap whose free holes the next step cannot all
 reuse, see the allocator note above)."""
@@ -205,8 +208,8 @@ def table(args) -> None:
                         results[(model, dtype, "checkpoint")] = ckpt
                     budget = ckpt.get("peak_mib")
                     if budget is None:
-                        rows.append([model, dtype, str(batch), method, "", "", "", "", "", "", "",
-                                     "not run: the checkpoint row has no peak to use as the budget"])
+                        rows.append([model, dtype, str(batch), method] + [""] * (len(TABLE_HEADERS) - 5) +
+                                    ["not run: the checkpoint row has no peak to use as the budget"])
                         write(args, out, "Peak memory of a CPU training step", rows, TABLE_HEADERS, "")
                         continue
                 r = run_child(args, model, dtype, batch, method, budget)
@@ -223,7 +226,9 @@ def table(args) -> None:
                              f2(peak / stock["peak_mib"] if peak and stock.get("peak_mib") else None, "x"),
                              f1(r.get("floor_mib")), f2(step),
                              f2(step / stock["step_s"] if step and stock.get("step_s") else None, "x"),
-                             f1(r.get("optimize_s")), f1(r.get("setup_peak_mib")), f1(r.get("heap_free_mib")),
+                             f1(r.get("optimize_s")), f1(r.get("setup_peak_mib")),
+                             f1(r.get("optimize_peak_mib")) if method.startswith("memopt") else "",
+                             f1(r.get("heap_free_mib")),
                              reference(args, model, dtype, batch, method), note])
                 extra = (f"Models:\n\n{describe_models(results)}\n\nIdle baseline subtracted (per child, resident "
                          f"set after the imports): " + ", ".join(sorted({f"{r['baseline_mib']:.0f}"
@@ -236,7 +241,8 @@ def table(args) -> None:
 
 
 # ---------------------------------------------------------------- --largest
-LARGEST_HEADERS = ["model", "precision", "method", "largest batch", "peak MiB at it", "samples/s at it",
+LARGEST_HEADERS = ["model", "precision", "method", "largest batch", "peak MiB at it", "optimize() peak MiB at it",
+                   "samples/s at it",
                    "first batch over", "probes", "search s", "note"]
 
 
@@ -292,6 +298,7 @@ def largest(args) -> None:
                 trail = ", ".join(f"{b}: {f1(p.get('peak_mib')) or 'error'}" for b, p in probes.items())
                 note.append(f"probes (batch: MiB) {trail}")
                 rows.append([model, dtype, method, str(lo), f1(r.get("peak_mib")),
+                             f1(r.get("optimize_peak_mib")) if method.startswith("memopt") else "",
                              f1(lo / r["step_s"]) if r.get("step_s") else "", "" if hi is None else str(hi),
                              str(len(probes)), f"{time.perf_counter() - t0:.0f}", "; ".join(n for n in note if n)])
                 extra = (f"Cap {args.cap_mb:.0f} MiB (the peak as defined above: anonymous resident memory above the "
