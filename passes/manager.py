@@ -1,5 +1,5 @@
-"""The pass manager: run passes in ``memopt.techniques.TECHNIQUES`` order, lint and recompile after each,
-name the pass on failure."""
+"""The pass manager: run passes in ``memopt.techniques.TECHNIQUES`` order, lint and recompile after each that
+modified the graph, name the pass on failure."""
 from __future__ import annotations
 
 import dataclasses
@@ -45,8 +45,9 @@ def run_passes(gm: fx.GraphModule, passes: Sequence[Tuple[str, PassFn, Any]],
             if not isinstance(result, PassResult):
                 raise TypeError(f"a pass must return PassResult, got {type(result).__name__}")
             gm = result.graph_module
-            gm.graph.lint()
-            gm.recompile()
+            if result.modified:  # an unmodified graph is still the code it was compiled to (recompiling a
+                gm.graph.lint()  # graph recompiles every graph submodule too: blocks recomputed from codes)
+                gm.recompile()
         except MemoptError as e:
             raise type(e)(f"pass '{name}' failed: {e}") from e
         except Exception as e:  # noqa: BLE001 - re-raised with the pass named
