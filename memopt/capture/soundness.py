@@ -203,6 +203,54 @@ def _training_grads(fn, model: nn.Module, args: tuple, kwargs: dict, rng: torch.
     return found
 
 
+@counters.counted("real_steps")
+def paired_grads(first, second, model: nn.Module, args: tuple, kwargs: dict, rng: torch.Tensor, losses: List[Any],
+                 take: Callable[[List[Optional[torch.Tensor]], List[Optional[torch.Tensor]]], bool]) -> int:
+    """``training_grads`` of ``first`` and of ``second`` side by side: both forwards run (the second from the state
+    the first started from: buffers put back, the same draws), then under each of ``losses`` in turn a backward of
+    each, whose gradients go to ``take(first's, second's)`` and are dropped; no further loss once ``take`` returns
+    True. Returns the number of losses run. Each set of gradients is ``training_grads``' bit for bit (the same
+    forward from the same state, the same backward), but only one set of each is alive at a time: the fidelity gate
+    confirms a plan on losses whose eager gradients it would otherwise keep, a copy of the parameters' gradients per
+    loss, at the cost of two forwards alive at once."""
+    params, buffers = list(model.parameters()), list(model.buffers())
+    runs = []
+    with preserved_state(model):
+        start = [b.detach().clone() for b in buffers]
+        for fn in (first, second):
+            fn_args, fn_kwargs, inputs = _fresh_inputs(args, kwargs)
+            _start_step(model, params, rng)
+            out = fn(*fn_args, **fn_kwargs)
+            runs.append((out, inputs, torch.get_rng_state(),
+                         torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None))
+            if fn is first:
+                with torch.no_grad():  # through .data: the first graph saved some of them (BatchNorm's running
+                    for b, value in zip(buffers, start):  # statistics) and must not see a new version
+                        b.data.copy_(value)
+        del start
+        count = 0
+        for index, loss_fn in enumerate(losses):
+            last = index == len(losses) - 1
+            sets = []
+            for out, inputs, cpu_rng, cuda_rng in runs:
+                for t in params + inputs:
+                    t.grad = None
+                torch.set_rng_state(cpu_rng)
+                if cuda_rng is not None:
+                    torch.cuda.set_rng_state_all(cuda_rng)
+                compute_loss(out, loss_fn).backward(retain_graph=not last)
+                sets.append([None if p.grad is None else p.grad.detach() for p in params])
+            for p in params:
+                p.grad = None
+            count += 1
+            done = take(*sets)
+            del sets
+            if done:
+                break
+        del runs
+    return count
+
+
 def _same(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> bool:
     if a is None or b is None:
         return a is None and b is None

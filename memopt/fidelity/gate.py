@@ -25,7 +25,7 @@ from torch.utils._pytree import tree_flatten
 from memopt.capture.trace import capture, flat_inputs
 from memopt.config import Config
 from memopt.core.errors import MemoptError
-from memopt.core.meta import HISTOGRAM_KEY, META_KEY
+from memopt.core.meta import HISTOGRAM_KEY, META_KEY, STATE_CATEGORIES
 from memopt.fidelity.conditioning import _misses, autocast_noise, float64_noise, gate_report, judged, \
     parameter_fidelity, per_min, worst_over
 from memopt.fidelity.invariant_params import invariant_parameters
@@ -38,7 +38,7 @@ from memopt.passes.base import Decision, PassContext
 from memopt.passes.planning.candidates import copy_graph_module, rewritten_units
 from memopt.passes.planning.planner import apply_decision
 from memopt.reversible.check import real_examples
-from memopt.capture.soundness import batch_slice, training_grads
+from memopt.capture.soundness import batch_slice, paired_grads, training_grads
 
 log = logging.getLogger("memopt")
 
@@ -129,6 +129,10 @@ def fidelity_gate(model: nn.Module, args: tuple, kwargs: dict, config: Config, d
     next_loss = gate_losses(loss_fn, which)
     least = PROJECTIONS + (loss_fn is not None)
     most = max(least, gate.max_projections + (loss_fn is not None))
+    # confirmations make each loss's eager gradients beside the plan's (two forwards alive) where the copies of the
+    # gradients they would keep otherwise weigh more than the eager forward's saved tensors on the slice
+    fraction = _batch(sliced_args, sliced_kwargs) / _batch(args, kwargs) if _batch(args, kwargs) else 1.0
+    paired = (most - least - 1) * gradient_bytes(model) > fraction * kept_bytes(base)
     drawn: Dict[int, Any] = {}  # each loss made once: its own random weights
 
     def loss_at(index: int) -> Any:
@@ -149,7 +153,7 @@ def fidelity_gate(model: nn.Module, args: tuple, kwargs: dict, config: Config, d
         """The parameters the eager step's precision does not resolve under loss ``index`` join those listed apart
         (under autocast against float32, else against float64: a small one is noisy under some projections only)."""
         unresolved.discard(index)
-        loss, grads = losses[index], exacts[index]
+        loss, grads = losses[index], exact_grads(index)
         noisy = autocast_noise(model, sliced_args, sliced_kwargs, rng, loss, names, grads, gate.tiny,
                                gate.min_cosine)
         if noisy is None:
@@ -180,16 +184,15 @@ def fidelity_gate(model: nn.Module, args: tuple, kwargs: dict, config: Config, d
             steps[0] += len(batch)
         return exact_ahead[index]
 
-    def exact_step(index: int) -> List[Optional[torch.Tensor]]:
-        """``exact_grads`` of loss ``index``, which joins those in use. Its precision check (``resolve``) runs at
-        once for the first loss, so the report lists what float32 does not resolve; for a later loss only once a
-        parameter misses under it: it can only list parameters apart, and on most plans every parameter passes (a
-        float64 step costs several float32 ones on CPU)."""
-        unresolved.add(len(exacts))
-        return exact_grads(index)
+    def exact_step(index: int) -> None:
+        """Loss ``index`` joins those in use; its eager gradients (``exact_grads``) are made when a plan is measured
+        under it or its precision check runs, unless a confirmation measured a plan beside them (``measure``'s
+        pairs). Its precision check (``resolve``) runs at once for the first loss, so the report lists what float32
+        does not resolve; for a later loss only once a parameter misses under it: it can only list parameters apart,
+        and on most plans every parameter passes (a float64 step costs several float32 ones on CPU)."""
+        unresolved.add(index)
 
-    exacts: List[List[Optional[torch.Tensor]]] = []
-    exacts.append(exact_step(0))
+    exact_step(0)
     resolve(0)
     # a joint option's parts share their group's nodes (coupled units are neighbours)
     parts = [(part, u["nodes"]) for u in units for part in (u["chosen"].get("parts") or [u["chosen"]]) if _lossy(part)]
@@ -286,19 +289,27 @@ def fidelity_gate(model: nn.Module, args: tuple, kwargs: dict, config: Config, d
         """A plan's figures under losses ``len(done)`` to ``upto`` from one forward and a backward each, up to the
         first under which a parameter misses unless ``every``; those past the losses in use go to ``kept``."""
         start, measured = len(done), []
-        exact = [exact_grads(i) for i in range(start, upto)]  # first: another step inside would restore the weights
+        indices = range(start, upto)
 
-        def take(approx: List[Optional[torch.Tensor]]) -> bool:
+        def take(exact: List[Optional[torch.Tensor]], approx: List[Optional[torch.Tensor]]) -> bool:
             index = start + len(measured)
-            measured.append(parameter_fidelity(names, exact[index - start], approx, gate.tiny, invariant))
+            measured.append(parameter_fidelity(names, exact, approx, gate.tiny, invariant))
             if index < len(losses):
                 done.append(measured[-1])
             else:
                 kept[index] = measured[-1]
             return not every and _misses(measured[-1], gate.min_cosine)
 
-        training_grads(rewritten, model, sliced_args, sliced_kwargs, rng, [loss_at(i) for i in range(start, upto)],
-                       stop=take, keep=False)
+        if not every and start >= least and paired and not any(i in exact_ahead for i in indices):
+            # a confirmation: each loss's eager gradients made beside the plan's and dropped with them (a plan that
+            # misses here is repaired under these losses: ``exact_grads`` makes them again, one forward)
+            paired_grads(model, rewritten, model, sliced_args, sliced_kwargs, rng, [loss_at(i) for i in indices],
+                         take)
+            steps[0] += 2 * len(measured)
+            return
+        exact = [exact_grads(i) for i in indices]  # first: another step inside would restore the weights
+        training_grads(rewritten, model, sliced_args, sliced_kwargs, rng, list(map(loss_at, indices)),
+                       stop=lambda approx: take(exact[len(measured)], approx), keep=False)
         steps[0] += len(measured)
 
     def prefetch(trial: Decision) -> None:
@@ -319,7 +330,7 @@ def fidelity_gate(model: nn.Module, args: tuple, kwargs: dict, config: Config, d
             if len(losses) >= least:
                 prefetch(decision)
             losses.append(loss_at(len(losses)))
-            exacts.append(exact_step(len(losses) - 1))
+            exact_step(len(losses) - 1)
             per_parameter, failing = evaluate(decision)
         return per_parameter, failing
 
@@ -334,7 +345,7 @@ def fidelity_gate(model: nn.Module, args: tuple, kwargs: dict, config: Config, d
         if len(losses) < least:
             while len(losses) < least:
                 losses.append(loss_at(len(losses)))
-                exacts.append(exact_step(len(losses) - 1))
+                exact_step(len(losses) - 1)
             per_parameter, failing = evaluate(decision)
         missed = {p: per_parameter[p]["cosine"] for p in failing}
         notes, note = [], None
@@ -466,6 +477,23 @@ def fidelity_gate(model: nn.Module, args: tuple, kwargs: dict, config: Config, d
     log.info("memopt: fidelity gate on %s: %d rounds, %d steps, %d changes, %.2f s", type(model).__name__, round_,
              steps[0], len(changes), time.perf_counter() - start)
     return decision, report
+
+
+def gradient_bytes(model: nn.Module) -> int:
+    """Bytes of one set of the parameters' gradients."""
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+
+
+def kept_bytes(graph: fx.GraphModule) -> int:
+    """Bytes of the distinct storages the graph's annotated nodes keep for backward (the cost model's, for the
+    shapes it was annotated at), parameters and buffers aside."""
+    kept: Dict[int, int] = {}
+    for node in graph.graph.nodes:
+        cost = node.meta.get(META_KEY)
+        for ref in getattr(cost, "saved", ()):
+            if ref.category not in STATE_CATEGORIES:
+                kept[ref.key] = ref.nbytes
+    return sum(kept.values())
 
 
 def on_host(grads: List[Optional[torch.Tensor]]) -> List[Optional[torch.Tensor]]:

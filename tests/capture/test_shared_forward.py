@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import memopt
-from memopt.capture.soundness import training_grads, training_step
+from memopt.capture.soundness import paired_grads, training_grads, training_step
 from memopt.fidelity.gate import OwnDirection, RandomProjection
 from memopt.testing.reversible_zoo import rev_transformer, revnet
 from memopt.testing.zoo import build
@@ -76,3 +76,26 @@ def test_stop_ends_the_backwards_at_the_first_true():
     assert len(found) == 2 == len(seen)
     assert all(torch.equal(g, h) for g, h in zip(found[1], training_step(om, model, (x,), {}, RNG, losses[1]).grads)
                if g is not None)
+
+
+@pytest.mark.parametrize("name", ["default_cnn", "recompute_codes", "rev_transformer_dropout"])
+def test_paired_grads_are_each_sides_training_grads(name):
+    """The eager model and its rewritten stand-in side by side (the gate's confirmations): each loss's two sets of
+    gradients are the bits ``training_grads`` gives each alone, BatchNorm statistics and dropout draws included, and
+    the model's state is left as it was."""
+    model, om, x = _optimized(name)
+    args = (x,) if isinstance(x, torch.Tensor) else tuple(x)
+    before, losses = copy.deepcopy(model.state_dict()), _losses()
+    eager, rewritten = training_grads(model, model, args, {}, RNG, losses), training_grads(om, model, args, {}, RNG,
+                                                                                            losses)
+    pairs = []
+    assert paired_grads(model, om, model, args, {}, RNG, losses, lambda a, b: pairs.append((a, b)) or False) == 4
+    assert len(pairs) == len(losses)
+    for index, (a, b) in enumerate(pairs):
+        for g, h in ((a, eager[index]), (b, rewritten[index])):
+            assert all((u is None) == (v is None) and (u is None or torch.equal(u, v)) for u, v in zip(g, h)), index
+    stopped = []
+    assert paired_grads(model, om, model, args, {}, RNG, losses, lambda a, b: stopped.append(1) or len(stopped) == 2) == 2
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before), "the model's state moved"
+    assert all(p.grad is None for p in model.parameters())

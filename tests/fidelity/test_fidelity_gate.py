@@ -473,22 +473,28 @@ def test_a_miss_the_all_exact_plan_shares_is_listed_apart_not_chased(monkeypatch
 
 
 def test_a_plan_confirmed_on_eight_losses_shares_its_forwards(monkeypatch):
-    """Eight losses cost four forwards, not sixteen steps: the eager side's gradients in two batches (the first two
-    losses, then the rest), the plan's likewise (a plan new to the gate under the first two from one forward, then
-    the other six from one forward measured ahead of confirmation); every (plan, loss) gradient once."""
+    """Eight losses cost four forwards, not sixteen steps: the eager side's gradients and the plan's under the first
+    two losses, each from one forward (a plan new to the gate), then the other six side by side, from one forward
+    of each, measured ahead of confirmation (``paired_grads``: on this model the six copies of the eager gradients
+    would weigh more than the eager forward on the slice); every (plan, loss) gradient once."""
     calls = []
-    real = fidelity.training_grads
+    real, pairs = fidelity.training_grads, fidelity.paired_grads
 
     def counted(fn, model, *args, **kwargs):
         found = real(fn, model, *args, **kwargs)
         calls.append(("eager" if fn is model else "plan", len(found)))
         return found
 
+    def paired(*args, **kwargs):
+        calls.append(("eager and plan", pairs(*args, **kwargs)))
+        return calls[-1][1]
+
     monkeypatch.setattr(fidelity, "training_grads", counted)
+    monkeypatch.setattr(fidelity, "paired_grads", paired)
     torch.manual_seed(0)
     om = memopt.optimize(GeluMLP(), example_inputs=torch.randn(64, 64),
                          config=memopt.Config(fewbit=memopt.FewBitConfig(bits=8), stash=None, reversible=None))
     report = om.plan.fidelity
     assert report["passed"] and not report["changes"] and report["projections"] == fidelity.MAX_PROJECTIONS == 8
-    assert calls == [("eager", 2), ("plan", 2), ("eager", 6), ("plan", 6)], calls
+    assert calls == [("eager", 2), ("plan", 2), ("eager and plan", 6)], calls
     assert report["steps"] == 16 + 1  # a gradient per loss on each side, and the float64 check of the first

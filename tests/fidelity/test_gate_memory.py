@@ -24,10 +24,10 @@ def _weight_grads_alive() -> int:
 
 
 def test_the_gate_keeps_one_set_of_a_plans_gradients_beside_its_references(monkeypatch):
-    """Every parameter_fidelity call of the gate sees the eager references (one set per loss, up to
-    max_projections), the state ``preserved_state`` restores, and one set of the plan's gradients: not one per loss
-    (the gate reduces each loss's gradients to figures at once) and no float64 copy of the model kept between
-    losses."""
+    """Every parameter_fidelity call of the gate sees the eager references of the first losses, the state
+    ``preserved_state`` restores, and one set of the plan's gradients with, in a confirmation, the eager ones made
+    beside them (``paired_grads``): not one set per loss on either side (each loss's are reduced to figures at once),
+    and no float64 copy of the model kept between losses."""
     counts = []
     compare = fidelity.parameter_fidelity
 
@@ -40,11 +40,10 @@ def test_the_gate_keeps_one_set_of_a_plans_gradients_beside_its_references(monke
     model, x = _mlp(), torch.randn(16, WIDTH)
     om = memopt.optimize(model, example_inputs=x, config=memopt.Config(stash=None, reversible=None))
     report = om.plan.fidelity
-    assert report["passed"] and report["projections"] == memopt.FidelityConfig().max_projections
-    most = report["projections"]
-    # references + the snapshot of the parameters + one plan's (or the float64 step's) gradients + the one compared
-    assert counts and max(counts) <= (most + 3) * DEPTH, (max(counts), most)
-    assert max(counts) >= most * DEPTH  # the references are there: the count sees gradients
+    assert report["passed"] and report["projections"] == memopt.FidelityConfig().max_projections == 8
+    # the first losses' references + the snapshot of the parameters + a pair (eager, plan) under one loss
+    assert counts and max(counts) <= (fidelity.PROJECTIONS + 3) * DEPTH, counts
+    assert min(counts) >= fidelity.PROJECTIONS * DEPTH  # the count sees the references
 
 
 def test_references_stay_where_they_are_on_the_host():
