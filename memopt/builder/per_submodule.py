@@ -265,11 +265,12 @@ def gate_whole(model: nn.Module, args: tuple, kwargs: dict, config: Config, unit
     def evaluate(run: List[Unit]) -> Tuple[Dict[str, Dict[str, Any]], List[str]]:
         key = tuple(u.path for u in run)
         if key not in cache:
+            figures: List[Dict[str, Dict[str, Any]]] = []  # each loss's gradients reduced at once, not kept
             with routed(model, run):
-                approx = training_grads(model, model, args, kwargs, rng, losses)
+                training_grads(model, model, args, kwargs, rng, losses, keep=False, stop=lambda grads: figures.append(
+                    parameter_fidelity(names, exacts[len(figures)], grads, gate.tiny, invariant)) or False)
             steps[0] += len(losses)
-            cache[key] = worst_over([parameter_fidelity(names, exact, grads, gate.tiny, invariant)
-                                     for exact, grads in zip(exacts, approx)])
+            cache[key] = worst_over(figures)
         per = cache[key]
         return per, sorted((p for p, f in per.items() if judged(f) < gate.min_cosine),
                            key=lambda p: per[p]["cosine"])

@@ -174,14 +174,19 @@ def fidelity_gate(model: nn.Module, args: tuple, kwargs: dict, config: Config, d
     def exact_grads(index: int) -> List[Optional[torch.Tensor]]:
         """The eager step's gradients under loss ``index``, in batches from one forward: the first ``least``
         losses, then every one up to ``most`` (a plan that passes by less than MARGIN, as most do, is confirmed on
-        all of them). Kept in host memory (``on_host``): up to ``most`` copies of the gradients."""
-        if index not in exact_ahead:
-            batch = list(range(index, least if index < least else most))
-            found: List[List[Optional[torch.Tensor]]] = []
-            training_grads(model, model, sliced_args, sliced_kwargs, rng, [loss_at(i) for i in batch],
-                           stop=lambda grads: found.append(on_host(grads)) or False, keep=False)
-            exact_ahead.update(zip(batch, found))
-            steps[0] += len(batch)
+        all of them), kept in host memory (``on_host``) for every plan measured under them. Where the gate pairs
+        (``paired``), only the first ``least`` are kept: a later loss's are made for the one use (a plan measures
+        them beside its own, ``measure``), so the gate holds ``least`` copies of the gradients, not ``most``."""
+        if index in exact_ahead:
+            return exact_ahead[index]
+        batch = list(range(index, least if index < least else index + 1 if paired else most))
+        found: List[List[Optional[torch.Tensor]]] = []
+        training_grads(model, model, sliced_args, sliced_kwargs, rng, [loss_at(i) for i in batch],
+                       stop=lambda grads: found.append(on_host(grads)) or False, keep=False)
+        steps[0] += len(batch)
+        if paired and index >= least:
+            return found[0]
+        exact_ahead.update(zip(batch, found))
         return exact_ahead[index]
 
     def exact_step(index: int) -> None:
@@ -287,9 +292,10 @@ def fidelity_gate(model: nn.Module, args: tuple, kwargs: dict, config: Config, d
     def measure(rewritten: fx.GraphModule, done: List[Dict[str, Dict[str, Any]]], kept: Dict[int, Any], upto: int,
                 every: bool) -> None:
         """A plan's figures under losses ``len(done)`` to ``upto`` from one forward and a backward each, up to the
-        first under which a parameter misses unless ``every``; those past the losses in use go to ``kept``."""
+        first under which a parameter misses unless ``every``; those past the losses in use go to ``kept``. Where the
+        gate pairs, the losses past the first ``least`` (whose eager gradients are not kept) are measured beside the
+        eager step (``paired_grads``: a second forward of the plan, once it passed the first ones)."""
         start, measured = len(done), []
-        indices = range(start, upto)
 
         def take(exact: List[Optional[torch.Tensor]], approx: List[Optional[torch.Tensor]]) -> bool:
             index = start + len(measured)
@@ -300,17 +306,18 @@ def fidelity_gate(model: nn.Module, args: tuple, kwargs: dict, config: Config, d
                 kept[index] = measured[-1]
             return not every and _misses(measured[-1], gate.min_cosine)
 
-        if not every and start >= least and paired and not any(i in exact_ahead for i in indices):
-            # a confirmation: each loss's eager gradients made beside the plan's and dropped with them (a plan that
-            # misses here is repaired under these losses: ``exact_grads`` makes them again, one forward)
-            paired_grads(model, rewritten, model, sliced_args, sliced_kwargs, rng, [loss_at(i) for i in indices],
-                         take)
-            steps[0] += 2 * len(measured)
-            return
-        exact = [exact_grads(i) for i in indices]  # first: another step inside would restore the weights
-        training_grads(rewritten, model, sliced_args, sliced_kwargs, rng, list(map(loss_at, indices)),
-                       stop=lambda approx: take(exact[len(measured)], approx), keep=False)
-        steps[0] += len(measured)
+        first = range(start, upto if not paired else max(start, min(upto, least)))  # under the kept references
+        if first:
+            exact = [exact_grads(i) for i in first]  # first: another step inside would restore the weights
+            training_grads(rewritten, model, sliced_args, sliced_kwargs, rng, list(map(loss_at, first)),
+                           stop=lambda approx: take(exact[len(measured)], approx), keep=False)
+            steps[0] += len(measured)
+            if len(measured) < len(first) or (not every and _misses(measured[-1], gate.min_cosine)):
+                return
+        later = range(start + len(measured), upto)
+        if later:  # paired: each loss's eager gradients made beside the plan's and dropped with them
+            paired_grads(model, rewritten, model, sliced_args, sliced_kwargs, rng, list(map(loss_at, later)), take)
+            steps[0] += 2 * (len(measured) - len(first))
 
     def prefetch(trial: Decision) -> None:
         """Ahead of confirming ``trial`` on loss after loss: its figures under every loss up to ``most`` from one
