@@ -135,11 +135,15 @@ def _start_step(model: nn.Module, params: List[torch.Tensor], rng: torch.Tensor)
 
 
 @counters.counted("real_steps")
-def training_step(fn, model: nn.Module, args: tuple, kwargs: dict, rng: torch.Tensor, loss_fn=None) -> StepResult:
+def training_step(fn, model: nn.Module, args: tuple, kwargs: dict, rng: torch.Tensor, loss_fn=None,
+                  throwaway: bool = False) -> StepResult:
+    """One training step of ``fn`` (``model`` or a graph over its parameters) from the state ``rng`` and the model's
+    own, left as they were (``throwaway``: the model's parameters and buffers are not put back, only the RNGs and
+    flags: a copy made for this step, whose snapshot would be one more copy of it at the step's peak)."""
     params = list(model.parameters())
     state = {storage_key(t) for t in params + list(model.buffers())}
     args, kwargs, inputs = _fresh_inputs(args, kwargs)
-    with preserved_state(model):
+    with preserved_state(model, tensors=not throwaway):
         _start_step(model, params, rng)
         with SavedTensorRecorder() as recorder:
             out = fn(*args, **kwargs)

@@ -17,11 +17,13 @@ class preserved_state:
     starts from the same draws, so two steps it compares differ only by what it compares, and the user's streams
     are left where they were."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, tensors: bool = True) -> None:
         self.model = model
+        self.tensors = tensors  # False: parameters and buffers are not put back (a throwaway copy's step)
 
     def __enter__(self) -> "preserved_state":
-        self.values = [(t, t.detach().clone()) for t in list(self.model.parameters()) + list(self.model.buffers())]
+        self.values = [(t, t.detach().clone()) for t in list(self.model.parameters()) + list(self.model.buffers())
+                       ] if self.tensors else []
         self.grads = [(p, p.grad) for p in self.model.parameters()]
         self.rng = torch.get_rng_state()
         self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None

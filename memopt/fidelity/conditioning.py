@@ -114,7 +114,7 @@ def float64_noise(model: nn.Module, args: tuple, kwargs: dict, rng: Any, loss: A
         return {}
     try:
         twin = copy.deepcopy(model).double()
-        full = training_step(twin, twin, _double(args), _double(kwargs), rng, loss).grads
+        full = training_step(twin, twin, _double(args), _double(kwargs), rng, loss, throwaway=True).grads
         del twin
     except (RuntimeError, TypeError, NotImplementedError) as error:  # an op without a float64 kernel, a module that
         log.info("memopt: no float64 reference step for %s (%s); no parameter is listed apart as beyond float32's "
