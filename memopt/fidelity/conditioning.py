@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import logging
 import math
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from memopt.capture.soundness import training_step
 from memopt.fidelity.tail import with_tails
@@ -101,7 +103,8 @@ def float64_noise(model: nn.Module, args: tuple, kwargs: dict, rng: Any, loss: A
     a bar of 1: that asks for float32 eager's own bits, which float64 does not give), {} where the float64 step could
     not run or would be too large (logged). ``fidelity``: ``parameter_fidelity``. The float64 copy is made for the
     call and dropped after it, not kept for the gate's next loss: alive through the gate it would sit beside the
-    gate's reference gradients at optimize()'s peak, where copying again costs a few percent of the float64 step."""
+    gate's reference gradients at optimize()'s peak, where copying again costs a few percent of the float64 step.
+    Its blocks are checkpointed (``checkpoint_blocks``), and where that step fails it runs as written."""
     if bar >= 1 or any(torch.is_autocast_enabled(d) for d in ("cpu", "cuda")):
         return None
     tensors = list(model.parameters()) + list(model.buffers())
@@ -112,11 +115,19 @@ def float64_noise(model: nn.Module, args: tuple, kwargs: dict, rng: Any, loss: A
         log.info("memopt: no float64 reference step for %s (its float64 copy would take %d MiB); no parameter is "
                  "listed apart as beyond float32's resolution", type(model).__name__, size >> 20)
         return {}
-    try:
+    full, error = None, None
+    for blocks in (True, False):  # its blocks checkpointed (a smaller peak), else as written
         twin = copy.deepcopy(model).double()
-        full = training_step(twin, twin, _double(args), _double(kwargs), rng, loss, throwaway=True).grads
-        del twin
-    except (RuntimeError, TypeError, NotImplementedError) as error:  # an op without a float64 kernel, a module that
+        if blocks and not checkpoint_blocks(twin):
+            continue
+        try:
+            full = training_step(twin, twin, _double(args), _double(kwargs), rng, loss, throwaway=True).grads
+            break
+        except (RuntimeError, TypeError, NotImplementedError) as e:  # an op without a float64 kernel, a module that
+            error = e  # recomputation does not take
+        finally:
+            del twin
+    if full is None:
         log.info("memopt: no float64 reference step for %s (%s); no parameter is listed apart as beyond float32's "
                  "resolution", type(model).__name__, str(error).splitlines()[0][:160] if str(error) else error)
         return {}
@@ -124,6 +135,24 @@ def float64_noise(model: nn.Module, args: tuple, kwargs: dict, rng: Any, loss: A
     return {p: (f"float32 does not resolve it here: the eager float32 gradient is at cosine {f['cosine']:.3f} to "
                 f"float64's on the same step, below the bar") for p, f in figures.items()
             if judged(f) < bar}
+
+
+def checkpoint_blocks(module: nn.Module) -> int:
+    """Wrap the forward of every block of ``module`` (a child with children of its own of a Sequential or ModuleList,
+    not looked inside) in non-reentrant ``torch.utils.checkpoint``; returns how many. Only for the float64
+    reference's throwaway copy: its step in float64 keeps twice float32's activations on the slice, at optimize()'s
+    peak beside the gate's references; recomputing each block in backward gives the same gradients bit for bit (the
+    same kernels on the same values, the RNG replayed) for one more forward."""
+    wrapped = 0
+    for child in module.children():
+        if not isinstance(child, (nn.Sequential, nn.ModuleList)):
+            wrapped += checkpoint_blocks(child)
+            continue
+        for block in child.children():
+            if next(block.children(), None) is not None:
+                block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+                wrapped += 1
+    return wrapped
 
 
 def autocast_noise(model: nn.Module, args: tuple, kwargs: dict, rng: Any, loss: Any, names: List[str],

@@ -74,3 +74,48 @@ def test_not_under_an_exact_bar_autocast_or_another_dtype():
         assert float64_noise(*args, 0.99, parameter_fidelity) is None  # autocast_noise's case
     half = copy.deepcopy(model).bfloat16()
     assert float64_noise(half, (x.bfloat16(),), {}, rng, loss, names, grads, 1e-3, 0.99, parameter_fidelity) is None
+
+
+class Blocks(nn.Module):
+    """Blocks in a Sequential (BatchNorm and dropout inside) and one in a ModuleList, beside a leaf."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Linear(16, 32)
+        self.body = nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.BatchNorm1d(32), nn.Dropout(0.3), nn.GELU())
+                                    for _ in range(3)])
+        self.more = nn.ModuleList([nn.Sequential(nn.Linear(32, 32), nn.Tanh()), nn.ReLU()])
+        self.head = nn.Linear(32, 4)
+
+    def forward(self, x):
+        x = self.body(self.stem(x))
+        for m in self.more:
+            x = m(x)
+        return self.head(x)
+
+
+def test_the_float64_copys_blocks_are_checkpointed_with_the_same_gradients(monkeypatch):
+    """The float64 reference step recomputes its copy's blocks in backward (a smaller peak inside optimize()): its
+    gradients are the plain float64 step's bit for bit, dropout and BatchNorm included, and where the checkpointed
+    step fails it runs as written."""
+    from memopt.fidelity import conditioning
+
+    torch.manual_seed(0)
+    model, x = Blocks().double(), torch.randn(8, 16, dtype=torch.float64)
+    rng, loss = torch.Generator().manual_seed(0).get_state(), RandomProjection(0)
+    plain = training_step(model, model, (x,), {}, rng, loss).grads
+    twin = copy.deepcopy(model)
+    assert conditioning.checkpoint_blocks(twin) == 4  # 3 in body, the Sequential in more; not the ReLU or the stem
+    assert "forward" not in vars(model.body[0])  # the copy's, not the model's
+    again = training_step(twin, twin, (x,), {}, rng, loss, throwaway=True).grads
+    assert all(torch.equal(a, b) for a, b in zip(plain, again))
+
+    def broken(twin):  # a block that recomputation does not take
+        twin.fc1.forward = lambda *a: (_ for _ in ()).throw(RuntimeError("recomputed differently"))
+        return 1
+
+    _, _, args = _eager(IllConditioned)  # "s" is listed apart only if a float64 step ran
+    monkeypatch.setattr(conditioning, "checkpoint_blocks", broken)
+    assert WHY in float64_noise(*args, 0.99, parameter_fidelity).get("s", "")
+    monkeypatch.setattr(conditioning, "checkpoint_blocks", lambda twin: 0)  # no blocks: as written at once
+    assert WHY in float64_noise(*args, 0.99, parameter_fidelity).get("s", "")
