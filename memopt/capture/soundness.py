@@ -209,11 +209,15 @@ def _training_grads(fn, model: nn.Module, args: tuple, kwargs: dict, rng: torch.
 
 @counters.counted("real_steps")
 def paired_grads(first, second, model: nn.Module, args: tuple, kwargs: dict, rng: torch.Tensor, losses: List[Any],
-                 take: Callable[[List[Optional[torch.Tensor]], List[Optional[torch.Tensor]]], bool]) -> int:
+                 take: Callable[[List[Optional[torch.Tensor]], List[Optional[torch.Tensor]]], bool]
+                 ) -> Tuple[int, bool]:
     """``training_grads`` of ``first`` and of ``second`` side by side: both forwards run (the second from the state
     the first started from: buffers put back, the same draws), then under each of ``losses`` in turn a backward of
     each, whose gradients go to ``take(first's, second's)`` and are dropped; no further loss once ``take`` returns
-    True. Returns the number of losses run. Each set of gradients is ``training_grads``' bit for bit (the same
+    True. Returns (the number of losses handed to ``take``, whether it stopped short because one side changed in
+    place a tensor the other's graph saved: a buffer the second forward or a backward updates, as a reversible
+    segment's recomputation does; autograd refuses that backward, and the caller measures the remaining losses
+    apart). Each set of gradients is ``training_grads``' bit for bit (the same
     forward from the same state, the same backward), but only one set of each is alive at a time: the fidelity gate
     confirms a plan on losses whose eager gradients it would otherwise keep, a copy of the parameters' gradients per
     loss, at the cost of two forwards alive at once."""
@@ -242,7 +246,14 @@ def paired_grads(first, second, model: nn.Module, args: tuple, kwargs: dict, rng
                 torch.set_rng_state(cpu_rng)
                 if cuda_rng is not None:
                     torch.cuda.set_rng_state_all(cuda_rng)
-                compute_loss(out, loss_fn).backward(retain_graph=not last)
+                try:
+                    compute_loss(out, loss_fn).backward(retain_graph=not last)
+                except RuntimeError as error:
+                    if "modified by an inplace operation" not in str(error):
+                        raise
+                    for p in params:
+                        p.grad = None
+                    return count, True
                 sets.append([None if p.grad is None else p.grad.detach() for p in params])
             for p in params:
                 p.grad = None
@@ -252,7 +263,7 @@ def paired_grads(first, second, model: nn.Module, args: tuple, kwargs: dict, rng
             if done:
                 break
         del runs
-    return count
+    return count, False
 
 
 def _same(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> bool:

@@ -132,7 +132,7 @@ def fidelity_gate(model: nn.Module, args: tuple, kwargs: dict, config: Config, d
     # confirmations make each loss's eager gradients beside the plan's (two forwards alive) where the copies of the
     # gradients they would keep otherwise weigh more than the eager forward's saved tensors on the slice
     fraction = _batch(sliced_args, sliced_kwargs) / _batch(args, kwargs) if _batch(args, kwargs) else 1.0
-    paired = (most - least - 1) * gradient_bytes(model) > fraction * kept_bytes(base)
+    pairing = [(most - least - 1) * gradient_bytes(model) > fraction * kept_bytes(base)]  # off at a first conflict
     drawn: Dict[int, Any] = {}  # each loss made once: its own random weights
 
     def loss_at(index: int) -> Any:
@@ -179,6 +179,7 @@ def fidelity_gate(model: nn.Module, args: tuple, kwargs: dict, config: Config, d
         them beside its own, ``measure``), so the gate holds ``least`` copies of the gradients, not ``most``."""
         if index in exact_ahead:
             return exact_ahead[index]
+        paired = pairing[0]
         batch = list(range(index, least if index < least else index + 1 if paired else most))
         found: List[List[Optional[torch.Tensor]]] = []
         training_grads(model, model, sliced_args, sliced_kwargs, rng, [loss_at(i) for i in batch],
@@ -306,18 +307,27 @@ def fidelity_gate(model: nn.Module, args: tuple, kwargs: dict, config: Config, d
                 kept[index] = measured[-1]
             return not every and _misses(measured[-1], gate.min_cosine)
 
-        first = range(start, upto if not paired else max(start, min(upto, least)))  # under the kept references
-        if first:
-            exact = [exact_grads(i) for i in first]  # first: another step inside would restore the weights
-            training_grads(rewritten, model, sliced_args, sliced_kwargs, rng, list(map(loss_at, first)),
-                           stop=lambda approx: take(exact[len(measured)], approx), keep=False)
-            steps[0] += len(measured)
-            if len(measured) < len(first) or (not every and _misses(measured[-1], gate.min_cosine)):
+        first = range(start, upto if not pairing[0] else max(start, min(upto, least)))  # under kept references
+        while True:
+            if first:
+                exact = [exact_grads(i) for i in first]  # first: another step inside would restore the weights
+                done_before = len(measured)
+                training_grads(rewritten, model, sliced_args, sliced_kwargs, rng, list(map(loss_at, first)),
+                               stop=lambda approx: take(exact[len(measured) - done_before], approx), keep=False)
+                steps[0] += len(measured) - done_before
+                if len(measured) - done_before < len(first) or (not every and _misses(measured[-1], gate.min_cosine)):
+                    return
+            later = range(start + len(measured), upto)
+            if not later:
                 return
-        later = range(start + len(measured), upto)
-        if later:  # paired: each loss's eager gradients made beside the plan's and dropped with them
-            paired_grads(model, rewritten, model, sliced_args, sliced_kwargs, rng, list(map(loss_at, later)), take)
-            steps[0] += 2 * (len(measured) - len(first))
+            # paired: each loss's eager gradients made beside the plan's and dropped with them
+            count, conflict = paired_grads(model, rewritten, model, sliced_args, sliced_kwargs, rng,
+                                           list(map(loss_at, later)), take)
+            steps[0] += 2 * count
+            if not conflict or (not every and measured and _misses(measured[-1], gate.min_cosine)):
+                return
+            pairing[0] = False  # one side changes in place a tensor the other saved: the rest as before, kept
+            first = range(start + len(measured), upto)
 
     def prefetch(trial: Decision) -> None:
         """Ahead of confirming ``trial`` on loss after loss: its figures under every loss up to ``most`` from one

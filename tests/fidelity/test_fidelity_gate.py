@@ -486,8 +486,9 @@ def test_a_plan_confirmed_on_eight_losses_shares_its_forwards(monkeypatch):
         return found
 
     def paired(*args, **kwargs):
-        calls.append(("eager and plan", pairs(*args, **kwargs)))
-        return calls[-1][1]
+        found = pairs(*args, **kwargs)
+        calls.append(("eager and plan", found[0]))
+        return found
 
     monkeypatch.setattr(fidelity, "training_grads", counted)
     monkeypatch.setattr(fidelity, "paired_grads", paired)
