@@ -185,19 +185,10 @@ def _training_grads(fn, model: nn.Module, args: tuple, kwargs: dict, rng: torch.
     with preserved_state(model):
         _start_step(model, params, rng)
         out = fn(*args, **kwargs)
-        after = torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+        after = _rng_states()
         for index, loss_fn in enumerate(losses):
             last = index == len(losses) - 1
-            for t in params + inputs:
-                t.grad = None
-            torch.set_rng_state(after[0])
-            if after[1] is not None:
-                torch.cuda.set_rng_state_all(after[1])
-            compute_loss(out, loss_fn).backward(retain_graph=not last)
-            # the gradients themselves, not copies: the next backward accumulates into fresh ones (p.grad is None)
-            grads = [None if p.grad is None else p.grad.detach() for p in params]
-            for p in params:
-                p.grad = None
+            grads = _backward_grads(out, loss_fn, params, inputs, after, last)
             found.append(grads if keep else None)
             done = stop is not None and stop(grads)
             del grads
@@ -205,6 +196,27 @@ def _training_grads(fn, model: nn.Module, args: tuple, kwargs: dict, rng: torch.
                 break
         del out
     return found
+
+
+def _rng_states() -> tuple:
+    """The CPU and (where initialised) CUDA RNG states: where a forward left them, for each backward after it."""
+    return torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+
+
+def _backward_grads(out: Any, loss_fn: Any, params: List[torch.Tensor], inputs: List[torch.Tensor], after: tuple,
+                    last: bool) -> List[Optional[torch.Tensor]]:
+    """One loss's backward from the RNG states its forward left (``after``), the graph kept unless ``last``: the
+    parameters' gradients themselves, not copies, with ``p.grad`` left None so the next backward makes fresh ones."""
+    for t in params + inputs:
+        t.grad = None
+    torch.set_rng_state(after[0])
+    if after[1] is not None:
+        torch.cuda.set_rng_state_all(after[1])
+    compute_loss(out, loss_fn).backward(retain_graph=not last)
+    grads = [None if p.grad is None else p.grad.detach() for p in params]
+    for p in params:
+        p.grad = None
+    return grads
 
 
 @counters.counted("real_steps")
@@ -229,8 +241,7 @@ def paired_grads(first, second, model: nn.Module, args: tuple, kwargs: dict, rng
             fn_args, fn_kwargs, inputs = _fresh_inputs(args, kwargs)
             _start_step(model, params, rng)
             out = fn(*fn_args, **fn_kwargs)
-            runs.append((out, inputs, torch.get_rng_state(),
-                         torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None))
+            runs.append((out, inputs, _rng_states()))
             if fn is first:
                 with torch.no_grad():  # through .data: the first graph saved some of them (BatchNorm's running
                     for b, value in zip(buffers, start):  # statistics) and must not see a new version
@@ -240,23 +251,15 @@ def paired_grads(first, second, model: nn.Module, args: tuple, kwargs: dict, rng
         for index, loss_fn in enumerate(losses):
             last = index == len(losses) - 1
             sets = []
-            for out, inputs, cpu_rng, cuda_rng in runs:
-                for t in params + inputs:
-                    t.grad = None
-                torch.set_rng_state(cpu_rng)
-                if cuda_rng is not None:
-                    torch.cuda.set_rng_state_all(cuda_rng)
+            for out, inputs, after in runs:
                 try:
-                    compute_loss(out, loss_fn).backward(retain_graph=not last)
+                    sets.append(_backward_grads(out, loss_fn, params, inputs, after, last))
                 except RuntimeError as error:
                     if "modified by an inplace operation" not in str(error):
                         raise
                     for p in params:
                         p.grad = None
                     return count, True
-                sets.append([None if p.grad is None else p.grad.detach() for p in params])
-            for p in params:
-                p.grad = None
             count += 1
             done = take(*sets)
             del sets

@@ -78,7 +78,7 @@ def parameter_fidelity(names: List[str], exact: List[Optional[torch.Tensor]], ap
 def _sums(g: torch.Tensor, a: torch.Tensor) -> Tuple[float, float, float, float]:
     """(sum g², sum a², sum g·a, sum (a - g)²) in double: one pass of the C kernel over two float32 gradients
     (``native_generic.compare``), else float64 copies. ``g`` kept in host memory (the gate's references,
-    ``gate.on_host``) is brought to ``a``'s device, one parameter at a time."""
+    ``references.on_host``) is brought to ``a``'s device, one parameter at a time."""
     if g.device != a.device:
         g = g.to(a.device)
     found = native_generic.compare(g, a) if g.dtype == a.dtype == torch.float32 else None

@@ -20,25 +20,25 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import torch
 from torch import fx, nn
-from torch.utils._pytree import tree_flatten
 
-from memopt.capture.trace import capture, flat_inputs
+from memopt.capture.trace import flat_inputs
 from memopt.config import Config
 from memopt.core.errors import MemoptError
-from memopt.core.meta import HISTOGRAM_KEY, META_KEY, STATE_CATEGORIES
 from memopt.fidelity.conditioning import _misses, autocast_noise, float64_noise, gate_report, judged, \
     parameter_fidelity, per_min, worst_over
+from memopt.fidelity.gate_slice import batch_size as _batch, gate_graph
 from memopt.fidelity.invariant_params import invariant_parameters
+from memopt.fidelity.references import on_host, worth_pairing
 from memopt.fidelity.losses import OwnDirection, RandomProjection, UserLoss, gate_losses, \
     projection  # noqa: F401 (re-exported: tools and tests reach them as memopt.fidelity.gate.*)
 from memopt.fidelity.repair import _fewest_exact, _key, _raise, _raise_all, _without, coupled, freed_by, \
     freed_table, shortest_passing  # noqa: F401 (re-exported: tests reach them as memopt.fidelity.gate.*)
 from memopt.fidelity.scope import after, responsible, weight_only_units, within_reach
 from memopt.passes.base import Decision, PassContext
-from memopt.passes.planning.candidates import copy_graph_module, rewritten_units
+from memopt.passes.planning.candidates import rewritten_units
 from memopt.passes.planning.planner import apply_decision
 from memopt.reversible.check import real_examples
-from memopt.capture.soundness import batch_slice, paired_grads, training_grads
+from memopt.capture.soundness import paired_grads, training_grads
 
 log = logging.getLogger("memopt")
 
@@ -85,30 +85,6 @@ EARLY_RESORT = 6
 MEASURED_ORDER = 48
 
 
-def gate_graph(model: nn.Module, planned: fx.GraphModule, args: tuple, kwargs: dict,
-               recapture: Optional[Callable[[tuple, dict], fx.GraphModule]]) -> Tuple[fx.GraphModule, tuple, dict, str]:
-    """(the graph the gate rewrites and runs, its inputs, which inputs): the planned graph itself on the whole batch
-    when the slice is the whole batch; else the model captured again on the slice *the way the plan's graph was*
-    (``recapture``: torch.export again for an export graph, which is specialised to the batch size), with the
-    planned graph's analysis carried over by node name, so the slice's graph is rewritten exactly as the plan says
-    and only runs on fewer samples. A recapture whose nodes are not the planned graph's would make the decision
-    name nodes it lacks, rewrite nothing and pass unchecked (an export-planned EfficientNet gated on a symbolic
-    trace did): then the gate runs the planned graph on the whole batch, and says so in the log."""
-    sliced_args, sliced_kwargs, which = batch_slice(args, kwargs)
-    if which != "the whole example batch":
-        recapture = recapture or (lambda a, k: capture(model, a, k).graph_module)
-        base = recapture(sliced_args, sliced_kwargs)
-        if [n.name for n in base.graph.nodes] == [n.name for n in planned.graph.nodes]:
-            analysis = {n.name: {k: n.meta[k] for k in (META_KEY, HISTOGRAM_KEY) if k in n.meta}
-                        for n in planned.graph.nodes}
-            for node in base.graph.nodes:
-                node.meta.update(analysis.get(node.name, {}))
-            return base, sliced_args, sliced_kwargs, which
-        log.info("memopt: %s captured on the first samples is not the planned graph; the fidelity gate runs on the "
-                 "whole example batch", type(model).__name__)
-    return copy_graph_module(planned), args, kwargs, "the whole example batch"
-
-
 def fidelity_gate(model: nn.Module, args: tuple, kwargs: dict, config: Config, decision: Decision,
                   units: List[Dict[str, Any]], planned: fx.GraphModule, verify_only: bool = False,
                   recapture: Optional[Callable[[tuple, dict], fx.GraphModule]] = None,
@@ -129,10 +105,9 @@ def fidelity_gate(model: nn.Module, args: tuple, kwargs: dict, config: Config, d
     next_loss = gate_losses(loss_fn, which)
     least = PROJECTIONS + (loss_fn is not None)
     most = max(least, gate.max_projections + (loss_fn is not None))
-    # confirmations make each loss's eager gradients beside the plan's (two forwards alive) where the copies of the
-    # gradients they would keep otherwise weigh more than the eager forward's saved tensors on the slice
+    # confirmations make each loss's eager gradients beside the plan's (two forwards alive) where that keeps less
     fraction = _batch(sliced_args, sliced_kwargs) / _batch(args, kwargs) if _batch(args, kwargs) else 1.0
-    pairing = [(most - least - 1) * gradient_bytes(model) > fraction * kept_bytes(base)]  # off at a first conflict
+    pairing = [worth_pairing(model, base, most - least, fraction)]  # off at a first conflict
     drawn: Dict[int, Any] = {}  # each loss made once: its own random weights
 
     def loss_at(index: int) -> Any:
@@ -494,37 +469,6 @@ def fidelity_gate(model: nn.Module, args: tuple, kwargs: dict, config: Config, d
     log.info("memopt: fidelity gate on %s: %d rounds, %d steps, %d changes, %.2f s", type(model).__name__, round_,
              steps[0], len(changes), time.perf_counter() - start)
     return decision, report
-
-
-def gradient_bytes(model: nn.Module) -> int:
-    """Bytes of one set of the parameters' gradients."""
-    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-
-
-def kept_bytes(graph: fx.GraphModule) -> int:
-    """Bytes of the distinct storages the graph's annotated nodes keep for backward (the cost model's, for the
-    shapes it was annotated at), parameters and buffers aside."""
-    kept: Dict[int, int] = {}
-    for node in graph.graph.nodes:
-        cost = node.meta.get(META_KEY)
-        for ref in getattr(cost, "saved", ()):
-            if ref.category not in STATE_CATEGORIES:
-                kept[ref.key] = ref.nbytes
-    return sum(kept.values())
-
-
-def on_host(grads: List[Optional[torch.Tensor]]) -> List[Optional[torch.Tensor]]:
-    """``grads`` in host memory: the gate keeps the eager step's gradients under each of its losses (up to
-    ``max_projections`` + 1 copies of the parameters' gradients) for every plan it measures, which on an accelerator
-    would put optimize()'s own peak far above the training step's; ``parameter_fidelity`` brings one parameter's
-    at a time to the device it compares on. On CPU: the tensors themselves."""
-    return [g if g is None or g.device.type == "cpu" else g.to("cpu") for g in grads]
-
-
-def _batch(args: tuple, kwargs: dict) -> int:
-    """The first tensor input's leading dimension (``batch_slice``'s batch), 0 without one."""
-    return next((t.shape[0] for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and t.dim() > 0),
-                0)
 
 
 def _lossy(option: Dict[str, Any]) -> bool:

@@ -2,6 +2,7 @@
 eager step in float64 against float32's; never under a bar of 1 or autocast, never a change to the user's model."""
 import copy
 
+import pytest
 import torch
 from torch import nn
 
@@ -119,3 +120,12 @@ def test_the_float64_copys_blocks_are_checkpointed_with_the_same_gradients(monke
     assert WHY in float64_noise(*args, 0.99, parameter_fidelity).get("s", "")
     monkeypatch.setattr(conditioning, "checkpoint_blocks", lambda twin: 0)  # no blocks: as written at once
     assert WHY in float64_noise(*args, 0.99, parameter_fidelity).get("s", "")
+
+
+def test_parameter_fidelity_lists_tiny_gradients_apart():
+    exact = [torch.ones(4), torch.full((4,), 1e-6), torch.ones(4)]
+    approx = [torch.ones(4), -torch.full((4,), 1e-6), torch.tensor([1.0, 1.0, 1.0, -1.0])]
+    figures = parameter_fidelity(["a", "b", "c"], exact, approx, tiny=1e-3)
+    assert figures["a"]["cosine"] == pytest.approx(1.0) and not figures["a"]["tiny"]
+    assert figures["b"]["tiny"] and figures["b"]["cosine"] == pytest.approx(-1.0)
+    assert figures["c"]["cosine"] == pytest.approx(0.5) and figures["c"]["relative_error"] == pytest.approx(1.0)

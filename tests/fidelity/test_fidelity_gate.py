@@ -74,15 +74,6 @@ def test_the_gate_can_be_switched_off_and_leaves_exact_plans_alone():
     assert om.plan.fidelity == {}  # nothing lossy to check
 
 
-def test_parameter_fidelity_lists_tiny_gradients_apart():
-    exact = [torch.ones(4), torch.full((4,), 1e-6), torch.ones(4)]
-    approx = [torch.ones(4), -torch.full((4,), 1e-6), torch.tensor([1.0, 1.0, 1.0, -1.0])]
-    figures = parameter_fidelity(["a", "b", "c"], exact, approx, tiny=1e-3)
-    assert figures["a"]["cosine"] == pytest.approx(1.0) and not figures["a"]["tiny"]
-    assert figures["b"]["tiny"] and figures["b"]["cosine"] == pytest.approx(-1.0)
-    assert figures["c"]["cosine"] == pytest.approx(0.5) and figures["c"]["relative_error"] == pytest.approx(1.0)
-
-
 @pytest.mark.parametrize("kwargs, message", [
     ({"min_cosine": 1.5}, r"FidelityConfig.min_cosine must be a number in \(0, 1\], got 1.5"),
     ({"tiny": -0.1}, r"FidelityConfig.tiny must be a number in \[0, 1\), got -0.1"),
