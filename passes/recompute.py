@@ -28,7 +28,7 @@ from memopt.core.leaf import argument
 from memopt.core.meta import HISTOGRAM_KEY, META_KEY
 from memopt.cost_model.op_registry import op_kind
 from memopt.recompute.ops import RecomputeSpec, recompute_block, recompute_from_codes
-from memopt.core.meta import DECISION_KEY
+from memopt.core.meta import DECISION_KEY, INNER_GRAPH_KEY
 from memopt.recompute.config import RecomputeConfig
 from memopt.passes.stash.chains import code_error
 from memopt.passes.base import PassContext, PassResult, PlannerHooks, register_pass
@@ -141,14 +141,17 @@ def _extract(gm: fx.GraphModule, block: Block, inputs: List[fx.Node], output: fx
 
 
 def _code_inside(sub: fx.GraphModule, inputs: List[fx.Node], ctx: PassContext) -> List[str]:
-    """Run the passes after recompute (``ctx.later``) on a block's own graph ``sub`` at their configs' defaults
-    (never the planner's decision: its units are the outer graph's); the names of the nodes they rewrote.
+    """Run the passes after recompute (``ctx.later``) on a block's own graph ``sub``; the names of the nodes they
+    rewrote. Without a decision at their configs' defaults; under one (a plan applied, the fidelity gate's trials)
+    at its bits for the units it names inside the block (their nodes keep the captured graph's names, and
+    ``decided_nodes`` lists them among the plan's units), so the gate raises or drops a code inside a recomputed
+    block as it does one outside, and the units it does not name stay exact.
     The block's inputs are foreign to its graph: backward keeps the rebuilt ones alive while it runs, so a code
     that only frees an input frees nothing."""
     placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
     for placeholder, outer in zip(placeholders, inputs):
         placeholder.meta.update({k: outer.meta[k] for k in (META_KEY, HISTOGRAM_KEY) if k in outer.meta})
-    inner = dataclasses.replace(ctx, decision=None, explore=False, level=None, later=(), examples=None,
+    inner = dataclasses.replace(ctx, explore=False, level=None, later=(), examples=None,
                                 foreign_inputs=True, gate_exact=frozenset())
     run_passes(sub, ctx.later, inner)
     return sorted(n.name for n in sub.graph.nodes if n.op != "placeholder"
@@ -211,6 +214,8 @@ def recompute_pass(gm: fx.GraphModule, cfg: RecomputeConfig, ctx: PassContext) -
                                       f"; inside it {len(inside)} ops keep codes as the other techniques' defaults "
                                       f"rewrite them ({', '.join(inside[:3])}{' ...' if len(inside) > 3 else ''})"
                                       if inside else ""), "inside": inside}
+        if inside:
+            new.meta[DECISION_KEY][INNER_GRAPH_KEY] = attr
         if META_KEY in output.meta:  # shapes for the next block's checks (the re-annotation replaces it)
             new.meta[META_KEY] = dataclasses.replace(output.meta[META_KEY], name=new.name, saved=[], flops=0)
         output.replace_all_uses_with(new)

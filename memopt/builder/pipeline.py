@@ -21,7 +21,7 @@ from memopt.fidelity.gate import has_lossy_units
 from memopt.builder.request import Request, Session
 from memopt.capture.soundness import Soundness, check_capture
 from memopt.passes.planning.candidates import copy_graph_module
-from memopt.core.meta import DECISION_KEY
+from memopt.core.meta import DECISION_KEY, decided_nodes
 from memopt.core.units import fmt_bytes
 from memopt.reversible.check import real_examples
 from memopt.passes.base import PassContext
@@ -152,7 +152,7 @@ def build(request: Request, whole: bool = True, capture_fn: Callable[[nn.Module,
 def decision_set(gm: fx.GraphModule) -> FrozenSet[Tuple[str, str, Optional[int]]]:
     """{(technique, unit, bits)} of every rewrite in ``gm``: what two plans must share to be the same plan."""
     out = set()
-    for node in gm.graph.nodes:
+    for node in decided_nodes(gm):
         decision = node.meta.get(DECISION_KEY)
         if decision and decision.get("technique") not in (None, "exact"):
             replaces = decision.get("replaces", node.name)

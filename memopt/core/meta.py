@@ -12,3 +12,20 @@ HISTOGRAM_KEY = "memopt_histogram"
 CHAIN_KEY = "memopt_chain"
 # storage categories that are model state, not activations
 STATE_CATEGORIES = ("parameter", "buffer")
+# on a rewritten node that runs a graph of its own which the other techniques rewrote too (a block recomputed from
+# codes, whose second forward keeps codes): the attribute holding that graph (``decided_nodes`` walks it)
+INNER_GRAPH_KEY = "inner_graph"
+
+
+def decided_nodes(gm):
+    """Every node of ``gm``'s graph, then those of the graphs its rewritten nodes run inside them (``INNER_GRAPH_KEY``
+    in their decision): the units rewritten there are the plan's as much as those outside, so the gate can raise
+    them and a plan names them (their nodes keep the captured graph's names)."""
+    inner = []
+    for node in gm.graph.nodes:
+        yield node
+        attr = (node.meta.get(DECISION_KEY) or {}).get(INNER_GRAPH_KEY)
+        if attr is not None:
+            inner.append(gm.get_submodule(attr))
+    for sub in inner:
+        yield from sub.graph.nodes

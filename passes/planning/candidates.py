@@ -28,7 +28,7 @@ from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 from torch import fx
 
 from memopt.cost_model.analysis import Estimate
-from memopt.core.meta import DECISION_KEY
+from memopt.core.meta import DECISION_KEY, decided_nodes
 from memopt.passes.base import Handler, PassContext, node_numel, planner_hooks, registered_pass
 from memopt.passes.planning.options import Group, Option  # noqa: F401 (re-exported)
 from memopt.core import counters
@@ -91,7 +91,7 @@ def unit_couplings(gm: fx.GraphModule, technique: str) -> Set[Tuple[str, str]]:
     of its technique (a chain whose BatchNorm weight gradient the scale identity solves from the next chain's: that
     chain stashed, this one must be too)."""
     found = set()
-    for node in gm.graph.nodes:
+    for node in decided_nodes(gm):
         decision = node.meta.get(DECISION_KEY) or {}
         if decision.get("technique") == technique and decision.get("needed_by") and "unit" in decision:
             found.add((f"{technique}:{decision['needed_by']}", f"{technique}:{decision['unit']}"))
@@ -137,9 +137,10 @@ def _flops(technique: str, nodes: Set[str], baseline: Estimate) -> float:
 
 
 def rewritten_units(gm: fx.GraphModule, technique: str) -> Dict[str, Tuple[Set[str], List[fx.Node]]]:
-    """unit -> (baseline nodes it covers, the new nodes the pass created for it)."""
+    """unit -> (baseline nodes it covers, the new nodes the pass created for it), those inside a recomputed block's
+    own graph included (``decided_nodes``; their new nodes are not ``gm``'s)."""
     units: Dict[str, Tuple[Set[str], List[fx.Node]]] = {}
-    for node in gm.graph.nodes:
+    for node in decided_nodes(gm):
         decision = node.meta.get(DECISION_KEY)
         if not decision or decision.get("technique") != technique or "unit" not in decision:
             continue

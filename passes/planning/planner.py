@@ -282,6 +282,8 @@ def plan_units(gm: fx.GraphModule, baseline: Estimate, estimate: Estimate,
         couplings = unit_couplings(gm, technique.name)
         for unit, (nodes, new) in sorted(rewritten_units(gm, technique.name).items()):
             option = make_option(technique, unit, nodes, new, baseline, estimate)
+            if any(n.graph is not gm.graph for n in new):  # inside a recomputed block: its bytes are the block's
+                option = dataclasses.replace(option, freed_bytes=0, peak_freed_bytes=0)
             key = f"{technique.name}:{unit}"
             entries.append({"name": key, "nodes": sorted(nodes), "chosen": option.to_dict(), "alternatives": [],
                             "couplings": [list(c) for c in sorted(couplings) if c[0] == key]})
