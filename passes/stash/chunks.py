@@ -19,6 +19,7 @@ from typing import Callable, List, Optional, Tuple
 
 from torch import fx
 
+from memopt.core.meta import decided_nodes
 from memopt.cost_model.analysis import Estimate
 from memopt.stash.generic import conv_from_codes, linear_from_codes, matmul_from_codes
 from memopt.stash.ops import conv_from_stash, linear_from_stash
@@ -28,8 +29,9 @@ LEVELS = (2, 4, 8, 16)  # chunk counts tried, fewest first: each chunk is one mo
 
 
 def consumers(gm: fx.GraphModule) -> List[fx.Node]:
-    """The nodes whose weight gradient reads a rebuilt input."""
-    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target in CONSUMERS]
+    """The nodes whose weight gradient reads a rebuilt input, those inside blocks recomputed from codes included
+    (``decided_nodes``: a recomputed block's backward is where a fully recomputed model's step peaks)."""
+    return [n for n in decided_nodes(gm) if n.op == "call_function" and n.target in CONSUMERS]
 
 
 def chunks_of(gm: fx.GraphModule) -> int:
@@ -50,8 +52,8 @@ def set_chunks(gm: fx.GraphModule, chunks: int) -> int:
         else:
             kwargs["chunks"] = chunks
         n.kwargs = kwargs
-    if found:
-        gm.recompile()
+    for owner in {id(n.graph): n.graph.owning_module for n in found}.values():  # gm, and each block's own graph
+        owner.recompile()
     return len(found)
 
 

@@ -73,3 +73,22 @@ def test_the_gate_raises_a_code_inside_a_recomputed_block_and_keeps_the_block():
     inside = _inside(om)
     gelus = {u: b for (t, u), b in inside.items() if t == "fewbit"}
     assert gelus and all(b > 1 for b in gelus.values()), gelus
+
+
+def test_weight_gradient_chunks_reach_the_consumers_inside_recomputed_blocks():
+    # a model whose blocks are all recomputed peaks in a block's backward: the weight gradients from codes there
+    # are chunked as those outside are (chunk_to_fit / a plan's weight_grad_chunks)
+    from memopt.passes.stash.chunks import chunks_of, consumers, set_chunks
+
+    model, x = build("vit")
+    om = memopt.optimize(model, example_inputs=x, config=_config(), optimizer="sgd")
+    gm = om.graph_module
+    inner = [n for n in consumers(gm) if n.graph is not gm.graph]
+    assert inner, "no weight gradient from codes inside the recomputed blocks"
+    set_chunks(gm, 4)
+    assert chunks_of(gm) == 4 and all(n.kwargs["chunks"] == 4 for n in inner)
+    for _, sub in _blocks(om).values():  # the code each block runs says so, not only its graph
+        if any(n.graph is sub.graph for n in inner):
+            assert "chunks = 4" in sub.code
+    set_chunks(gm, 1)
+    assert all("chunks" not in n.kwargs for n in consumers(gm))
