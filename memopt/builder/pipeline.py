@@ -28,7 +28,7 @@ from memopt.passes.base import PassContext
 from memopt.passes.planning.candidates import rewritten_units
 from memopt.passes.manager import passes_for, run_passes
 from memopt.passes.planning.planner import BudgetPlan, apply_decision, fit_decision, plan_for_budget, plan_units
-from memopt.passes.planning.peak_first import peak_first, peak_first_trial
+from memopt.passes.planning.peak_first import every_block_from_codes, peak_first, peak_first_trial
 from memopt.passes.stash.chunks import chunk_to_fit, chunks_of, set_chunks
 from memopt.cost_model.histograms import record_input_histograms
 from memopt.fewbit.activations import TABLE_ACTIVATIONS
@@ -192,9 +192,13 @@ def _gate(session: Session, built: Built) -> Built:
         session.ctx = dataclasses.replace(session.ctx, gate_exact=frozenset(
             (t, u) for t, us in before.items() for u in us if u not in decision.get(t, {})))
         if built.planned is None:
+            before = built.plan.estimated_peak_bytes
             gm, records = apply_decision(session.pristine, config, decision, session.ctx)
-            estimate, _ = chunk_to_fit(gm, session.ctx.annotate(gm), None, session.ctx.annotate)
+            estimate, _ = chunk_to_fit(gm, session.ctx.annotate(gm), session.target, session.ctx.annotate)
             built = Built(gm, make_plan(session, estimate, records, gm, None), session.baseline, estimate)
+            if session.target is not None and estimate.peak_bytes > session.target:  # every block from codes
+                raise BudgetError(_repaired_over(session, before, estimate.peak_bytes, report),
+                                  session.request.budget_bytes, estimate.peak_bytes)
         else:
             built = _refit(session, built, decision, report)
     if not report["passed"]:
@@ -202,6 +206,17 @@ def _gate(session: Session, built: Built) -> Built:
                     name, report["min_cosine"], report["rounds"], ", ".join(report["below"][:4]))
     built.plan.fidelity = report
     return built
+
+
+def _repaired_over(session: Session, before: int, after: int, report: Dict[str, Any]) -> str:
+    budget, config = session.request.budget_bytes, session.config
+    return (f"budget_mb={budget / 2**20:.1f} ({fmt_bytes(budget)}) cannot be met for {session.request.name} with "
+            f"every parameter's gradient at cosine >= {report['min_cosine']} (Config.fidelity): with every block "
+            f"recomputed from codes the estimated peak is {fmt_bytes(before)} but its gradients miss (worst "
+            f"{report['before']['parameter']} at cosine {report['before']['cosine']:.4f}), and with the gate's "
+            f"repairs it is {fmt_bytes(after)}. Raise the budget to at least "
+            f"{math.ceil((after + config.workspace_bytes(session.baseline.device)) / 2**20 * 100) / 100} MiB, lower "
+            f"FidelityConfig.min_cosine, or accept the approximate gradients with Config(fidelity=None).")
 
 
 MAX_REPLANS = 3  # plans made again around the gate's repairs before a budget is refused
@@ -266,7 +281,7 @@ def _rewrite(session: Session, gm: fx.GraphModule) -> Built:
     inputs visible to checks)."""
     request, config, baseline, ctx = session.request, session.config, session.baseline, session.ctx
     planned: Optional[BudgetPlan] = None
-    trial = None
+    trial = fallback = None
     target = session.target
     if request.plan is not None:
         gm, records = apply_decision(gm, config, request.plan.chosen_units(), ctx)
@@ -280,13 +295,24 @@ def _rewrite(session: Session, gm: fx.GraphModule) -> Built:
         records = []
     else:
         planned, best = plan_for_budget(gm, config, baseline, target, ctx)
-        if planned is None:
-            least = make_plan(session, best.estimate, best.records, best.graph_module, best)
-            raise BudgetError(_budget_message(least, config), request.budget_bytes,
-                              min(least.estimated_peak_bytes, least.baseline_peak_bytes))
-        gm, records = planned.graph_module, planned.records
+        if planned is None:  # every block recomputed from codes, where the planner's exact recomputation missed
+            found = every_block_from_codes(session.pristine, config, ctx, baseline, target, ctx.annotate)
+            if found is None or found.estimate.peak_bytes > target:
+                least = make_plan(session, best.estimate, best.records, best.graph_module, best) if found is None \
+                    or best.estimate.peak_bytes <= found.estimate.peak_bytes else \
+                    make_plan(session, found.estimate, found.records, found.graph_module, None)
+                raise BudgetError(_budget_message(least, config), request.budget_bytes,
+                                  min(least.estimated_peak_bytes, least.baseline_peak_bytes))
+            log.info("memopt: %s: the budget is met by recomputing all %d blocks from %d-bit codes (estimated peak "
+                     "%s; the planner's least was %s)", request.name, len(found.blocks),
+                     config.recompute.peak_first_bits, fmt_bytes(found.estimate.peak_bytes),
+                     fmt_bytes(best.estimate.peak_bytes))
+            fallback = found  # its estimate and chunks stand
+        gm, records = (planned.graph_module, planned.records) if planned is not None else \
+            (found.graph_module, found.records)
     modified = any(r.modified for r in records)
-    estimate = planned.estimate if planned is not None else (ctx.annotate(gm) if modified else baseline)
+    estimate = planned.estimate if planned is not None else fallback.estimate if fallback is not None else (
+        ctx.annotate(gm) if modified else baseline)
     if trial is not None:  # peak first (no plan, no budget): blocks recomputed from codes
         found = peak_first(pristine, trial, ctx, estimate, ctx.annotate)
         if found is not None:

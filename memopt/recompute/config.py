@@ -34,7 +34,8 @@ class RecomputeConfig:
         peak_first_bits: without a budget and with ``segments=()``, the default plan also tries recomputing
             blocks from ``peak_first_bits``-bit codes on top of the other techniques, and keeps that where the
             cost model's estimated peak of the training step falls by at least ``peak_first_gain`` (8, the
-            default; None: the default plan never recomputes).
+            default; None: the default plan never recomputes). Under a budget the planner cannot meet, every
+            block recomputed from ``peak_first_bits``-bit codes is tried before refusing (None: not tried).
         peak_first_gain: the least fraction of the estimated peak the peak-first step must free, in (0, 1)
             (default 0.05): recomputation costs a block's forward again, worth it only for a real fall.
         time_allowance: the estimated step time the peak-first step may reach, in stock steps, >= 1 (default

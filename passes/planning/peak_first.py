@@ -19,8 +19,10 @@ from torch import fx
 
 from memopt.cost_model.analysis import Estimate
 from memopt.passes.base import PassContext
+from memopt.passes.planning.candidates import copy_graph_module
 from memopt.passes.manager import PassRecord, passes_for, run_passes
 from memopt.passes.recompute import find_blocks, why_not
+from memopt.passes.stash.chunks import chunk_to_fit
 
 STEP_FORWARDS = 3.0  # a training step's FLOPs in forwards: the forward and a backward of about twice its FLOPs
 
@@ -87,3 +89,30 @@ def peak_first(pristine: fx.GraphModule, trial: Tuple[Any, Tuple[str, ...], floa
     if estimate.peak_bytes > (1 - config.recompute.peak_first_gain) * default.peak_bytes:
         return None
     return PeakFirst(gm, records, estimate, taken, ratio)
+
+
+def every_block_from_codes(pristine: fx.GraphModule, config: Any, ctx: PassContext, baseline: Estimate,
+                           target: int, annotate: Callable[[fx.GraphModule], Estimate]) -> Optional[PeakFirst]:
+    """Under a budget the planner could not meet: every eligible block recomputed from ``peak_first_bits``-bit
+    codes on top of the other techniques' defaults (codes inside the blocks too), weight gradients chunked where
+    that lowers the peak toward ``target``; None when the config asks for no recomputation from codes (off, blocks
+    named, ``peak_first_bits=None``) or no block is eligible. The caller keeps it only where it fits.
+
+    Why beside the planner: its last resort recomputes blocks exactly, so a recomputed block's backward holds the
+    block's saved tensors as eager keeps them, and at large batches that transient, not what the step keeps, is
+    the peak; the same blocks from codes keep codes in that second forward too. Time is not weighed here (every
+    block costs one more forward, as checkpointing every block does): the budget asked for the memory. ``pristine``
+    is not changed."""
+    cfg = getattr(config, "recompute", None)
+    if cfg is None or cfg.segments != () or cfg.peak_first_bits is None or ctx.decision is not None:
+        return None
+    eligible = eligible_blocks(pristine, baseline)
+    blocks = tuple(sorted(eligible))
+    if not blocks:
+        return None
+    every = dataclasses.replace(config, recompute=dataclasses.replace(cfg, segments=blocks, bits=cfg.peak_first_bits))
+    gm, records = run_passes(copy_graph_module(pristine), passes_for(every), ctx)
+    estimate, _ = chunk_to_fit(gm, annotate(gm), target, annotate)
+    forward = sum(c.flops for c in baseline.nodes.values())
+    extra = sum(flops for _, flops in eligible.values())
+    return PeakFirst(gm, records, estimate, blocks, (STEP_FORWARDS * forward + extra) / (STEP_FORWARDS * max(forward, 1)))

@@ -1,0 +1,65 @@
+"""A budget the planner cannot meet, met by recomputing every block from codes (``peak_first.every_block_from_codes``):
+the planner's last resort recomputes blocks exactly, and an exactly recomputed block's backward holds its saved
+tensors as eager keeps them, which at large batches is the peak (a timm ViT-S under 1 GiB, measured in
+docs/results/peak/largest_batch_vit.md); from codes the block keeps codes in that second forward too. Here the
+planner is made to miss (its search wrapped to report no plan), so the test is of the pipeline's fallback, not of
+where the two cross on a toy model (where lossy units at their fewest bits reach lower than either). Kept only
+where it fits; the gate checks it as any plan."""
+import copy
+
+import pytest
+import torch
+
+import memopt
+import memopt.builder.pipeline as pipeline
+from memopt.core.errors import BudgetError
+from memopt.core.meta import DECISION_KEY
+from memopt.testing.zoo import TinyViT
+
+BUDGET_MB = 19.5  # above what every block of this TinyViT from codes reaches
+
+
+@pytest.fixture
+def planner_misses(monkeypatch):
+    real = pipeline.plan_for_budget
+
+    def misses(*args, **kwargs):
+        _, best = real(*args, **kwargs)
+        return None, best
+
+    monkeypatch.setattr(pipeline, "plan_for_budget", misses)
+
+
+def _model():
+    torch.manual_seed(0)
+    return TinyViT(d=64, depth=4, image=32), torch.randn(32, 3, 32, 32)
+
+
+def test_every_block_from_codes_meets_a_budget_the_planner_misses(planner_misses, caplog):
+    model, x = _model()
+    reference = copy.deepcopy(model)
+    with caplog.at_level("INFO", logger="memopt"):
+        om = memopt.optimize(model, budget_mb=BUDGET_MB, example_inputs=x, optimizer="sgd")
+    assert "the budget is met by recomputing all 4 blocks from 8-bit codes" in caplog.text
+    assert om.plan.chosen_units()["recompute"] == {f"blocks_{i}": 8 for i in range(4)}
+    assert om.plan.estimated_peak_bytes <= BUDGET_MB * 2**20
+    assert om.plan.fidelity["passed"]
+    inside = [n for n in om.graph_module.graph.nodes if (n.meta.get(DECISION_KEY) or {}).get("inside")]
+    assert len(inside) == 4  # codes inside each block, named in the plan
+    assert memopt.measure(om, x, optimizer="sgd").peak_bytes == om.plan.estimated_peak_bytes
+    torch.manual_seed(1)
+    out = om(x)
+    torch.manual_seed(1)
+    assert torch.equal(out, reference(x))
+
+
+def test_a_budget_below_both_names_the_lower_least_and_without_codes_only_the_planner_s(planner_misses):
+    model, x = _model()
+    with pytest.raises(BudgetError, match=r"budget_mb=10\.0 .* cannot be met for TinyViT: the smallest estimated "
+                                          r"peak with the current config is 17\.\d+ MiB") as caught:
+        memopt.optimize(copy.deepcopy(model), budget_mb=10.0, example_inputs=x, optimizer="sgd")
+    from_codes = caught.value.minimum_bytes
+    config = memopt.Config(recompute=memopt.RecomputeConfig(peak_first_bits=None))
+    with pytest.raises(BudgetError, match=r"budget_mb=10\.0 .* cannot be met for TinyViT") as caught:
+        memopt.optimize(copy.deepcopy(model), budget_mb=10.0, example_inputs=x, optimizer="sgd", config=config)
+    assert caught.value.minimum_bytes > from_codes  # the planner's least: exact recomputation's block backward
