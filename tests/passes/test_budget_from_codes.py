@@ -63,3 +63,29 @@ def test_a_budget_below_both_names_the_lower_least_and_without_codes_only_the_pl
     with pytest.raises(BudgetError, match=r"budget_mb=10\.0 .* cannot be met for TinyViT") as caught:
         memopt.optimize(copy.deepcopy(model), budget_mb=10.0, example_inputs=x, optimizer="sgd", config=config)
     assert caught.value.minimum_bytes > from_codes  # the planner's least: exact recomputation's block backward
+
+
+def test_a_gate_repair_that_breaks_the_budget_is_refused_with_both_peaks(planner_misses, monkeypatch):
+    # the repair is simulated (every block's recomputation given up, as the gate does when no raise helps): on
+    # this model the real gate's raises of the codes inside do not move the peak
+    from memopt.builder.request import Session
+
+    real = Session.gate
+
+    def gives_up_recomputation(self, decision, units, **kwargs):
+        repaired, report = real(self, decision, units, **kwargs)
+        repaired = {t: us for t, us in repaired.items() if t != "recompute"}
+        return repaired, dict(report, changes=report["changes"] + ["recompute, every unit one level up: 4 units "
+                                                                   "8 bits -> exact"],
+                              before={"parameter": "blocks.0.ln1.weight", "cosine": 0.95})
+
+    monkeypatch.setattr(Session, "gate", gives_up_recomputation)
+    model, x = _model()
+    with pytest.raises(BudgetError, match=r"budget_mb=19\.5 \(19\.50 MiB\) cannot be met for TinyViT with every "
+                                          r"parameter's gradient at cosine >= 0\.99 \(Config\.fidelity\): with every "
+                                          r"block recomputed from codes the estimated peak is 1\d\.\d+ MiB but its "
+                                          r"gradients miss \(worst blocks\.0\.ln1\.weight at cosine 0\.9500\), and "
+                                          r"with the gate's repairs it is \d+\.\d+ MiB\. Raise the budget to at "
+                                          r"least \d+\.\d+ MiB") as caught:
+        memopt.optimize(model, budget_mb=BUDGET_MB, example_inputs=x, optimizer="sgd")
+    assert caught.value.minimum_bytes > BUDGET_MB * 2**20
