@@ -166,7 +166,8 @@ def _last_resort(gm, ctx: PassContext, config, baseline: Estimate, budget_bytes:
     frees minus what those units freed at their maximum saving; blocks are added by gain per unit
     of extra work (the policy's time) until the predicted gain covers the shortfall, then re-estimated;
     when the peak still misses the budget, more blocks are asked for. A plan whose groups hold the blocks
-    already (``Policy.joint``) adds those it left out.
+    already (``Policy.joint``) adds those it left out. When none fits: (None, the least peak tried, ``best``
+    included), which the refusal quotes.
     """
     joint = policy.joint and any(g.options[-1].technique == "recompute" for g in groups)
     blocks = [] if joint else candidates(gm, ctx.args, ctx.kwargs, config, baseline, last_resort=True, ctx=ctx)
@@ -188,6 +189,7 @@ def _last_resort(gm, ctx: PassContext, config, baseline: Estimate, budget_bytes:
             scored.append((gain / max(policy.time(option), 1.0), gain, block, touching, b))
     scored.sort(key=lambda item: (-item[0], item[2].name))
     need, gained, taken, rounds = best.estimate.peak_bytes - budget_bytes, 0, 0, best.rounds
+    least = best
     while taken < len(scored) and rounds < 2 * MAX_ROUNDS:
         while taken < len(scored) and gained < need:
             gained += scored[taken][1]
@@ -201,8 +203,9 @@ def _last_resort(gm, ctx: PassContext, config, baseline: Estimate, budget_bytes:
                         best.required_bytes + gained, rounds, start, budget_bytes)
         if best.estimate.peak_bytes <= budget_bytes:
             return best, best
+        least = best if best.estimate.peak_bytes < least.estimate.peak_bytes else least
         need = gained + best.estimate.peak_bytes - budget_bytes
-    return None, best
+    return None, least  # the least peak tried, for the refusal (more blocks can raise it: their backward)
 
 
 def fit_decision(gm: fx.GraphModule, ctx: PassContext, config: Any, baseline: Estimate, budget_bytes: int,
