@@ -68,15 +68,21 @@ def peak_first_trial(gm: fx.GraphModule, config: Any, ctx: PassContext, baseline
     in stock steps), or None when the config asks for no peak-first step (recomputation off, blocks named,
     ``peak_first_bits=None``, an exact config, a decision to apply) or no block can be taken. ``gm``: the captured
     graph, annotated (the baseline)."""
+    if from_codes(config, ctx, ()) is None:
+        return None
+    forward = sum(c.flops for c in baseline.nodes.values())
+    taken, ratio = within_allowance(eligible_blocks(gm, baseline), forward, config.recompute.time_allowance)
+    return (from_codes(config, ctx, taken), taken, ratio) if taken else None
+
+
+def from_codes(config: Any, ctx: PassContext, blocks: Tuple[str, ...]) -> Optional[Any]:
+    """``config`` recomputing ``blocks`` from ``peak_first_bits``-bit codes, or None when it asks for no
+    recomputation from codes unasked (recomputation off, blocks named, ``peak_first_bits=None``, an exact config)
+    or there is a decision to apply: the one rule of the peak-first step and of a budget's fallback."""
     cfg = getattr(config, "recompute", None)
     if cfg is None or cfg.segments != () or cfg.peak_first_bits is None or ctx.decision is not None:
         return None
-    forward = sum(c.flops for c in baseline.nodes.values())
-    taken, ratio = within_allowance(eligible_blocks(gm, baseline), forward, cfg.time_allowance)
-    if not taken:
-        return None
-    return dataclasses.replace(config, recompute=dataclasses.replace(cfg, segments=taken, bits=cfg.peak_first_bits)
-                               ), taken, ratio
+    return dataclasses.replace(config, recompute=dataclasses.replace(cfg, segments=blocks, bits=cfg.peak_first_bits))
 
 
 def peak_first(pristine: fx.GraphModule, trial: Tuple[Any, Tuple[str, ...], float], ctx: PassContext,
@@ -103,15 +109,11 @@ def every_block_from_codes(pristine: fx.GraphModule, config: Any, ctx: PassConte
     the peak; the same blocks from codes keep codes in that second forward too. Time is not weighed here (every
     block costs one more forward, as checkpointing every block does): the budget asked for the memory. ``pristine``
     is not changed."""
-    cfg = getattr(config, "recompute", None)
-    if cfg is None or cfg.segments != () or cfg.peak_first_bits is None or ctx.decision is not None:
-        return None
-    eligible = eligible_blocks(pristine, baseline)
+    eligible = eligible_blocks(pristine, baseline) if from_codes(config, ctx, ()) is not None else {}
     blocks = tuple(sorted(eligible))
     if not blocks:
         return None
-    every = dataclasses.replace(config, recompute=dataclasses.replace(cfg, segments=blocks, bits=cfg.peak_first_bits))
-    gm, records = run_passes(copy_graph_module(pristine), passes_for(every), ctx)
+    gm, records = run_passes(copy_graph_module(pristine), passes_for(from_codes(config, ctx, blocks)), ctx)
     estimate, _ = chunk_to_fit(gm, annotate(gm), target, annotate)
     forward = sum(c.flops for c in baseline.nodes.values())
     extra = sum(flops for _, flops in eligible.values())
