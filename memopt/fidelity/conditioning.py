@@ -126,6 +126,7 @@ def float64_noise(model: nn.Module, args: tuple, kwargs: dict, rng: Any, loss: A
         except (RuntimeError, TypeError, NotImplementedError) as e:  # an op without a float64 kernel, a module that
             error = e  # recomputation does not take
         finally:
+            release(twin)
             del twin
     if full is None:
         log.info("memopt: no float64 reference step for %s (%s); no parameter is listed apart as beyond float32's "
@@ -153,6 +154,15 @@ def checkpoint_blocks(module: nn.Module) -> int:
                 block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
                 wrapped += 1
     return wrapped
+
+
+def release(module: nn.Module) -> None:
+    """Drop what ``checkpoint_blocks`` put on ``module``'s blocks: each wrapped ``forward`` holds its block (a
+    bound method in the block's own ``__dict__``), a reference cycle that keeps the whole float64 copy, its
+    parameters and gradients, resident until Python's cyclic collector happens to run, which can be during the
+    user's first training steps, on top of their peak. Without the cycle the copy goes when its last name does."""
+    for block in module.modules():
+        block.__dict__.pop("forward", None)
 
 
 def autocast_noise(model: nn.Module, args: tuple, kwargs: dict, rng: Any, loss: Any, names: List[str],

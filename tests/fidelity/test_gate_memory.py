@@ -4,6 +4,9 @@ import gc
 
 import torch
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 import memopt
 from memopt.fidelity import gate as fidelity
@@ -49,3 +52,42 @@ def test_the_gate_keeps_one_set_of_a_plans_gradients_beside_its_references(monke
 def test_references_stay_where_they_are_on_the_host():
     grads = [torch.ones(3), None]
     assert fidelity.on_host(grads)[0] is grads[0] and fidelity.on_host(grads)[1] is None
+
+
+class _Storages(TorchDispatchMode):
+    """Weak references to the storage of every real tensor an op makes while the mode is on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.made: dict = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if type(t) in (torch.Tensor, nn.Parameter) and t.device.type == "cpu" and t.untyped_storage().nbytes():
+                ref = StorageWeakRef(t.untyped_storage())
+                self.made[ref.cdata] = (ref, t.untyped_storage().nbytes(), str(func))
+        return out
+
+
+def test_optimize_leaves_no_tensor_memory_to_the_cyclic_collector():
+    """What optimize() made and dropped is freed when it returns, not when Python's cyclic collector next runs: a
+    reference cycle left behind (the float64 reference copy's checkpointed blocks: each wrapped forward held its
+    block) kept a float64 copy of the model and its gradients resident into the user's first steps, on top of
+    their peak (ResNet-50 128x128 batch 48 with budget_mb=1024: 1251 MiB measured against 1001 estimated)."""
+    torch.manual_seed(0)
+    blocks = [nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.GELU(), nn.Linear(WIDTH, WIDTH)) for _ in range(3)]
+    model, x = nn.Sequential(nn.Sequential(*blocks), nn.Linear(WIDTH, 8)), torch.randn(16, WIDTH)
+    mode = _Storages()
+    gc.collect()
+    gc.disable()
+    try:
+        with mode:
+            om = memopt.optimize(model, example_inputs=x, config=memopt.Config(stash=None, reversible=None))
+        assert om.plan.fidelity["passed"]
+        alive = {k: v for k, v in mode.made.items() if not v[0].expired()}
+        gc.collect()
+    finally:
+        gc.enable()
+    freed = sorted((nbytes, name) for ref, nbytes, name in alive.values() if ref.expired())
+    assert not freed, f"{len(freed)} storages ({sum(b for b, _ in freed)} bytes) were held by reference cycles: {freed[-5:]}"
