@@ -8,6 +8,7 @@ is frozen (a step cannot change what the user asked), the session is made once p
 """
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -68,6 +69,14 @@ class Session:
         """The fidelity gate (``memopt.fidelity.gate.fidelity_gate``) on this capture's pristine graph for the
         plan ``decision`` / ``units``, under ``config`` (default the request's)."""
         request = self.request
-        return fidelity_gate(request.model, request.args, request.kwargs, config or self.config, decision, units,
-                             self.pristine, verify_only=verify_only, recapture=self.recapture,
-                             loss_fn=request.loss_fn)
+        try:
+            return fidelity_gate(request.model, request.args, request.kwargs, config or self.config, decision, units,
+                                 self.pristine, verify_only=verify_only, recapture=self.recapture,
+                                 loss_fn=request.loss_fn)
+        finally:
+            # The gate's frame can outlive it in a reference cycle: torch.fx's Proxy.__iter__ (a tuple unpacked from
+            # a traced value, as timm's patch embedding does) keeps its own frame in a local, and through f_back
+            # every frame on the stack when the gate recaptured its slice, the gate's own included, which keeps at
+            # its return the gate's reference gradients (several copies of the parameters' gradients). Collected
+            # here, once a gate, they do not sit on top of the user's first training steps.
+            gc.collect()

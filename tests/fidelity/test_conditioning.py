@@ -1,6 +1,7 @@
 """Parameters float32 itself does not resolve are listed apart by measurement (memopt/fidelity/conditioning.py): the
 eager step in float64 against float32's; never under a bar of 1 or autocast, never a change to the user's model."""
 import copy
+import gc
 
 import pytest
 import torch
@@ -129,3 +130,22 @@ def test_parameter_fidelity_lists_tiny_gradients_apart():
     assert figures["a"]["cosine"] == pytest.approx(1.0) and not figures["a"]["tiny"]
     assert figures["b"]["tiny"] and figures["b"]["cosine"] == pytest.approx(-1.0)
     assert figures["c"]["cosine"] == pytest.approx(0.5) and figures["c"]["relative_error"] == pytest.approx(1.0)
+
+
+def test_the_float64_copy_is_freed_when_its_step_ends():
+    """The checkpointed float64 copy goes when float64_noise returns, not at the next cyclic collection: each wrapped
+    forward held its block (a bound method in the block's own __dict__), a cycle that kept the copy, its parameters
+    and gradients, resident until Python's collector happened to run."""
+    torch.manual_seed(0)
+    model, x = Blocks(), torch.randn(8, 16)
+    rng, loss = torch.Generator().manual_seed(0).get_state(), RandomProjection(0)
+    names = [n for n, _ in model.named_parameters()]
+    grads = training_step(model, model, (x,), {}, rng, loss).grads
+    gc.collect()
+    gc.disable()
+    try:
+        assert float64_noise(model, (x,), {}, rng, loss, names, grads, 1e-3, 0.99, parameter_fidelity) is not None
+        left = [o for o in gc.get_objects() if isinstance(o, nn.Parameter) and o.dtype == torch.float64]
+    finally:
+        gc.enable()
+    assert not left, f"{len(left)} float64 parameters of the reference copy outlived its step"
