@@ -13,8 +13,11 @@ gradients come out non-finite as they would in stock PyTorch (and AMP's GradScal
 
 Kernels (``memopt.runtime.kernels``, ``MEMOPT_KERNELS``): by default CUDA tensors take two Triton kernels
 (``memopt.runtime.triton_fewbit``: encode + pack in forward, unpack + gather + scale in backward, instead of a
-dozen small PyTorch kernels); everything else takes the plain path below, the reference, whose packing uses the
-fused C kernels on the CPU. Both write the same codes and gradients (tests/runtime/test_triton_fewbit.py).
+dozen small PyTorch kernels); contiguous float32 CPU tensors take the fused C kernels of
+``memopt.runtime.native_generic`` (``fewbit_encode``: the pieces counted and packed in one pass, where the plain
+path makes a comparison and an add per border; ``fewbit_scale`` in backward); everything else takes the plain path
+below, the reference. All write the same codes and gradients (tests/runtime/test_triton_fewbit.py,
+tests/runtime/test_native_generic.py).
 """
 from __future__ import annotations
 
@@ -146,7 +149,11 @@ class _FewBit(torch.autograd.Function):
             kwargs = dict(params)
             ctx.save_for_backward(_packed_codes(dense, lambda part: act.mask(part, kwargs), bits))
             return y
-        packed = _packed_codes(dense, lambda part: _encode(part, borders), bits)
+        if len(borders) < 1 << bits and native_generic.applies(dense, float_dtype=True):  # one fused pass
+            packed = native_generic.fewbit_encode(dense.reshape(-1), [_round_to(dense.dtype, b) for b in borders],
+                                                  bits)
+        else:
+            packed = _packed_codes(dense, lambda part: _encode(part, borders), bits)
         # copied to the device once per table (triton_fewbit.constants), not per call: a host-to-device copy of a
         # Python list makes a CUDA host wait; tensor subclasses (fake, functional) get a fresh tensor of their mode
         level_t = (triton_fewbit.constants(levels, x.device) if type(x) is torch.Tensor

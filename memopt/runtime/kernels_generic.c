@@ -261,6 +261,58 @@ void mo_fewbit_scale(const uint8_t *packed, int64_t n, int bits, const float *le
     }
 }
 
+/* ---- few-bit forward of a table op: each float32 value's piece, packed ----
+ * The piece is the number of borders strictly below the value (``x > border``, the borders ascending and already
+ * rounded to float32 by the caller), as the plain path's comparisons (at most 15 borders) or ``bucketize`` (more)
+ * count it; a NaN compares false with every border and takes ``nan_code`` (0 where the plain path compares, the
+ * number of borders where ``bucketize`` puts it last). A scan of every border costs a comparison each and a binary
+ * search is bound by the latency of its dependent loads (8 of them at 8 bits), so a uniform grid over [first
+ * border, last border] gives a starting count and the exact count is walked from there by the same comparisons:
+ * the grid only says where to start, never the answer, so a value rounded into a neighbouring cell still gets its
+ * exact piece. Up to 3 borders (where the scan is as quick), or borders without a finite positive width, are
+ * scanned. */
+#define FEWBIT_CELLS 4096
+
+static inline int pieces_below(float v, const float *restrict borders, int nb, const int *restrict start,
+                               float first, float scale) {
+    if (!start) {
+        int k = 0;
+        for (int j = 0; j < nb; j++) k += v > borders[j];
+        return k;
+    }
+    const float t = (v - first) * scale; /* -inf, +inf and values outside the grid clamp to its ends */
+    int c = start[t > 0 ? (t < FEWBIT_CELLS ? (int)t : FEWBIT_CELLS) : 0];
+    while (c > 0 && !(borders[c - 1] < v)) c--;
+    while (c < nb && borders[c] < v) c++;
+    return c;
+}
+
+void mo_fewbit_encode(const float *x, int64_t n, const float *borders, int nb, int bits, int nan_code, uint8_t *out,
+                      int nthreads) {
+    int cells[FEWBIT_CELLS + 1];
+    const int *start = NULL;
+    const float first = nb ? borders[0] : 0.0f, width = nb ? borders[nb - 1] - borders[0] : 0.0f;
+    const float scale = width > 0 && width <= FLT_MAX ? FEWBIT_CELLS / width : 0.0f;
+    if (nb > 3 && scale > 0 && scale <= FLT_MAX) {
+        for (int k = 0, c = 0; k <= FEWBIT_CELLS; k++) {
+            const float edge = first + (float)k / scale;
+            while (c < nb && borders[c] < edge) c++;
+            cells[k] = c;
+        }
+        start = cells;
+    }
+    const int64_t nchunks = (n + GCHUNK - 1) / GCHUNK;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t c = 0; c < nchunks; c++) {
+        const int64_t i0 = c * GCHUNK, cc = n - i0 < GCHUNK ? n - i0 : GCHUNK;
+        uint8_t buf[GCHUNK];
+        const float *restrict v = x + i0;
+        for (int64_t i = 0; i < cc; i++)
+            buf[i] = v[i] != v[i] ? (uint8_t)nan_code : (uint8_t)pieces_below(v[i], borders, nb, start, first, scale);
+        pack_span(buf, cc, bits, i0, out);
+    }
+}
+
 /* ---- the fidelity gate's comparison of two gradients: sums of g*g, a*a, g*a and (a-g)^2 in double ----
  * One pass over two float32 arrays where PyTorch takes a float64 copy of each and four reductions. Each block of
  * CMP_BLOCK elements is summed in order in double, the blocks' sums then added in block order: the result does

@@ -1,4 +1,4 @@
-"""Fused CPU kernels for the generic stash's group codes and few-bit backward: ``memopt/runtime/kernels_generic.c``,
+"""Fused CPU kernels for the generic stash's group codes and few-bit forward codes and backward: ``memopt/runtime/kernels_generic.c``,
 built into the library of ``memopt.runtime.native`` (same compiler, flags and cache; the same fallback when it
 cannot be built).
 
@@ -25,13 +25,15 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from memopt.runtime import native
 
-__all__ = ["applies", "group_encode", "group_decode", "fewbit_scale", "encodable", "decodable", "compare"]
+__all__ = ["applies", "group_encode", "group_decode", "fewbit_scale", "fewbit_encode", "encodable", "decodable",
+           "compare"]
 
 _P, _I64, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _SIGNATURES = {
     "mo_group_encode": [_P, _I64, _I64, _I, _P, _P, _I],
     "mo_group_decode": [_P, _I64, _I64, _I, _P, _P, _P, _I],
     "mo_fewbit_scale": [_P, _I64, _I, _P, _P, _P, _I],
+    "mo_fewbit_encode": [_P, _I64, _P, _I, _I, _I, _P, _I],
 }
 _typed: Optional[ctypes.CDLL] = None
 
@@ -112,6 +114,20 @@ def fewbit_scale(packed: torch.Tensor, bits: int, grad: torch.Tensor, levels: to
         table[:count] = levels.reshape(-1)[:count]
         _library().mo_fewbit_scale(packed.data_ptr(), n, bits, table.data_ptr(), grad.data_ptr(), out.data_ptr(),
                                    native._threads(n))
+    return out
+
+
+def fewbit_encode(flat: torch.Tensor, borders: Tuple[float, ...], bits: int) -> torch.Tensor:
+    """Few-bit forward's packed pieces of a contiguous 1-D float32 CPU tensor (``memopt.fewbit.ops._packed_codes`` of
+    ``_encode``): per value the number of ``borders`` (ascending, float32 values) strictly below it, NaN at 0 with at
+    most 15 borders and at the top with more, as the plain path's comparisons and ``bucketize`` place it. One pass
+    where the plain path makes a comparison and an add per border."""
+    n = flat.numel()
+    out = torch.empty((n * bits + 7) // 8, dtype=torch.uint8)
+    if _runs(flat) and n:
+        table = torch.tensor(borders, dtype=torch.float32)
+        _library().mo_fewbit_encode(flat.data_ptr(), n, table.data_ptr(), len(borders), bits,
+                                    len(borders) if len(borders) > 15 else 0, out.data_ptr(), native._threads(n))
     return out
 
 

@@ -10,7 +10,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import memopt
 from memopt.fewbit.activations import ACTIVATIONS
-from memopt.fewbit.ops import FewBitSpec, fewbit_activation
+from memopt.fewbit.ops import FewBitSpec, _encode, _packed_codes, _round_to, fewbit_activation
+from memopt.runtime.bitpack import unpack_bits
 from memopt.runtime import kernels, native, native_generic
 from memopt.runtime.layout import rebuilt_stride
 from memopt.stash import generic
@@ -177,6 +178,28 @@ def test_fewbit_backward_is_the_plain_paths_gradient(name, bits):
     assert _same(*_both(lambda: _fewbit_grad(x, name, bits, grad)))
 
 
+@pytest.mark.parametrize("name", ["gelu", "silu"])
+@pytest.mark.parametrize("bits", range(1, 9))
+def test_fewbit_forward_codes_are_the_plain_paths_bytes(name, bits):
+    """The fused encode's packed pieces against the plain path's (a comparison per border up to 15 borders,
+    ``bucketize`` above): values equal to a border (they go to the lower piece), signed zeros, ±inf and NaN (piece 0
+    where the plain path compares, the top piece where ``bucketize`` places it), over several chunks of the kernel
+    and a length that is no multiple of 8."""
+    p = ACTIVATIONS[name].params({})
+    borders, _ = memopt.fewbit_table(name, bits, params=dict(p))
+    rounded = tuple(_round_to(torch.float32, b) for b in borders.tolist())
+    g = torch.Generator().manual_seed(bits)
+    x = torch.randn(3 * 2048 + 13, generator=g) * 4
+    x[:len(rounded)] = torch.tensor(rounded)
+    x[-6:] = torch.tensor([float("nan"), -float("nan"), float("inf"), -float("inf"), -0.0, 0.0])
+    fused = native_generic.fewbit_encode(x, rounded, bits)
+    with kernels.forced("torch"):
+        plain = _packed_codes(x, lambda part: _encode(part, tuple(borders.tolist())), bits)
+    assert fused.dtype == plain.dtype == torch.uint8 and torch.equal(fused, plain)
+    codes = unpack_bits(fused, bits, x.numel())
+    assert codes[-6:-4].tolist() == [len(rounded) if len(rounded) > 15 else 0] * 2  # NaN where the plain path puts it
+
+
 @pytest.mark.parametrize("case", ["channels_last", "bfloat16", "float16", "strided_grad"])
 def test_fewbit_backward_falls_back_where_the_kernel_does_not_apply(case):
     torch.manual_seed(0)
@@ -191,7 +214,7 @@ def test_fewbit_backward_falls_back_where_the_kernel_does_not_apply(case):
 
 
 def test_a_transformer_trains_to_the_same_bits_with_and_without_the_kernels(monkeypatch):
-    calls = {"group_encode": 0, "group_decode": 0, "fewbit_scale": 0}
+    calls = {"group_encode": 0, "group_decode": 0, "fewbit_scale": 0, "fewbit_encode": 0}
     for name in calls:
         def counted(*args, _fn=getattr(native_generic, name), _name=name, **kwargs):
             calls[_name] += 1
