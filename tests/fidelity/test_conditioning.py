@@ -143,9 +143,14 @@ def test_the_float64_copy_is_freed_when_its_step_ends():
     grads = training_step(model, model, (x,), {}, rng, loss).grads
     gc.collect()
     gc.disable()
+
+    def float64_parameters() -> set:
+        return {id(o) for o in gc.get_objects() if type(o) is nn.Parameter and o.dtype == torch.float64}
+
     try:
+        before = float64_parameters()  # other tests' in this process, if any
         assert float64_noise(model, (x,), {}, rng, loss, names, grads, 1e-3, 0.99, parameter_fidelity) is not None
-        left = [o for o in gc.get_objects() if isinstance(o, nn.Parameter) and o.dtype == torch.float64]
+        left = float64_parameters() - before
     finally:
         gc.enable()
     assert not left, f"{len(left)} float64 parameters of the reference copy outlived its step"
