@@ -36,6 +36,9 @@ from memopt.runtime.layout import memory_order, memory_order_perm
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # table ops
 EXACT_DTYPES = SUPPORTED_DTYPES + (torch.float64,)  # exact masks also take float64 (gradcheck)
+# Above this many borders (5 bits and more) the plain path's binary search (``bucketize``) beats one comparison per
+# border; it puts NaN in the top piece, where the comparisons put it in piece 0. Every kernel follows the same rule.
+SCANNED_BORDERS = 15
 
 
 def _encode(x: torch.Tensor, borders: Tuple[float, ...]) -> torch.Tensor:
@@ -45,7 +48,7 @@ def _encode(x: torch.Tensor, borders: Tuple[float, ...]) -> torch.Tensor:
     # rounded here, not by torch.tensor(..., dtype): torch 2.11 rounds float64 -> float16 through float32
     # (twice), 2.14 directly, so the pieces would depend on the torch version
     rounded = [_round_to(x.dtype, b) for b in borders]
-    if len(borders) > 15:  # 5 bits and more: binary search beats one comparison per border
+    if len(borders) > SCANNED_BORDERS:
         return torch.bucketize(x, torch.tensor(rounded, dtype=x.dtype, device=x.device), out_int32=True)
     codes = (x > rounded[0]).to(torch.uint8)
     for border in rounded[1:]:
@@ -87,7 +90,7 @@ def _triton_encode(dense: torch.Tensor, name: str, params: Params, bits: int, bo
         return triton_fewbit.encode_mask(dense, bits, kind, _round_to(dtype, float(low)), high), None
     rounded = tuple(_round_to(dtype, b) for b in borders)
     return triton_fewbit.encode_table(dense, triton_fewbit.constants(rounded, device, fake),
-                                      triton_fewbit.constants(levels, device, fake), bits, nan_top=len(borders) > 15)
+                                      triton_fewbit.constants(levels, device, fake), bits, nan_top=len(borders) > SCANNED_BORDERS)
 
 
 def _contiguous_strides(shape) -> list:
@@ -151,7 +154,7 @@ class _FewBit(torch.autograd.Function):
             return y
         if len(borders) < 1 << bits and native_generic.applies(dense, float_dtype=True):  # one fused pass
             packed = native_generic.fewbit_encode(dense.reshape(-1), [_round_to(dense.dtype, b) for b in borders],
-                                                  bits)
+                                                  bits, nan_top=len(borders) > SCANNED_BORDERS)
         else:
             packed = _packed_codes(dense, lambda part: _encode(part, borders), bits)
         # copied to the device once per table (triton_fewbit.constants), not per call: a host-to-device copy of a

@@ -1,6 +1,6 @@
-"""Fused CPU kernels for the generic stash's group codes and few-bit forward codes and backward: ``memopt/runtime/kernels_generic.c``,
-built into the library of ``memopt.runtime.native`` (same compiler, flags and cache; the same fallback when it
-cannot be built).
+"""Fused CPU kernels for the generic stash's group codes and few-bit codes and backward:
+``memopt/runtime/kernels_generic.c``, built into the library of ``memopt.runtime.native`` (same compiler, flags and
+cache; the same fallback when it cannot be built).
 
 On the CPU the plain path (``memopt.stash.generic.group_quantize`` / ``group_dequantize``, few-bit backward's
 ``_scale_by_levels`` in ``memopt.fewbit.ops``) is a dozen small PyTorch kernels per tensor: ``aminmax``, subtract,
@@ -117,17 +117,17 @@ def fewbit_scale(packed: torch.Tensor, bits: int, grad: torch.Tensor, levels: to
     return out
 
 
-def fewbit_encode(flat: torch.Tensor, borders: Tuple[float, ...], bits: int) -> torch.Tensor:
+def fewbit_encode(flat: torch.Tensor, borders: Tuple[float, ...], bits: int, nan_top: bool) -> torch.Tensor:
     """Few-bit forward's packed pieces of a contiguous 1-D float32 CPU tensor (``memopt.fewbit.ops._packed_codes`` of
-    ``_encode``): per value the number of ``borders`` (ascending, float32 values) strictly below it, NaN at 0 with at
-    most 15 borders and at the top with more, as the plain path's comparisons and ``bucketize`` place it. One pass
-    where the plain path makes a comparison and an add per border."""
+    ``_encode``): per value the number of ``borders`` (ascending, float32 values) strictly below it; NaN in the top
+    piece where ``nan_top`` (as ``bucketize`` puts it), else in piece 0 (as comparisons do). One pass where the plain
+    path makes a comparison and an add per border."""
     n = flat.numel()
     out = torch.empty((n * bits + 7) // 8, dtype=torch.uint8)
     if _runs(flat) and n:
         table = torch.tensor(borders, dtype=torch.float32)
         _library().mo_fewbit_encode(flat.data_ptr(), n, table.data_ptr(), len(borders), bits,
-                                    len(borders) if len(borders) > 15 else 0, out.data_ptr(), native._threads(n))
+                                    len(borders) if nan_top else 0, out.data_ptr(), native._threads(n))
     return out
 
 

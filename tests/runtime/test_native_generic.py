@@ -10,7 +10,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import memopt
 from memopt.fewbit.activations import ACTIVATIONS
-from memopt.fewbit.ops import FewBitSpec, _encode, _packed_codes, _round_to, fewbit_activation
+from memopt.fewbit.ops import SCANNED_BORDERS, FewBitSpec, _encode, _packed_codes, _round_to, fewbit_activation
 from memopt.runtime.bitpack import unpack_bits
 from memopt.runtime import kernels, native, native_generic
 from memopt.runtime.layout import rebuilt_stride
@@ -192,7 +192,7 @@ def test_fewbit_forward_codes_are_the_plain_paths_bytes(name, bits):
     x = torch.randn(3 * 2048 + 13, generator=g) * 4
     x[:len(rounded)] = torch.tensor(rounded)
     x[-6:] = torch.tensor([float("nan"), -float("nan"), float("inf"), -float("inf"), -0.0, 0.0])
-    fused = native_generic.fewbit_encode(x, rounded, bits)
+    fused = native_generic.fewbit_encode(x, rounded, bits, nan_top=len(rounded) > SCANNED_BORDERS)
     with kernels.forced("torch"):
         plain = _packed_codes(x, lambda part: _encode(part, tuple(borders.tolist())), bits)
     assert fused.dtype == plain.dtype == torch.uint8 and torch.equal(fused, plain)
