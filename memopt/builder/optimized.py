@@ -43,6 +43,7 @@ from memopt.core.state import module_flags, preserved_buffers, restore_flags, sh
 from memopt.builder.per_submodule import build_partial
 from memopt.builder.structure import guarded_paths, plain_convs, trains_anything
 from memopt.builder.structure import structure as model_structure
+from memopt.core.modules import Walked, walk
 from memopt.record.report import render
 from memopt.builder.shape_reuse import (MAX_REFERENCES, DynamicExport, Recaptured, Reference, ShapeStats, changed_dims, describe,
                            distance, input_shapes, reapplied, replan_key, reuse, shape_free_signature, timed)
@@ -126,9 +127,10 @@ class OptimizedModule(nn.Module):
 
     # ---------------------------------------------------------------- capture and planning
     def _build_for(self, args: tuple, kwargs: dict) -> Built:
-        signature, structure = tuple(input_signature(args, kwargs)), model_structure(self._memopt_model)
+        walked = walk(self._memopt_model)  # one walk of the module tree for the structure and the guards
+        signature, structure = tuple(input_signature(args, kwargs)), model_structure(self._memopt_model, walked)
         key = (signature, structure)
-        built, guards_failed = self._cached(key)
+        built, guards_failed = self._cached(key, walked)
         if built is None:
             family = (shape_free_signature(args, kwargs), structure)
             # planning reads module attributes: a parametrised weight (spectral norm) read in training mode runs
@@ -162,13 +164,14 @@ class OptimizedModule(nn.Module):
             built = self._plan_new(family, signature, args, kwargs, cause, served)
         return built
 
-    def _cached(self, key: tuple) -> Tuple[Any, bool]:
+    def _cached(self, key: tuple, walked: Walked) -> Tuple[Any, bool]:
         """(the build for ``key``, False) if its guards hold: the plain Python attributes its graphs may have
-        read as constants are as they were at capture; else (None, True) after dropping it, with a log line."""
+        read as constants are as they were at capture; else (None, True) after dropping it, with a log line.
+        ``walked``: ``memopt.core.modules.walk`` of the model, made for this forward."""
         built = self._memopt_built.get(key)
         if built is None:
             return None, False
-        now = attribute_fingerprint(self._memopt_model, guarded_paths(built))
+        now = attribute_fingerprint(self._memopt_model, guarded_paths(built), walked)
         recorded = self._memopt_guards.get(key)
         if recorded is None or now == recorded:
             return built, False

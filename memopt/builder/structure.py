@@ -10,15 +10,18 @@ from torch import nn
 
 from memopt.builder.pipeline import Built
 from memopt.capture.trace import has_hooks
+from memopt.core.modules import Walked, named_buffers, named_parameters, walk
 
 
-def structure(model: nn.Module) -> tuple:
+def structure(model: nn.Module, walked: Optional[Walked] = None) -> tuple:
     """Which module and parameter objects sit where in ``model``, which require grad and which modules
     have hooks: a graph captured for one structure must not run on another (it would call the old
-    objects, or skip hooks registered since)."""
-    modules = tuple((name, id(m), has_hooks(m), m.training) for name, m in model.named_modules(remove_duplicate=False))
-    params = tuple((name, id(p), p.requires_grad) for name, p in model.named_parameters(remove_duplicate=False))
-    buffers = tuple((name, id(b)) for name, b in model.named_buffers(remove_duplicate=False))
+    objects, or skip hooks registered since). ``walked``: ``memopt.core.modules.walk(model)``, when the
+    caller has it."""
+    walked = walk(model) if walked is None else walked
+    modules = tuple((name, id(m), has_hooks(m), m.training) for name, m in walked)
+    params = tuple((name, id(p), p.requires_grad) for name, p in named_parameters(model, walked))
+    buffers = tuple((name, id(b)) for name, b in named_buffers(model, walked))
     return modules + params + buffers
 
 

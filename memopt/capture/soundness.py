@@ -26,6 +26,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_map
 
 from memopt.core.errors import MemoptError, TraceError
+from memopt.core.modules import Walked, walk
 from memopt.core.state import preserved_state, train_as_user
 from memopt.core.storage import storage_key
 from memopt.cost_model.step import compute_loss, output_tensors
@@ -407,6 +408,7 @@ def check_capture(model: nn.Module, gm: fx.GraphModule, method: str, args: tuple
 
 # -------------------------------------------------------------------------- attribute guards
 _PRIMITIVES = (bool, int, float, str, type(None))
+_PLAIN = frozenset(_PRIMITIVES)  # the exact types, tested first: most attributes are one of them
 
 
 def _primitive(value: Any) -> bool:
@@ -415,17 +417,19 @@ def _primitive(value: Any) -> bool:
     return isinstance(value, tuple) and all(isinstance(v, _PRIMITIVES) for v in value)
 
 
-def attribute_fingerprint(model: nn.Module, paths: Optional[List[str]] = None) -> Tuple:
+def attribute_fingerprint(model: nn.Module, paths: Optional[List[str]] = None,
+                          walked: Optional[Walked] = None) -> Tuple:
     """The plain Python attributes (bool, int, float, str, None, tuples of them; ``training`` included) of every
     submodule (only those under ``paths`` when given): what a captured forward may have read as constants. A
-    training forward compares it with the capture's and captures again when it changed."""
-    out = []
-    for name, module in model.named_modules(remove_duplicate=False):
+    training forward compares it with the capture's and captures again when it changed. ``walked``:
+    ``memopt.core.modules.walk(model)``, when the caller has it."""
+    out: List[tuple] = []
+    for name, module in walk(model) if walked is None else walked:
         if paths is not None and not any(name == p or name.startswith(p + ".") or not p for p in paths):
             continue
-        for key, value in vars(module).items():
-            if (not key.startswith("_") or key == "training") and _primitive(value):
-                out.append((name, key, value))
+        # public attributes only (``training`` among them): the rest is nn.Module's own bookkeeping
+        out.extend((name, key, value) for key, value in vars(module).items()
+                   if key[:1] != "_" and (type(value) in _PLAIN or _primitive(value)))
     return tuple(out)
 
 

@@ -21,6 +21,7 @@ tests/runtime/test_native_generic.py).
 """
 from __future__ import annotations
 
+import functools
 import struct
 from typing import Callable, NamedTuple, Optional, Tuple
 
@@ -47,7 +48,7 @@ def _encode(x: torch.Tensor, borders: Tuple[float, ...]) -> torch.Tensor:
     pieces are those of the dtype the activation lives in."""
     # rounded here, not by torch.tensor(..., dtype): torch 2.11 rounds float64 -> float16 through float32
     # (twice), 2.14 directly, so the pieces would depend on the torch version
-    rounded = [_round_to(x.dtype, b) for b in borders]
+    rounded = _rounded(x.dtype, tuple(borders))
     if len(borders) > SCANNED_BORDERS:
         return torch.bucketize(x, torch.tensor(rounded, dtype=x.dtype, device=x.device), out_int32=True)
     codes = (x > rounded[0]).to(torch.uint8)
@@ -66,6 +67,14 @@ def _round_to(dtype: torch.dtype, value: float) -> float:
     bits = struct.unpack("<I", struct.pack("<f", single))[0]
     bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000) & 0xFFFFFFFF
     return struct.unpack("<f", struct.pack("<I", bits))[0]
+
+
+@functools.lru_cache(maxsize=512)
+def _rounded(dtype: torch.dtype, borders: Tuple[float, ...]) -> Tuple[float, ...]:
+    """Every border rounded to ``dtype`` (``_round_to``), once per table and dtype: a few-bit op's borders are its
+    table's, the same every step, and an 8-bit table's 255 roundings in Python cost more per call than coding a
+    small activation."""
+    return tuple(_round_to(dtype, b) for b in borders)
 
 
 # The exact masks of memopt.fewbit.activations as the Triton encoder takes them: (kind, low bound, high bound or
@@ -88,7 +97,7 @@ def _triton_encode(dense: torch.Tensor, name: str, params: Params, bits: int, bo
         kind, low, high = _MASK_BOUNDS[name](dict(params))
         high = None if high is None else _round_to(dtype, float(high))
         return triton_fewbit.encode_mask(dense, bits, kind, _round_to(dtype, float(low)), high), None
-    rounded = tuple(_round_to(dtype, b) for b in borders)
+    rounded = _rounded(dtype, tuple(borders))
     return triton_fewbit.encode_table(dense, triton_fewbit.constants(rounded, device, fake),
                                       triton_fewbit.constants(levels, device, fake), bits, nan_top=len(borders) > SCANNED_BORDERS)
 
@@ -153,7 +162,7 @@ class _FewBit(torch.autograd.Function):
             ctx.save_for_backward(_packed_codes(dense, lambda part: act.mask(part, kwargs), bits))
             return y
         if len(borders) < 1 << bits and native_generic.applies(dense, float_dtype=True):  # one fused pass
-            packed = native_generic.fewbit_encode(dense.reshape(-1), [_round_to(dense.dtype, b) for b in borders],
+            packed = native_generic.fewbit_encode(dense.reshape(-1), list(_rounded(dense.dtype, tuple(borders))),
                                                   bits, nan_top=len(borders) > SCANNED_BORDERS)
         else:
             packed = _packed_codes(dense, lambda part: _encode(part, borders), bits)
