@@ -91,6 +91,17 @@ class Estimate:
     # optimizer step, or without simulation): freeing what they keep is what lowers that peak
     alive_at_peak: Set[str] = field(default_factory=set)
 
+    def floor_bytes(self) -> int:
+        """The least peak any rewrite of the activations can reach on this step: parameters, buffers, inputs,
+        optimizer state and every gradient (alive together when backward ends), or the whole peak where it falls in
+        the optimizer step (no activation is alive there). 0 without the step's simulation."""
+        b = self.breakdown
+        if not b or "all_gradients" not in b:
+            return 0
+        if b.get("peak_in_optimizer_step"):
+            return self.peak_bytes
+        return sum(b[k] for k in ("parameters_and_buffers", "inputs", "optimizer_state", "all_gradients"))
+
     def saved_by_category(self) -> Dict[str, int]:
         out: Dict[str, int] = {}
         for rec in self.storages.values():
@@ -257,6 +268,7 @@ def simulate_step(gm: fx.GraphModule, args: tuple, kwargs: dict, device: torch.d
         del loss
         fb_peak, fb_at_peak, in_weight_grad = tracker.peak, tracker.at_peak, tracker.peak_in_weight_grad
         grads = {tracker.identity(p.grad) for p in params if p.grad is not None}
+        grad_bytes = distinct_bytes([p.grad for p in params if p.grad is not None])
         opt = _simulate_optimizer(optimizer, params, tracker)
 
     param_bytes = distinct_bytes(params + buffers)
@@ -273,6 +285,7 @@ def simulate_step(gm: fx.GraphModule, args: tuple, kwargs: dict, device: torch.d
     breakdown = {
         "parameters_and_buffers": param_bytes,
         "optimizer_state": opt.state_bytes,
+        "all_gradients": grad_bytes,  # every gradient of the step, alive together when backward ends
         "inputs": input_bytes,
         **parts,
         "activations_at_boundary": boundary,

@@ -102,11 +102,11 @@ def headline(plan: Plan) -> str:
     """The step's estimated peak first (what decides whether a batch fits), what of it no activation rewrite can
     remove, then the saved bytes (what the rewrites shrink)."""
     e = plan.estimated_breakdown
-    fixed = sum(e.get(p) or 0 for p in ("parameters_and_buffers", "optimizer_state", "inputs"))
+    fixed = sum(e.get(p) or 0 for p in ("parameters_and_buffers", "optimizer_state", "inputs", "all_gradients"))
     ratio = plan.baseline_peak_bytes / plan.estimated_peak_bytes if plan.estimated_peak_bytes else float("inf")
     return (f"estimated peak of one training step {fmt_bytes(plan.baseline_peak_bytes)} -> "
             f"{fmt_bytes(plan.estimated_peak_bytes)} ({ratio:.2f}x), of which {fmt_bytes(fixed)} parameters, "
-            f"buffers, optimizer state and inputs no rewrite removes; saved activations "
+            f"buffers, gradients, optimizer state and inputs no rewrite removes; saved activations "
             f"{fmt_bytes(plan.baseline_saved_bytes)} -> {fmt_bytes(plan.estimated_saved_bytes)}")
 
 

@@ -7,7 +7,9 @@ more than checkpointing, which keeps only each block's input. Recomputing a bloc
 boundary element at 8 bits. It costs one more forward of the block, so blocks are taken by the bytes they keep
 per FLOP until the cost model's FLOPs of a step reach ``RecomputeConfig.time_allowance`` stock steps, and the
 result is kept only when the estimated peak falls by at least ``peak_first_gain``; otherwise the default plan
-stands. Two more cost-model runs at most (every block; the share within the allowance).
+stands. Two more cost-model runs at most (every block; the share within the allowance), none where what no
+rewrite removes (``Estimate.floor_bytes``: parameters, inputs, optimizer state, every gradient) is already within
+``peak_first_gain`` of the default plan's peak.
 """
 from __future__ import annotations
 
@@ -90,6 +92,8 @@ def peak_first(pristine: fx.GraphModule, trial: Tuple[Any, Tuple[str, ...], floa
     """``peak_first_trial``'s config run on ``pristine`` (a copy of the captured graph: it is rewritten in place)
     and estimated; kept when its peak is at least ``peak_first_gain`` below ``default``'s, else None."""
     config, taken, ratio = trial
+    if default.floor_bytes() > (1 - config.recompute.peak_first_gain) * default.peak_bytes:
+        return None  # what no rewrite removes is already within the gain of the default's peak: no trial can pass
     gm, records = run_passes(pristine, passes_for(config), ctx)
     estimate = annotate(gm)
     if estimate.peak_bytes > (1 - config.recompute.peak_first_gain) * default.peak_bytes:

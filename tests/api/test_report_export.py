@@ -75,10 +75,13 @@ def test_the_report_leads_with_the_step_peak_and_what_no_rewrite_removes():
     model, x = build("tiny_resnet")
     om = memopt.optimize(model, example_inputs=x, optimizer="adam")
     plan, headline = om.plan, om.report().splitlines()[1]
-    fixed = sum(plan.estimated_breakdown[p] for p in ("parameters_and_buffers", "optimizer_state", "inputs"))
+    fixed = sum(plan.estimated_breakdown[p] for p in ("parameters_and_buffers", "optimizer_state", "inputs",
+                                                      "all_gradients"))
+    grads = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    assert plan.estimated_breakdown["all_gradients"] == grads  # every gradient of the step, tied weights once
     assert fixed > 0 and plan.estimated_peak_bytes < plan.baseline_peak_bytes
     assert headline == (f"estimated peak of one training step {fmt_bytes(plan.baseline_peak_bytes)} -> "
                         f"{fmt_bytes(plan.estimated_peak_bytes)} "
                         f"({plan.baseline_peak_bytes / plan.estimated_peak_bytes:.2f}x), of which {fmt_bytes(fixed)} "
-                        f"parameters, buffers, optimizer state and inputs no rewrite removes; saved activations "
+                        f"parameters, buffers, gradients, optimizer state and inputs no rewrite removes; saved activations "
                         f"{fmt_bytes(plan.baseline_saved_bytes)} -> {fmt_bytes(plan.estimated_saved_bytes)}")

@@ -90,3 +90,28 @@ def test_a_step_that_frees_too_little_is_not_kept(caplog):
         om = memopt.optimize(model, example_inputs=x)
     assert "recompute" not in om.plan.chosen_units()
     assert not any("from 8-bit codes" in r.getMessage() for r in caplog.records)
+
+
+def test_no_trial_where_what_no_rewrite_removes_is_within_the_gain(monkeypatch):
+    # one short sequence: parameters, gradients and AdamW's state are nearly all of the step's peak, so no
+    # recomputation can free peak_first_gain of it; the trial (passes and a cost-model run) is not made
+    from memopt.capture.trace import capture
+    from memopt.cost_model.analysis import annotate
+    from memopt.passes.planning import peak_first
+
+    torch.manual_seed(0)
+    model, ids = _LM(vocab=4096, depth=2).train(), torch.randint(0, 4096, (1, 8))
+    est = annotate(capture(model, (ids,), {}).graph_module, (ids,), {}, optimizer="adamw")
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert est.breakdown["all_gradients"] == params
+    assert params * 4 <= est.floor_bytes() <= est.peak_bytes  # weights, their gradients, AdamW's two moments
+    assert est.floor_bytes() > (1 - memopt.RecomputeConfig().peak_first_gain) * est.peak_bytes
+    trials = []
+    run = peak_first.run_passes
+    monkeypatch.setattr(peak_first, "run_passes", lambda *a, **k: trials.append(a) or run(*a, **k))
+    om = memopt.optimize(model, example_inputs=ids, optimizer=torch.optim.AdamW(model.parameters()))
+    assert not trials and "recompute" not in om.plan.chosen_units()
+    # where activations are most of the peak the trial runs (and is kept: the test above)
+    model, x = _lm()
+    memopt.optimize(model, example_inputs=x, optimizer=torch.optim.AdamW(model.parameters()))
+    assert trials
