@@ -45,8 +45,9 @@ from memopt.builder.structure import guarded_paths, plain_convs, trains_anything
 from memopt.builder.structure import structure as model_structure
 from memopt.core.modules import Walked, walk
 from memopt.record.report import render
-from memopt.builder.shape_reuse import (MAX_REFERENCES, DynamicExport, Recaptured, Reference, ShapeStats, changed_dims, describe,
-                           distance, input_shapes, reapplied, replan_key, reuse, shape_free_signature, timed)
+from memopt.builder.shape_reuse import (MAX_REFERENCES, DynamicExport, Recaptured, Reference, ShapeStats, batch_dims,
+                                        changed_dims, describe, distance, input_shapes, reapplied, replan_key, reuse,
+                                        shape_free_signature, timed)
 from memopt.capture.soundness import Soundness, attribute_fingerprint, changed_attributes
 from memopt.record.export import export_directory, export_partial
 
@@ -268,7 +269,7 @@ class OptimizedModule(nn.Module):
         elif cause is not None and exported is not None:
             dims = exported.dynamic | changed_dims(exported.shapes, shapes)
             if dims:
-                capture_fn = DynamicExport(dims)
+                capture_fn = DynamicExport(dims, batch_dims(args, kwargs))
                 log.info("memopt: exporting %s again with %s dynamic", type(self._memopt_model).__name__,
                          describe(dims))
         plan = self._memopt_plan

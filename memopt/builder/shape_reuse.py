@@ -36,6 +36,7 @@ from torch import fx, nn
 from torch.export import Dim, ShapesCollection
 from torch.utils._pytree import keystr, tree_flatten_with_path
 
+from memopt.capture.soundness import SLICE
 from memopt.capture.trace import Captured, capture, export_capture, export_module, flat_inputs, on_model
 from memopt.core.errors import MemoptError, TraceError
 from memopt.core.meta import DECISION_KEY
@@ -93,24 +94,54 @@ class DynamicExport:
     """A capture function for ``pipeline.build``: ``torch.export`` (non-strict, as ``capture``) with ``dims``
     dynamic. ``guards`` is the exported program's shape check of the first (full-size) capture: it raises
     ``AssertionError`` naming the guard that fails for inputs the graph does not serve. Should the dynamic
-    export fail, the ordinary capture runs (whose graph serves its own sizes only: ``guards`` stays None)."""
+    export fail, the ordinary capture runs (whose graph serves its own sizes only: ``guards`` stays None).
 
-    def __init__(self, dims: Dims) -> None:
+    The first capture also makes the batch dimension dynamic (``batch_dims``; without it where that export
+    fails), so that the graph serves the soundness check's slice of the batch: a later call whose inputs the
+    first graph's guards accept gets a copy of that graph, not another export (an export costs more than the
+    check's steps), and other batch sizes can reuse the plan."""
+
+    def __init__(self, dims: Dims, batch: Dims = frozenset()) -> None:
         self.dims = dims
+        self.batch = batch
         self.guards = None
         self.calls = 0
+        self._pristine: Optional[fx.GraphModule] = None
 
     def __call__(self, model: nn.Module, args: tuple, kwargs: dict) -> Captured:
         first, self.calls = self.calls == 0, self.calls + 1
+        if not first and self._serves(args, kwargs):
+            return Captured(copy_graph_module(self._pristine), "export")
         try:
-            gm, guards = self._export(model, args, kwargs)
+            gm, guards = self._first_export(model, args, kwargs) if first else self._export(model, args, kwargs)
         except Exception as e:  # noqa: BLE001 - the ordinary capture reports its own failures
             log.info("memopt: torch.export of %s with %s dynamic failed (%s: %s); capturing these sizes only",
                      type(model).__name__, describe(self.dims), type(e).__name__, str(e)[:200])
             return capture(model, args, kwargs)
         if first:
-            self.guards = guards
+            self.guards, self._pristine = guards, copy_graph_module(gm)  # kept before a build rewrites gm
         return Captured(gm, "export")
+
+    def _first_export(self, model: nn.Module, args: tuple, kwargs: dict):
+        if self.batch - self.dims:
+            dims, self.dims = self.dims, self.dims | self.batch
+            try:
+                return self._export(model, args, kwargs)
+            except Exception as e:  # noqa: BLE001 - tried again with the batch static
+                log.info("memopt: torch.export of %s with the batch dimension dynamic too failed (%s: %s); exporting "
+                         "with %s dynamic", type(model).__name__, type(e).__name__, str(e)[:160], describe(dims))
+                self.dims = dims
+        return self._export(model, args, kwargs)
+
+    def _serves(self, args: tuple, kwargs: dict) -> bool:
+        """Whether the first graph computes what eager does on these inputs (its shape guards pass)."""
+        if self._pristine is None or self.guards is None:
+            return False
+        try:
+            self.guards(*flat_inputs(self._pristine, args, kwargs))
+        except Exception:  # noqa: BLE001 - AssertionError names the failing guard; any failure: not served
+            return False
+        return True
 
     def _export(self, model: nn.Module, args: tuple, kwargs: dict):
         shapes = ShapesCollection()
@@ -124,6 +155,16 @@ class DynamicExport:
             raise TraceError("torch.export made no shape guards for its graph, so no other size can be checked",
                              "no shape guards")
         return on_model(model, ep_module), guards
+
+
+def batch_dims(args: tuple, kwargs: dict) -> Dims:
+    """The batch dimension of every tensor input (dimension 0 of those whose first size is the first tensor
+    input's, as ``soundness.batch_slice`` cuts them), when the batch is larger than the soundness check's slice."""
+    leaves = [(keystr(path), leaf) for path, leaf in tree_flatten_with_path((args, kwargs))[0]
+              if isinstance(leaf, torch.Tensor) and leaf.dim() > 0]
+    if not leaves or leaves[0][1].shape[0] <= SLICE:
+        return frozenset()
+    return frozenset((path, 0) for path, leaf in leaves if leaf.shape[0] == leaves[0][1].shape[0])
 
 
 class Recaptured:

@@ -277,8 +277,9 @@ class Exported(nn.Module):
 def test_an_export_graph_replanned_at_sizes_it_serves_gates_a_slice_it_does_not_serve(one_thread, caplog):
     """At 3 steps the chain normalises 24 elements per channel (under StashConfig.min_per_channel): the plan's
     decision does not apply, so the dynamic export graph, which serves these sizes, is planned again. Its fidelity
-    gate slices the batch, which that graph (dynamic in the sequence only) does not serve: it captures the slice
-    afresh (the gate crashed on a size mismatch before)."""
+    gate slices the batch (it crashed on a size mismatch once); the re-export made the batch dimension dynamic too
+    (DynamicExport), so that graph serves the slice, where one dynamic in the sequence only had the slice captured
+    afresh."""
     torch.manual_seed(0)
     model = Exported().train()
     reference = copy.deepcopy(model)
@@ -291,3 +292,44 @@ def test_an_export_graph_replanned_at_sizes_it_serves_gates_a_slice_it_does_not_
     assert "the rewrite decisions differ: stash batch_norm_coded (8 bits) is not rewritten at these sizes" \
         in caplog.text
     assert om.shape_stats["planned"] == 3 and om.plan.capture == "export"
+
+
+class _Ids(nn.Module):
+    """A token model torch.export captures (an in-place write stops the symbolic trace), GELU for the gate."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.up, self.down = nn.Embedding(100, 16), nn.Linear(16, 32), nn.Linear(32, 16)
+
+    def forward(self, ids):
+        h = self.up(self.embed(ids)).clone()
+        h[:, 0] = 0.0
+        return self.down(nn.functional.gelu(h))
+
+
+def test_a_dynamic_export_serves_the_soundness_slice_and_other_batch_sizes(one_thread, monkeypatch, caplog):
+    """The re-export with the changed dimension dynamic makes the batch dynamic too: the soundness check runs that
+    graph on its slice of the batch (no second export of the slice), and a later batch size reuses the plan."""
+    from memopt.builder import shape_reuse
+    from memopt.capture import trace
+
+    exports = []
+    export = trace.export_module
+    counted = lambda *a, **k: exports.append(tuple(a[1][0].shape)) or export(*a, **k)  # noqa: E731
+    monkeypatch.setattr(trace, "export_module", counted)
+    monkeypatch.setattr(shape_reuse, "export_module", counted)
+    torch.manual_seed(0)
+    model = _Ids().train()
+    reference = copy.deepcopy(model)
+    ids = lambda b, n: torch.randint(0, 100, (b, n))  # noqa: E731
+    om = memopt.optimize(model, example_inputs=ids(8, 16))
+    assert om.plan.capture == "export"
+    first = len(exports)
+    with caplog.at_level("INFO", logger="memopt"):
+        for b, n in ((8, 24), (6, 24), (8, 40)):
+            x = ids(b, n)
+            assert torch.equal(_step(om, x), _step(reference, x))
+            _grads(model), _grads(reference)
+    assert exports[first:] == [(8, 24)], exports  # one export, batch and sequence dynamic; the slice is served
+    assert "exporting _Ids again with [0][0] dim 1 dynamic" in caplog.text
+    assert om.shape_stats["planned"] == 2 and om.shape_stats["reused"] == 2, om.shape_stats
