@@ -8,7 +8,8 @@ that differ only in their sizes (the same ranks, dtypes, devices, ``requires_gra
   cannot branch on a size (sizes are traced values), so the graph repeats eager PyTorch's ops at any size.
   A ``torch.export`` graph is specialised to the sizes it was exported at: the first new size of a
   dimension exports again with the dimensions that changed dynamic (``Dim.AUTO``, as torch.compile's
-  automatic dynamic shapes), and that graph serves later sizes only where export's own shape guards hold.
+  automatic dynamic shapes) and the batch dimension too (so the graph serves the soundness check's slice of the
+  batch), and that graph serves later sizes only where export's own shape guards hold.
 - The plan's decisions must apply. The passes decide on sizes (the stash's ``min_per_channel``, few-bit's
   rule that a tensor too small to matter stays exact, ...), so the new sizes are annotated on fake tensors and
   the plan's decisions (the fidelity gate's repairs included) are applied to the captured graph, as
