@@ -77,6 +77,10 @@ class StorageRecord:
     savers: List[str] = field(default_factory=list)
 
 
+# the parts of a step's peak no rewrite of the activations removes (keys of ``Estimate.breakdown``)
+FLOOR_PARTS = ("parameters_and_buffers", "inputs", "optimizer_state", "all_gradients")
+
+
 @dataclass
 class Estimate:
     """The cost model's answer for one training step. All byte counts are ints."""
@@ -100,7 +104,7 @@ class Estimate:
             return 0
         if b.get("peak_in_optimizer_step"):
             return self.peak_bytes
-        return sum(b[k] for k in ("parameters_and_buffers", "inputs", "optimizer_state", "all_gradients"))
+        return sum(b[k] for k in FLOOR_PARTS)
 
     def saved_by_category(self) -> Dict[str, int]:
         out: Dict[str, int] = {}
@@ -267,8 +271,8 @@ def simulate_step(gm: fx.GraphModule, args: tuple, kwargs: dict, device: torch.d
         loss.backward()
         del loss
         fb_peak, fb_at_peak, in_weight_grad = tracker.peak, tracker.at_peak, tracker.peak_in_weight_grad
-        grads = {tracker.identity(p.grad) for p in params if p.grad is not None}
-        grad_bytes = distinct_bytes([p.grad for p in params if p.grad is not None])
+        made = [p.grad for p in params if p.grad is not None]
+        grads, grad_bytes = {tracker.identity(g) for g in made}, distinct_bytes(made)
         opt = _simulate_optimizer(optimizer, params, tracker)
 
     param_bytes = distinct_bytes(params + buffers)

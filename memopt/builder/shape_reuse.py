@@ -114,7 +114,8 @@ class DynamicExport:
         if not first and self._serves(args, kwargs):
             return Captured(copy_graph_module(self._pristine), "export")
         try:
-            gm, guards = self._first_export(model, args, kwargs) if first else self._export(model, args, kwargs)
+            gm, guards = self._first_export(model, args, kwargs) if first else \
+                self._export(model, args, kwargs, self.dims)
         except Exception as e:  # noqa: BLE001 - the ordinary capture reports its own failures
             log.info("memopt: torch.export of %s with %s dynamic failed (%s: %s); capturing these sizes only",
                      type(model).__name__, describe(self.dims), type(e).__name__, str(e)[:200])
@@ -124,15 +125,16 @@ class DynamicExport:
         return Captured(gm, "export")
 
     def _first_export(self, model: nn.Module, args: tuple, kwargs: dict):
+        """The export with the batch dynamic too, else with ``dims`` only; ``dims`` says which it was."""
         if self.batch - self.dims:
-            dims, self.dims = self.dims, self.dims | self.batch
             try:
-                return self._export(model, args, kwargs)
+                exported = self._export(model, args, kwargs, self.dims | self.batch)
+                self.dims = self.dims | self.batch
+                return exported
             except Exception as e:  # noqa: BLE001 - tried again with the batch static
                 log.info("memopt: torch.export of %s with the batch dimension dynamic too failed (%s: %s); exporting "
-                         "with %s dynamic", type(model).__name__, type(e).__name__, str(e)[:160], describe(dims))
-                self.dims = dims
-        return self._export(model, args, kwargs)
+                         "with %s dynamic", type(model).__name__, type(e).__name__, str(e)[:160], describe(self.dims))
+        return self._export(model, args, kwargs, self.dims)
 
     def _serves(self, args: tuple, kwargs: dict) -> bool:
         """Whether the first graph computes what eager does on these inputs (its shape guards pass)."""
@@ -144,10 +146,10 @@ class DynamicExport:
             return False
         return True
 
-    def _export(self, model: nn.Module, args: tuple, kwargs: dict):
+    def _export(self, model: nn.Module, args: tuple, kwargs: dict, dynamic: Dims):
         shapes = ShapesCollection()
         for path, leaf in tree_flatten_with_path((args, kwargs))[0]:
-            dims = {i: Dim.AUTO for p, i in self.dims if p == keystr(path)}
+            dims = {i: Dim.AUTO for p, i in dynamic if p == keystr(path)}
             if isinstance(leaf, torch.Tensor) and dims:
                 shapes[leaf] = dims
         ep_module = export_module(model, args, kwargs, shapes.dynamic_shapes(model, args, kwargs))

@@ -99,7 +99,8 @@ def _triton_encode(dense: torch.Tensor, name: str, params: Params, bits: int, bo
         return triton_fewbit.encode_mask(dense, bits, kind, _round_to(dtype, float(low)), high), None
     rounded = _rounded(dtype, tuple(borders))
     return triton_fewbit.encode_table(dense, triton_fewbit.constants(rounded, device, fake),
-                                      triton_fewbit.constants(levels, device, fake), bits, nan_top=len(borders) > SCANNED_BORDERS)
+                                      triton_fewbit.constants(levels, device, fake), bits,
+                                      nan_top=len(borders) > SCANNED_BORDERS)
 
 
 def _contiguous_strides(shape) -> list:

@@ -7,6 +7,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from tabulate import tabulate
 
 from memopt.core.units import fmt_bytes
+from memopt.cost_model.analysis import FLOOR_PARTS
 from memopt.record.plan import NodePlan, PartialPlan, Plan, option_label
 
 def _group_key(n: NodePlan) -> Tuple:
@@ -102,7 +103,7 @@ def headline(plan: Plan) -> str:
     """The step's estimated peak first (what decides whether a batch fits), what of it no activation rewrite can
     remove, then the saved bytes (what the rewrites shrink)."""
     e = plan.estimated_breakdown
-    fixed = sum(e.get(p) or 0 for p in ("parameters_and_buffers", "optimizer_state", "inputs", "all_gradients"))
+    fixed = sum(e.get(p) or 0 for p in FLOOR_PARTS)  # a plan saved before all_gradients: 0
     ratio = plan.baseline_peak_bytes / plan.estimated_peak_bytes if plan.estimated_peak_bytes else float("inf")
     return (f"estimated peak of one training step {fmt_bytes(plan.baseline_peak_bytes)} -> "
             f"{fmt_bytes(plan.estimated_peak_bytes)} ({ratio:.2f}x), of which {fmt_bytes(fixed)} parameters, "
