@@ -114,6 +114,16 @@ class Config:
             to run the plan's very graph; inside that range the graph runs unchecked (the passes' size rules are
             thresholds, and the graph was the same program at both ends). "every" checks each new size (costs
             about one fake-tensor pass over the graph per size). Under a budget every new size is checked.
+        dynamic: which sizes a ``torch.export`` capture (the path of models ``torch.fx`` cannot trace, as Hugging
+            Face's) leaves dynamic, as ``torch.compile(dynamic=...)``: None (default) exports at the example's
+            sizes and, at the first new size, exports again with the dimensions that changed dynamic and the
+            batch dimension too (an export with symbolic sizes costs several static ones). True exports from the
+            first build with the batch dimension and the sequence dimension of rank-2 integer inputs (token ids,
+            attention masks) dynamic, so the first new batch size or padded length reuses the plan (a cheap check)
+            instead of exporting again; where that graph fails the capture check (it can keep what the sizes'
+            own graph does not: a causal mask built from the sequence length, which a static graph replaces by
+            ``is_causal=True``), the example's sizes are exported as with None. For training on dynamic-padded
+            batches. False: every new size is captured at its own sizes and planned anew.
     """
 
     reversible: Optional[ReversibleConfig] = ReversibleConfig()
@@ -125,6 +135,7 @@ class Config:
     fidelity: Optional[FidelityConfig] = FidelityConfig()
     prefer: Union[str, float] = "balanced"
     shape_checks: str = "range"
+    dynamic: Optional[bool] = None
 
     def __post_init__(self) -> None:
         for name, cls in _TECHNIQUES.items():
@@ -145,6 +156,9 @@ class Config:
         if self.shape_checks not in SHAPE_CHECKS:
             raise ValueError(f"Config.shape_checks={self.shape_checks!r} is not supported; use one of "
                              f"{list(SHAPE_CHECKS)}")
+        if self.dynamic not in (None, True, False) or not isinstance(self.dynamic, (bool, type(None))):
+            raise ValueError(f"Config.dynamic={self.dynamic!r} is not supported; use None (export at the example's "
+                             f"sizes, dynamic from the first new size), True (dynamic from the start) or False")
         p = self.prefer
         if isinstance(p, bool) or not (p in PREFER if isinstance(p, str) else
                                        isinstance(p, (int, float)) and math.isfinite(p) and p >= 0):

@@ -45,9 +45,9 @@ from memopt.builder.structure import guarded_paths, plain_convs, trains_anything
 from memopt.builder.structure import structure as model_structure
 from memopt.core.modules import Walked, walk
 from memopt.record.report import render
-from memopt.builder.shape_reuse import (MAX_REFERENCES, DynamicExport, Recaptured, Reference, ShapeStats, batch_dims,
-                                        changed_dims, describe, distance, input_shapes, reapplied, replan_key, reuse,
-                                        shape_free_signature, timed)
+from memopt.builder.dynamic_export import DynamicExport, FirstCapture, batch_dims, describe
+from memopt.builder.shape_reuse import (MAX_REFERENCES, Recaptured, Reference, ShapeStats, changed_dims, distance,
+                                        input_shapes, reapplied, replan_key, reuse, shape_free_signature, timed)
 from memopt.capture.soundness import Soundness, attribute_fingerprint, changed_attributes
 from memopt.record.export import export_directory, export_partial
 
@@ -197,10 +197,18 @@ class OptimizedModule(nn.Module):
             log.warning("memopt: the given plan is for inputs %s, not %s; planning these inputs anew",
                         plan.input_signature, list(signature))
             plan = None
-        try:
-            return build(self._request(args, kwargs, plan, signature), capture_fn=capture_fn, checked=checked)
-        except TraceError as error:  # optimize the submodules that can be captured (memopt/builder/per_submodule.py)
-            whole = error
+        while True:
+            try:
+                return build(self._request(args, kwargs, plan, signature), capture_fn=capture_fn, checked=checked)
+            except TraceError as error:  # else the submodules that can be captured (builder/per_submodule.py)
+                whole = error
+            if not (isinstance(capture_fn, FirstCapture) and capture_fn.dynamic()):
+                break
+            # a graph with sizes dynamic can keep what one of these sizes does not (a causal mask built from the
+            # sequence length, which the static graph's fix-ups replace by is_causal=True): these sizes only, then
+            log.info("memopt: %s exported with %s dynamic fails (%s); exporting these sizes only",
+                     type(self._memopt_model).__name__, describe(capture_fn.dims), whole.summary)
+            capture_fn.static()
         # outside the except block: a refusal of the fallback is one message (it quotes the whole capture's), not a
         # traceback chained to the first
         log.warning("memopt: %s cannot be captured whole; capturing its submodules instead (%s)",
@@ -266,16 +274,18 @@ class OptimizedModule(nn.Module):
         exported = next((r for r in references if r.built.method == "export"), None)
         if served is not None:
             capture_fn, checked = Recaptured(served), Soundness(**served.built.plan.soundness)
-        elif cause is not None and exported is not None:
+        elif cause is not None and exported is not None and self._memopt_config.dynamic is not False:
             dims = exported.dynamic | changed_dims(exported.shapes, shapes)
             if dims:
                 capture_fn = DynamicExport(dims, batch_dims(args, kwargs))
                 log.info("memopt: exporting %s again with %s dynamic", type(self._memopt_model).__name__,
                          describe(dims))
+        if capture_fn is capture and self._memopt_config.dynamic:  # an export graph dynamic from the start
+            capture_fn = FirstCapture(args, kwargs)
         plan = self._memopt_plan
         given = plan is not None and list(signature) == plan.input_signature
         built, seconds = None, 0.0
-        if isinstance(capture_fn, DynamicExport) and self._memopt_budget is None and not exported.given_plan:
+        if type(capture_fn) is DynamicExport and self._memopt_budget is None and not exported.given_plan:
             built, seconds = timed(reapplied, exported, self._request(args, kwargs), capture_fn)
         if built is None:
             built, more = timed(self._build_new, signature, args, kwargs, capture_fn, checked)

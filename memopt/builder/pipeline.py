@@ -148,8 +148,10 @@ def build(request: Request, whole: bool = True, capture_fn: Callable[[nn.Module,
     model, args, kwargs, config = request.model, request.args, request.kwargs, request.config
     check_inputs(model, args, kwargs)
     captured = capture_fn(model, args, kwargs)
-    if capture_fn is capture and checked is None:
-        captured, checked = _without_opaque_functions(model, args, kwargs, captured)
+    if checked is None and captured.method == "symbolic_trace":
+        exported, checked = _without_opaque_functions(model, args, kwargs, captured)
+        if exported is not captured:  # its slices are exported as it was
+            captured, capture_fn = exported, capture
     gm = captured.graph_module
     if whole:  # a submodule's graph (per-submodule capture) holds only some of the names
         warn_unknown_names(config, {n.name for n in gm.graph.nodes}, request.name)

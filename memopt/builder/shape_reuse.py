@@ -9,7 +9,8 @@ that differ only in their sizes (the same ranks, dtypes, devices, ``requires_gra
   A ``torch.export`` graph is specialised to the sizes it was exported at: the first new size of a
   dimension exports again with the dimensions that changed dynamic (``Dim.AUTO``, as torch.compile's
   automatic dynamic shapes) and the batch dimension too (so the graph serves the soundness check's slice of the
-  batch), and that graph serves later sizes only where export's own shape guards hold.
+  batch), and that graph serves later sizes only where export's own shape guards hold. ``Config(dynamic=True)``
+  exports dynamic from the first build (``FirstCapture``); ``Config(dynamic=False)`` never does.
 - The plan's decisions must apply. The passes decide on sizes (the stash's ``min_per_channel``, few-bit's
   rule that a tensor too small to matter stays exact, ...), so the new sizes are annotated on fake tensors and
   the plan's decisions (the fidelity gate's repairs included) are applied to the captured graph, as
@@ -30,16 +31,15 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, FrozenSet, List, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 from torch import fx, nn
-from torch.export import Dim, ShapesCollection
 from torch.utils._pytree import keystr, tree_flatten_with_path
 
-from memopt.capture.soundness import SLICE
-from memopt.capture.trace import Captured, capture, export_capture, export_module, flat_inputs, on_model
-from memopt.core.errors import MemoptError, TraceError
+from memopt.builder.dynamic_export import Dims, DynamicExport, describe
+from memopt.capture.trace import Captured, capture, export_capture, flat_inputs
+from memopt.core.errors import MemoptError
 from memopt.core.meta import DECISION_KEY
 from memopt.cost_model.analysis import annotate
 from memopt.passes.base import PassContext
@@ -55,7 +55,6 @@ log = logging.getLogger("memopt")
 MAX_REFERENCES = 4  # plans kept per shape-free signature (a size that changes a decision adds one)
 MAX_CHECKED = 1024  # input signatures remembered per plan as served by its very graph (no check when seen again)
 
-Dims = FrozenSet[Tuple[str, int]]  # (input path, dimension)
 
 
 def shape_free_signature(args: tuple, kwargs: dict) -> Tuple[str, ...]:
@@ -85,89 +84,6 @@ def changed_dims(before: Dict[str, Tuple[int, ...]], after: Dict[str, Tuple[int,
 def distance(before: Dict[str, Tuple[int, ...]], after: Dict[str, Tuple[int, ...]]) -> int:
     """How far apart two inputs' sizes are (the sum of the differences of every dimension)."""
     return sum(abs(a - b) for path, shape in after.items() for a, b in zip(before.get(path, ()), shape))
-
-
-def describe(dims: Dims) -> str:
-    return ", ".join(f"{path} dim {i}" for path, i in sorted(dims))
-
-
-class DynamicExport:
-    """A capture function for ``pipeline.build``: ``torch.export`` (non-strict, as ``capture``) with ``dims``
-    dynamic. ``guards`` is the exported program's shape check of the first (full-size) capture: it raises
-    ``AssertionError`` naming the guard that fails for inputs the graph does not serve. Should the dynamic
-    export fail, the ordinary capture runs (whose graph serves its own sizes only: ``guards`` stays None).
-
-    The first capture also makes the batch dimension dynamic (``batch_dims``; without it where that export
-    fails), so that the graph serves the soundness check's slice of the batch: a later call whose inputs the
-    first graph's guards accept gets a copy of that graph, not another export (an export costs more than the
-    check's steps), and other batch sizes can reuse the plan."""
-
-    def __init__(self, dims: Dims, batch: Dims = frozenset()) -> None:
-        self.dims = dims
-        self.batch = batch
-        self.guards = None
-        self.calls = 0
-        self._pristine: Optional[fx.GraphModule] = None
-
-    def __call__(self, model: nn.Module, args: tuple, kwargs: dict) -> Captured:
-        first, self.calls = self.calls == 0, self.calls + 1
-        if not first and self._serves(args, kwargs):
-            return Captured(copy_graph_module(self._pristine), "export")
-        try:
-            gm, guards = self._first_export(model, args, kwargs) if first else \
-                self._export(model, args, kwargs, self.dims)
-        except Exception as e:  # noqa: BLE001 - the ordinary capture reports its own failures
-            log.info("memopt: torch.export of %s with %s dynamic failed (%s: %s); capturing these sizes only",
-                     type(model).__name__, describe(self.dims), type(e).__name__, str(e)[:200])
-            return capture(model, args, kwargs)
-        if first:
-            self.guards, self._pristine = guards, copy_graph_module(gm)  # kept before a build rewrites gm
-        return Captured(gm, "export")
-
-    def _first_export(self, model: nn.Module, args: tuple, kwargs: dict):
-        """The export with the batch dynamic too, else with ``dims`` only; ``dims`` says which it was."""
-        if self.batch - self.dims:
-            try:
-                exported = self._export(model, args, kwargs, self.dims | self.batch)
-                self.dims = self.dims | self.batch
-                return exported
-            except Exception as e:  # noqa: BLE001 - tried again with the batch static
-                log.info("memopt: torch.export of %s with the batch dimension dynamic too failed (%s: %s); exporting "
-                         "with %s dynamic", type(model).__name__, type(e).__name__, str(e)[:160], describe(self.dims))
-        return self._export(model, args, kwargs, self.dims)
-
-    def _serves(self, args: tuple, kwargs: dict) -> bool:
-        """Whether the first graph computes what eager does on these inputs (its shape guards pass)."""
-        if self._pristine is None or self.guards is None:
-            return False
-        try:
-            self.guards(*flat_inputs(self._pristine, args, kwargs))
-        except Exception:  # noqa: BLE001 - AssertionError names the failing guard; any failure: not served
-            return False
-        return True
-
-    def _export(self, model: nn.Module, args: tuple, kwargs: dict, dynamic: Dims):
-        shapes = ShapesCollection()
-        for path, leaf in tree_flatten_with_path((args, kwargs))[0]:
-            dims = {i: Dim.AUTO for p, i in dynamic if p == keystr(path)}
-            if isinstance(leaf, torch.Tensor) and dims:
-                shapes[leaf] = dims
-        ep_module = export_module(model, args, kwargs, shapes.dynamic_shapes(model, args, kwargs))
-        guards = getattr(ep_module, "_guards_fn", None)
-        if guards is None:
-            raise TraceError("torch.export made no shape guards for its graph, so no other size can be checked",
-                             "no shape guards")
-        return on_model(model, ep_module), guards
-
-
-def batch_dims(args: tuple, kwargs: dict) -> Dims:
-    """The batch dimension of every tensor input (dimension 0 of those whose first size is the first tensor
-    input's, as ``soundness.batch_slice`` cuts them), when the batch is larger than the soundness check's slice."""
-    leaves = [(keystr(path), leaf) for path, leaf in tree_flatten_with_path((args, kwargs))[0]
-              if isinstance(leaf, torch.Tensor) and leaf.dim() > 0]
-    if not leaves or leaves[0][1].shape[0] <= SLICE:
-        return frozenset()
-    return frozenset((path, 0) for path, leaf in leaves if leaf.shape[0] == leaves[0][1].shape[0])
 
 
 class Recaptured:

@@ -13,7 +13,7 @@ import logging
 import os
 import traceback
 from dataclasses import dataclass
-from typing import Any, Dict, List
+from typing import Any, Callable, Dict, List
 
 import torch
 from torch import fx, nn
@@ -363,10 +363,15 @@ def on_model(model: nn.Module, ep_module: fx.GraphModule) -> fx.GraphModule:
 def export_capture(model: nn.Module, args: tuple, kwargs: dict) -> Captured:
     """Capture ``model`` with ``torch.export`` (``export_module``), with what a trace builds that eager does not
     replaced by what eager runs."""
-    gm = on_model(model, export_module(model, args, kwargs))
+    return Captured(export_fixups(on_model(model, export_module(model, args, kwargs)), model), "export")
+
+
+def export_fixups(gm: fx.GraphModule, model: nn.Module) -> fx.GraphModule:
+    """``gm`` (an export graph of ``model``) with what a trace builds that eager does not replaced by what eager
+    runs: attention masks that mask nothing, constants the trace builds again per call."""
     drop_constant_masks(gm)
     share_repeated_constants(gm, model)  # what eager caches, the trace built per call
-    return Captured(gm, "export")
+    return gm
 
 
 _OWN_MODULES = ("torch", "memopt", "_operator", "operator", "math", "builtins")
@@ -382,8 +387,11 @@ def opaque_functions(gm: fx.GraphModule) -> List[str]:
 
 
 @counters.counted("traces")
-def capture(model: nn.Module, args: tuple, kwargs: dict) -> Captured:
-    """Capture ``model`` on the example inputs; raise ``TraceError`` when neither path works."""
+def capture(model: nn.Module, args: tuple, kwargs: dict,
+            export: Callable[[nn.Module, tuple, dict], Captured] = None) -> Captured:
+    """Capture ``model`` on the example inputs; raise ``TraceError`` when neither path works. ``export``: the
+    torch.export path (``export_capture`` unless given: a family's first build exports with some dimensions
+    dynamic, ``memopt.builder.dynamic_export.FirstCapture``)."""
     try:
         # symbolic tracing runs the forward's Python: what it does to real tensors (a buffer counter, an EMA
         # that no traced value flows into) happens for real, and is undone here
@@ -399,7 +407,7 @@ def capture(model: nn.Module, args: tuple, kwargs: dict) -> Captured:
         fx_where = user_frame(fx_error)
     log.info("memopt: symbolic_trace failed for %s (%s); trying torch.export", type(model).__name__, fx_msg)
     try:
-        return export_capture(model, args, kwargs)
+        return (export or export_capture)(model, args, kwargs)
     except Exception as export_error:  # noqa: BLE001
         export_msg = f"{type(export_error).__name__}: {export_error}"
         export_where = user_frame(export_error)

@@ -307,17 +307,23 @@ class _Ids(nn.Module):
         return self.down(nn.functional.gelu(h))
 
 
-def test_a_dynamic_export_serves_the_soundness_slice_and_other_batch_sizes(one_thread, monkeypatch, caplog):
-    """The re-export with the changed dimension dynamic makes the batch dynamic too: the soundness check runs that
-    graph on its slice of the batch (no second export of the slice), and a later batch size reuses the plan."""
-    from memopt.builder import shape_reuse
+def _counted_exports(monkeypatch) -> list:
+    """The input shape of every torch.export memopt makes (its first input's)."""
+    from memopt.builder import dynamic_export
     from memopt.capture import trace
 
     exports = []
     export = trace.export_module
     counted = lambda *a, **k: exports.append(tuple(a[1][0].shape)) or export(*a, **k)  # noqa: E731
     monkeypatch.setattr(trace, "export_module", counted)
-    monkeypatch.setattr(shape_reuse, "export_module", counted)
+    monkeypatch.setattr(dynamic_export, "export_module", counted)
+    return exports
+
+
+def test_a_dynamic_export_serves_the_soundness_slice_and_other_batch_sizes(one_thread, monkeypatch, caplog):
+    """The re-export with the changed dimension dynamic makes the batch dynamic too: the soundness check runs that
+    graph on its slice of the batch (no second export of the slice), and a later batch size reuses the plan."""
+    exports = _counted_exports(monkeypatch)
     torch.manual_seed(0)
     model = _Ids().train()
     reference = copy.deepcopy(model)
@@ -333,3 +339,77 @@ def test_a_dynamic_export_serves_the_soundness_slice_and_other_batch_sizes(one_t
     assert exports[first:] == [(8, 24)], exports  # one export, batch and sequence dynamic; the slice is served
     assert "exporting _Ids again with [0][0] dim 1 dynamic" in caplog.text
     assert om.shape_stats["planned"] == 2 and om.shape_stats["reused"] == 2, om.shape_stats
+
+
+@pytest.mark.parametrize("dynamic", [True, False])
+def test_config_dynamic_exports_dynamic_from_the_start_or_never(one_thread, monkeypatch, caplog, dynamic):
+    """Config(dynamic=True): one export at optimize(), batch and sequence dynamic; it serves the soundness check's
+    and the gate's slice and every later batch size and length (reused, no export, no re-plan). False: every new
+    size is exported at its own sizes (the slice's too) and planned anew. Forwards bit-identical to eager."""
+    exports = _counted_exports(monkeypatch)
+    torch.manual_seed(0)
+    model = _Ids().train()
+    reference = copy.deepcopy(model)
+    ids = lambda b, n: torch.randint(0, 100, (b, n))  # noqa: E731
+    om = memopt.optimize(model, example_inputs=ids(8, 16), config=memopt.Config(dynamic=dynamic))
+    assert om.plan.capture == "export" and om.plan.chosen_units()["fewbit"]
+    assert exports == ([(8, 16)] if dynamic else [(8, 16), (4, 16)]), exports
+    with caplog.at_level("INFO", logger="memopt"):
+        for b, n in ((8, 24), (6, 24), (8, 40)):
+            x = ids(b, n)
+            assert torch.equal(_step(om, x), _step(reference, x))
+            _grads(model), _grads(reference)
+    stats = om.shape_stats
+    if dynamic:
+        assert exports == [(8, 16)] and (stats["planned"], stats["reused"]) == (1, 3), (exports, stats)
+        assert "dynamic" not in "".join(stats["replans"])
+    else:
+        assert "dynamic" not in caplog.text and (stats["planned"], stats["reused"]) == (4, 0), stats
+        assert exports[2:] == [(8, 24), (4, 24), (6, 24), (4, 24), (8, 40), (4, 40)], exports
+
+
+class _CausalWhenExported(nn.Module):
+    """Attention whose eager forward passes ``is_causal=True`` and whose exported graph builds the causal mask from
+    the sequence length (as Hugging Face's decoders do under torch.export): at the example's sizes the capture's
+    fix-ups replace the constant mask, with the length dynamic the graph keeps it, where eager keeps none."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.qkv, self.out = nn.Embedding(100, 16), nn.Linear(16, 48), nn.Linear(16, 16)
+
+    def forward(self, ids):
+        h = self.embed(ids).clone()
+        h[:, 0] = 0.0  # stops the symbolic trace
+        q, k, v = self.qkv(h).chunk(3, dim=-1)
+        if torch.compiler.is_exporting():
+            n = ids.shape[1]
+            mask = torch.arange(n)[:, None] >= torch.arange(n)[None, :]
+            a = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        else:
+            a = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(nn.functional.gelu(a))
+
+
+def test_config_dynamic_falls_back_to_the_examples_sizes_where_the_dynamic_graph_fails_its_check(one_thread, caplog):
+    torch.manual_seed(0)
+    model = _CausalWhenExported().train()
+    reference = copy.deepcopy(model)
+    x = torch.randint(0, 100, (8, 16))
+    with caplog.at_level("INFO", logger="memopt"):
+        om = memopt.optimize(model, example_inputs=x, config=memopt.Config(dynamic=True))
+    assert "_CausalWhenExported exported with [0][0] dim 0, [0][0] dim 1 dynamic fails (capture check" \
+        in caplog.text, caplog.text
+    assert om.plan.capture == "export"  # whole, at the example's sizes: not per submodule
+    default = memopt.optimize(copy.deepcopy(reference), example_inputs=x)
+    assert om.plan.chosen_units() == default.plan.chosen_units()
+    assert om.plan.estimated_saved_bytes == default.plan.estimated_saved_bytes
+    assert torch.equal(_step(om, x), _step(reference, x))
+
+
+@pytest.mark.parametrize("bad", ["yes", 1, 0])
+def test_config_dynamic_takes_none_true_or_false(bad):
+    with pytest.raises(ValueError) as info:
+        memopt.Config(dynamic=bad)
+    assert str(info.value) == (f"Config.dynamic={bad!r} is not supported; use None (export at the example's sizes, "
+                               f"dynamic from the first new size), True (dynamic from the start) or False")
+    assert memopt.Config.from_dict(memopt.Config(dynamic=True).to_dict()).dynamic is True

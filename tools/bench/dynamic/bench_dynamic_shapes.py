@@ -73,6 +73,9 @@ def main(argv=None) -> None:
     parser.add_argument("--config", choices=("default", "exact"), default="default")
     parser.add_argument("--shape-checks", choices=("range", "every"), default="range",
                         help="Config.shape_checks: check only sizes outside those checked, or every new size")
+    parser.add_argument("--dynamic", choices=("none", "true", "false"), default="none",
+                        help="Config.dynamic: export at the example's sizes first (none), dynamic from the start "
+                             "(true), or never dynamic (false)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=str(OUT))
@@ -82,8 +85,9 @@ def main(argv=None) -> None:
                                                                        and sys.argv[1:] else "")
     sizes = lengths(args.steps, args.batch, args.seed, args.median, args.sigma, args.multiple)
     stock, mine = make_model(args.seed), make_model(args.seed)
-    config = memopt.Config(shape_checks=args.shape_checks) if args.config == "default" else \
-        memopt.Config.exact(shape_checks=args.shape_checks)
+    dynamic = {"none": None, "true": True, "false": False}[args.dynamic]
+    config = memopt.Config(shape_checks=args.shape_checks, dynamic=dynamic) if args.config == "default" else \
+        memopt.Config.exact(shape_checks=args.shape_checks, dynamic=dynamic)
     first = batch_for(0, sizes[0], args.batch, args.seed, 1000)
     start = time.perf_counter()
     om = memopt.optimize(mine, example_inputs=first, config=config, optimizer="adamw")
@@ -119,8 +123,8 @@ def main(argv=None) -> None:
         command, "",
         f"# Dynamic shapes: {args.steps} training steps of a tiny BERT on dynamic-padded batches", "",
         f"torch {torch.__version__}, CPU, {torch.get_num_threads()} thread(s); memopt.Config"
-        f"{'' if args.config == 'default' else '.exact'}(shape_checks={args.shape_checks!r}), AdamW, batch "
-        f"{args.batch}.", "",
+        f"{'' if args.config == 'default' else '.exact'}(shape_checks={args.shape_checks!r}, dynamic={dynamic!r}), "
+        f"AdamW, batch {args.batch}.", "",
         __doc__.split("\n\n", 2)[2].strip(), "",
         f"Padded lengths: {distinct} distinct values in {min(sizes)}-{max(sizes)} (median "
         f"{int(statistics.median(sizes))}).", "",
