@@ -44,15 +44,29 @@ class DynamicExport:
     first graph's guards accept gets a copy of that graph, not another export (an export costs more than the
     check's steps), and other batch sizes can reuse the plan."""
 
-    def __init__(self, dims: Dims, batch: Dims = frozenset()) -> None:
+    def __init__(self, dims: Dims, batch: Dims = frozenset(), static: bool = False) -> None:
         self.dims = dims
         self.batch = batch
         self.guards = None
         self.calls = 0
         self._pristine: Optional[fx.GraphModule] = None
+        self.speculate = not static  # False: every call exports its own sizes (``static``)
+
+    def dynamic(self) -> bool:
+        """Whether the graph it captured has some sizes dynamic."""
+        return self.speculate and self.guards is not None and bool(self.dims)
+
+    def static(self) -> None:
+        """Capture again from the start, each call's own sizes (a build of the dynamic graph failed: a graph with
+        sizes dynamic can keep what the sizes' own graph does not, as a causal mask built from the sequence
+        length, which the static graph's fix-ups replace by ``is_causal=True``)."""
+        self.speculate, self.calls, self.guards, self._pristine, self.dims, self.batch = \
+            False, 0, None, None, frozenset(), frozenset()
 
     def __call__(self, model: nn.Module, args: tuple, kwargs: dict) -> Captured:
         first, self.calls = self.calls == 0, self.calls + 1
+        if not self.speculate:
+            return export_capture(model, args, kwargs)
         if not first and self._serves(args, kwargs):
             return Captured(copy_graph_module(self._pristine), "export")
         try:
@@ -123,8 +137,8 @@ def token_dims(args: tuple, kwargs: dict) -> Dims:
 
 class FirstCapture(DynamicExport):
     """The capture of a family's first build under ``Config(dynamic=True)``: ``capture``'s symbolic trace first;
-    where that fails, torch.export
-    with the batch dimension (``batch_dims``) and the sequence dimension of token inputs (``token_dims``) dynamic,
+    where that fails, torch.export with the batch dimension (``batch_dims``) and the sequence dimension of token
+    inputs (``token_dims``) dynamic,
     so that the one graph serves the soundness check's and the fidelity gate's slice of the batch, an epoch's
     smaller last batch and the next padded length, which a static export would each capture, check and apply the
     plan to again. Where that export fails, it is made with the token dimensions only, then static
@@ -134,16 +148,6 @@ class FirstCapture(DynamicExport):
     def __init__(self, args: tuple, kwargs: dict) -> None:
         super().__init__(token_dims(args, kwargs), batch_dims(args, kwargs))
         self.method: Optional[str] = None
-        self.speculate = True
-
-    def dynamic(self) -> bool:
-        """Whether the graph it captured has some sizes dynamic."""
-        return self.method == "export" and self.guards is not None and bool(self.dims)
-
-    def static(self) -> None:
-        """Capture again from the start, the export at the inputs' own sizes (a build of the dynamic graph failed)."""
-        self.speculate, self.calls, self.guards, self._pristine, self.dims, self.batch = \
-            False, 0, None, None, frozenset(), frozenset()
 
     def __call__(self, model: nn.Module, args: tuple, kwargs: dict) -> Captured:
         first, self.calls = self.calls == 0, self.calls + 1

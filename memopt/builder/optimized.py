@@ -202,10 +202,8 @@ class OptimizedModule(nn.Module):
                 return build(self._request(args, kwargs, plan, signature), capture_fn=capture_fn, checked=checked)
             except TraceError as error:  # else the submodules that can be captured (builder/per_submodule.py)
                 whole = error
-            if not (isinstance(capture_fn, FirstCapture) and capture_fn.dynamic()):
+            if not (isinstance(capture_fn, DynamicExport) and capture_fn.dynamic()):
                 break
-            # a graph with sizes dynamic can keep what one of these sizes does not (a causal mask built from the
-            # sequence length, which the static graph's fix-ups replace by is_causal=True): these sizes only, then
             log.info("memopt: %s exported with %s dynamic fails (%s); exporting these sizes only",
                      type(self._memopt_model).__name__, describe(capture_fn.dims), whole.summary)
             capture_fn.static()
@@ -276,7 +274,9 @@ class OptimizedModule(nn.Module):
             capture_fn, checked = Recaptured(served), Soundness(**served.built.plan.soundness)
         elif cause is not None and exported is not None and self._memopt_config.dynamic is not False:
             dims = exported.dynamic | changed_dims(exported.shapes, shapes)
-            if dims:
+            if getattr(exported, "static", False):  # its family's dynamic graph failed: these sizes, the plan applied
+                capture_fn = DynamicExport(frozenset(), static=True)
+            elif dims:
                 capture_fn = DynamicExport(dims, batch_dims(args, kwargs))
                 log.info("memopt: exporting %s again with %s dynamic", type(self._memopt_model).__name__,
                          describe(dims))
@@ -298,7 +298,8 @@ class OptimizedModule(nn.Module):
             guards = capture_fn.guards if isinstance(capture_fn, (DynamicExport, Recaptured)) and \
                 built.method == "export" else None
             references.insert(0, Reference(built, shapes, list(signature), capture_fn.dims if guards else frozenset(),
-                                           guards, attribute_fingerprint(self._memopt_model), given))
+                                           guards, attribute_fingerprint(self._memopt_model), given,
+                                           static=isinstance(capture_fn, DynamicExport) and not capture_fn.speculate))
             del references[MAX_REFERENCES:]
             self._memopt_families[family] = references
             self._memopt_families.move_to_end(family)

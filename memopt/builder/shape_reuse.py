@@ -39,7 +39,7 @@ from torch.utils._pytree import keystr, tree_flatten_with_path
 
 from memopt.builder.dynamic_export import Dims, DynamicExport, describe
 from memopt.capture.trace import Captured, capture, export_capture, flat_inputs
-from memopt.core.errors import MemoptError
+from memopt.core.errors import MemoptError, TraceError
 from memopt.core.meta import DECISION_KEY
 from memopt.cost_model.analysis import annotate
 from memopt.passes.base import PassContext
@@ -113,6 +113,7 @@ class Reference:
     guards: Any = None  # export's shape check (None: the graph serves its own sizes only, or fx)
     fingerprint: tuple = ()  # soundness.attribute_fingerprint of the model at capture
     given_plan: bool = False  # built from the Plan passed to optimize(plan=...)
+    static: bool = False  # its family's graph with sizes dynamic failed its build: later sizes exported static
     # input signatures checked to run this very graph (no budget): {signature: pass records}
     checked: Dict[tuple, list] = field(default_factory=dict)
     # per dimension that changed: the least and greatest size checked to run this very graph (its own included)
@@ -286,21 +287,35 @@ def reapplied(reference: Reference, request: Request, capture_fn: "DynamicExport
     """``reference``'s plan applied to the graph ``capture_fn`` exports again with the changed dimensions dynamic
     (``request``: the model, the new inputs, the config and the optimizer; no budget):
     the capture and its soundness check run, the planner and the fidelity gate do not (the graph computes what the
-    reference's did, whose decisions the gate checked). None, after a log line, when the export falls back to these
-    sizes only or a decision does not apply to the new graph: the caller then plans anew."""
-    try:
-        built = build(dataclasses.replace(request, budget_bytes=None, plan=reference.built.plan, loss_fn=None),
-                      capture_fn=capture_fn)
-    except MemoptError as e:
-        log.info("memopt: the plan made for %s does not apply to %s exported with %s dynamic (%s); planning anew",
-                 reference.signature, request.name, describe(capture_fn.dims), str(e)[:200])
-        return None
-    if capture_fn.guards is None or decision_set(built.graph_module) != decision_set(reference.built.graph_module):
+    reference's did, whose decisions the gate checked). Where the graph with sizes dynamic fails its build, and
+    where its family's did before (``Reference.static``), these sizes are exported static and the plan is applied
+    to that graph the same way (``DynamicExport.static``). None, after a log line, when the export falls back to
+    ``capture`` or a decision does not apply to the new graph: the caller then plans anew."""
+    request = dataclasses.replace(request, budget_bytes=None, plan=reference.built.plan, loss_fn=None)
+    while True:
+        try:
+            built = build(request, capture_fn=capture_fn)
+            break
+        except MemoptError as e:
+            if isinstance(e, TraceError) and capture_fn.dynamic():
+                log.info("memopt: %s exported with %s dynamic fails (%s); exporting these sizes only", request.name,
+                         describe(capture_fn.dims), e.summary)
+                capture_fn.static()
+                continue
+            log.info("memopt: the plan made for %s does not apply to %s exported %s (%s); planning anew",
+                     reference.signature, request.name, _how(capture_fn), str(e)[:200])
+            return None
+    if (capture_fn.speculate and capture_fn.guards is None) or \
+            decision_set(built.graph_module) != decision_set(reference.built.graph_module):
         return None
     built.plan.fidelity = reference.built.plan.fidelity
-    log.info("memopt: %s exported again with %s dynamic; the plan made for %s applied to it (no planner, no gate)",
-             request.name, describe(capture_fn.dims), reference.signature)
+    log.info("memopt: %s exported again %s; the plan made for %s applied to it (no planner, no gate)",
+             request.name, _how(capture_fn), reference.signature)
     return built
+
+
+def _how(capture_fn: "DynamicExport") -> str:
+    return f"with {describe(capture_fn.dims)} dynamic" if capture_fn.speculate else "at these sizes"
 
 
 def same_program(a: fx.GraphModule, b: fx.GraphModule) -> bool:

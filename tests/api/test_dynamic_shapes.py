@@ -375,7 +375,8 @@ class _CausalWhenExported(nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.embed, self.qkv, self.out = nn.Embedding(100, 16), nn.Linear(16, 48), nn.Linear(16, 16)
+        self.embed, self.qkv = nn.Embedding(100, 16), nn.Linear(16, 48)
+        self.up, self.down = nn.Linear(16, 32), nn.Linear(32, 16)
 
     def forward(self, ids):
         h = self.embed(ids).clone()
@@ -387,7 +388,7 @@ class _CausalWhenExported(nn.Module):
             a = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         else:
             a = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.out(nn.functional.gelu(a))
+        return self.down(nn.functional.gelu(self.up(a)))
 
 
 def test_config_dynamic_falls_back_to_the_examples_sizes_where_the_dynamic_graph_fails_its_check(one_thread, caplog):
@@ -413,3 +414,31 @@ def test_config_dynamic_takes_none_true_or_false(bad):
     assert str(info.value) == (f"Config.dynamic={bad!r} is not supported; use None (export at the example's sizes, "
                                f"dynamic from the first new size), True (dynamic from the start) or False")
     assert memopt.Config.from_dict(memopt.Config(dynamic=True).to_dict()).dynamic is True
+
+
+def test_where_the_dynamic_export_fails_its_check_each_new_size_is_exported_static_with_the_plan(
+        one_thread, gates, monkeypatch, caplog):
+    """A decoder whose graph with the length dynamic keeps a causal mask eager does not (the Llama family's under
+    torch.export): at a new length the dynamic re-export fails its capture check, so these sizes are exported
+    static and the first plan applied to them (no planner, no gate), and later lengths go there directly, not
+    through another failing dynamic export; the model stays captured whole (it fell to per-submodule capture,
+    and to a full plan, at every new length)."""
+    exports = _counted_exports(monkeypatch)
+    torch.manual_seed(0)
+    model = _CausalWhenExported().train()
+    reference = copy.deepcopy(model)
+    om = memopt.optimize(model, example_inputs=torch.randint(0, 100, (8, 16)))
+    first = om.plan.chosen_units()
+    assert om.plan.capture == "export" and first.get("fewbit") and exports == [(8, 16), (4, 16)], first
+    with caplog.at_level("INFO", logger="memopt"):
+        for n in (24, 40, 24):
+            x = torch.randint(0, 100, (8, n))
+            assert torch.equal(_step(om, x), _step(reference, x))
+            _grads(model), _grads(reference)
+            assert om.plan.capture == "export" and om.plan.chosen_units() == first
+    assert caplog.text.count("_CausalWhenExported exported with [0][0] dim 0, [0][0] dim 1 dynamic fails (capture "
+                             "check") == 1, caplog.text
+    assert caplog.text.count("_CausalWhenExported exported again at these sizes; the plan made for") == 2
+    assert "capturing its submodules" not in caplog.text
+    assert exports[2:] == [(8, 24), (8, 24), (4, 24), (8, 40), (4, 40)], exports
+    assert om.shape_stats["planned"] == 3 and len(gates) == 1
