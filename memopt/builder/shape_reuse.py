@@ -9,7 +9,9 @@ that differ only in their sizes (the same ranks, dtypes, devices, ``requires_gra
   A ``torch.export`` graph is specialised to the sizes it was exported at: the first new size of a
   dimension exports again with the dimensions that changed dynamic (``Dim.AUTO``, as torch.compile's
   automatic dynamic shapes) and the batch dimension too (so the graph serves the soundness check's slice of the
-  batch), and that graph serves later sizes only where export's own shape guards hold. ``Config(dynamic=True)``
+  batch), and that graph serves later sizes only where export's own shape guards hold. Where that graph fails
+  its capture check (the Llama family's keeps the causal mask it builds from the length), the new sizes are
+  exported static and the plan applied to them, as are the family's later sizes. ``Config(dynamic=True)``
   exports dynamic from the first build (``FirstCapture``); ``Config(dynamic=False)`` never does.
 - The plan's decisions must apply. The passes decide on sizes (the stash's ``min_per_channel``, few-bit's
   rule that a tensor too small to matter stays exact, ...), so the new sizes are annotated on fake tensors and
