@@ -39,7 +39,8 @@ from memopt.core.errors import MemoptError, TraceError
 from memopt.builder.pipeline import Built, build, input_signature
 from memopt.builder.request import Request
 from memopt.record.plan import Plan
-from memopt.core.state import module_flags, preserved_buffers, restore_flags, share_module_state, train_as_user
+from memopt.core.state import module_flags, preserved_buffers, preserved_rng, restore_flags, share_module_state, \
+    train_as_user
 from memopt.builder.per_submodule import build_partial
 from memopt.builder.structure import guarded_paths, plain_convs, trains_anything
 from memopt.builder.structure import structure as model_structure
@@ -136,7 +137,7 @@ class OptimizedModule(nn.Module):
             family = (shape_free_signature(args, kwargs), structure)
             # planning reads module attributes: a parametrised weight (spectral norm) read in training mode runs
             # its power iteration, which moves its buffers; the user's buffers stay as eager leaves them
-            with preserved_buffers(self._memopt_model):
+            with preserved_buffers(self._memopt_model), preserved_rng():  # the forward draws what eager's would
                 built = self._plan_or_reuse(family, signature, args, kwargs, guards_failed)
             self._memopt_built[key] = built
             self._memopt_guards[key] = attribute_fingerprint(self._memopt_model, guarded_paths(built))

@@ -10,6 +10,29 @@ import torch
 from torch import nn
 
 
+class preserved_rng:
+    """Context manager: the generators model code draws from as they were: torch's (CPU and CUDA), Python's
+    ``random`` and numpy's global one (Hugging Face Wav2Vec2 / HuBERT pick SpecAugment's masked spans with numpy in
+    training mode). Planning runs the user's forward for real (the capture check, the fidelity gate): a forward
+    that plans must draw what eager's would."""
+
+    def __enter__(self) -> "preserved_rng":
+        self.rng = torch.get_rng_state()
+        self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+        self.python_rng = random.getstate()
+        numpy = sys.modules.get("numpy")  # only when the process uses numpy already
+        self.numpy_rng = (numpy, numpy.random.get_state()) if numpy is not None else None
+        return self
+
+    def __exit__(self, *exc) -> None:
+        torch.set_rng_state(self.rng)
+        if self.cuda_rng is not None:
+            torch.cuda.set_rng_state_all(self.cuda_rng)
+        random.setstate(self.python_rng)
+        if self.numpy_rng is not None:
+            self.numpy_rng[0].random.set_state(self.numpy_rng[1])
+
+
 class preserved_state:
     """Context manager: snapshot of parameters, buffers, grads, RNG state and train/eval mode. The RNGs are torch's
     (CPU and CUDA) and also Python's ``random`` and numpy's global one, which model code draws from too (Hugging Face
@@ -25,11 +48,7 @@ class preserved_state:
         self.values = [(t, t.detach().clone()) for t in list(self.model.parameters()) + list(self.model.buffers())
                        ] if self.tensors else []
         self.grads = [(p, p.grad) for p in self.model.parameters()]
-        self.rng = torch.get_rng_state()
-        self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-        self.python_rng = random.getstate()
-        numpy = sys.modules.get("numpy")  # only when the process uses numpy already
-        self.numpy_rng = (numpy, numpy.random.get_state()) if numpy is not None else None
+        self.generators = preserved_rng().__enter__()
         self.flags = module_flags(self.model)
         return self
 
@@ -43,12 +62,7 @@ class preserved_state:
                 t.copy_(v)
         for p, g in self.grads:
             p.grad = g
-        torch.set_rng_state(self.rng)
-        if self.cuda_rng is not None:
-            torch.cuda.set_rng_state_all(self.cuda_rng)
-        random.setstate(self.python_rng)
-        if self.numpy_rng is not None:
-            self.numpy_rng[0].random.set_state(self.numpy_rng[1])
+        self.generators.__exit__(*exc)
         restore_flags(self.flags)
 
 

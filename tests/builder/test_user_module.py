@@ -4,8 +4,10 @@ spectral norm (both APIs). Each construct runs 3 SGD steps beside an eager twin,
 bit: outputs, buffers, flags, gradients) and the default Config (outputs, buffers and flags bit for bit; the
 rewrites only change gradients, checked by cosine)."""
 import copy
+import random
 import warnings
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -167,3 +169,36 @@ def test_a_model_checkpointed_everywhere_is_refused_in_one_message():
         memopt.optimize(Checkpointed(), example_inputs=torch.randn(4, 8))
     assert info.value.__context__ is None and info.value.__cause__ is None, "a chained traceback"
     assert "checkpoint" in str(info.value) and "blocks.0" in str(info.value)
+
+
+class _DrawsFromNumpy(nn.Module):
+    """Draws from NumPy's and Python's global generators in training mode (as Hugging Face Wav2Vec2's SpecAugment
+    picks its masked spans with NumPy), a draw its output does not depend on."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
+
+    def forward(self, x):
+        if self.training:
+            np.random.rand()
+            random.random()
+        if bool(x.abs().sum() >= 0):  # a branch on a value: captured per submodule, this forward runs eagerly
+            x = x + 1
+        return self.inner(x)
+
+
+def test_planning_leaves_numpy_and_python_generators_where_they_were():
+    """optimize() runs the model's forward for real (the capture check, the gate, a step measured per submodule): the
+    user's NumPy and Python streams stay where they were, so a forward that plans draws what eager's would."""
+    torch.manual_seed(0)
+    model = _DrawsFromNumpy().train()
+    np.random.seed(5)
+    random.seed(5)
+    om = memopt.optimize(model, example_inputs=torch.randn(8, 8))
+    assert om.plan.capture == "per-submodule" and om.plan.chosen_units()  # it planned, gate included
+    numpy_state, python_state = np.random.get_state(), random.getstate()
+    np.random.seed(5)
+    random.seed(5)
+    assert all(np.array_equal(a, b) for a, b in zip(numpy_state, np.random.get_state()))
+    assert python_state == random.getstate()
