@@ -75,3 +75,23 @@ def test_a_budget_recomputes_transformer_layers_exactly():
     reference(**x)[key].pow(2).mean().backward()
     for p, q in zip(model.parameters(), reference.parameters()):
         assert (p.grad is None and q.grad is None) or torch.equal(p.grad, q.grad)
+
+
+@pytest.mark.slow
+def test_llama_keeps_its_whole_graph_plan_at_every_length():
+    """The Llama decoder's re-export with the length dynamic keeps the causal mask it builds from the length, and
+    fails its capture check: each new length is exported static with the first plan applied (it went per
+    submodule, saving nothing, before), its forward bit-identical to eager's and its estimate measured."""
+    model, _, key = _build("llama")
+    reference = copy.deepcopy(model)
+    om = memopt.optimize(model, example_inputs={"input_ids": torch.randint(0, 1000, (2, 16))})
+    first = om.plan.chosen_units()
+    assert om.plan.capture == "export" and any(first.values())
+    for n in (24, 40):
+        x = {"input_ids": torch.randint(0, 1000, (2, n))}
+        torch.manual_seed(2)
+        out = om(**x)[key]
+        torch.manual_seed(2)
+        assert torch.equal(out, reference(**x)[key])
+        assert om.plan.capture == "export" and om.plan.chosen_units() == first
+        assert memopt.measure(om, x).saved_bytes == om.plan.estimated_saved_bytes < om.plan.baseline_saved_bytes
