@@ -138,10 +138,9 @@ def token_dims(args: tuple, kwargs: dict) -> Dims:
 class FirstCapture(DynamicExport):
     """The capture of a family's first build under ``Config(dynamic=True)``: ``capture``'s symbolic trace first;
     where that fails, torch.export with the batch dimension (``batch_dims``) and the sequence dimension of token
-    inputs (``token_dims``) dynamic,
-    so that the one graph serves the soundness check's and the fidelity gate's slice of the batch, an epoch's
-    smaller last batch and the next padded length, which a static export would each capture, check and apply the
-    plan to again. Where that export fails, it is made with the token dimensions only, then static
+    inputs (``token_dims``) dynamic, so that the one graph serves the soundness check's and the fidelity gate's
+    slice of the batch, an epoch's smaller last batch and the next padded length, which a static export would
+    each capture, check and apply the plan to again. Where that export fails, it is made with the token dimensions only, then static
     (``export_capture``: ``guards`` stays None). Later calls get a copy of the first graph where its shape guards
     accept their inputs, else a capture of their own sizes by the same path."""
 
