@@ -271,6 +271,7 @@ def simulate_step(gm: fx.GraphModule, args: tuple, kwargs: dict, device: torch.d
         loss.backward()
         del loss
         fb_peak, fb_at_peak, in_weight_grad = tracker.peak, tracker.at_peak, tracker.peak_in_weight_grad
+        in_recompute = tracker.peak_in_recompute
         made = [p.grad for p in params if p.grad is not None]
         grads, grad_bytes = {tracker.identity(g) for g in made}, distinct_bytes(made)
         opt = _simulate_optimizer(optimizer, params, tracker)
@@ -296,6 +297,8 @@ def simulate_step(gm: fx.GraphModule, args: tuple, kwargs: dict, device: torch.d
         "peak_in_optimizer_step": int(at_step),
         # the forward/backward peak fell inside a weight gradient from a rebuilt input (memopt.core.phase)
         "peak_in_weight_grad": int(in_weight_grad and not at_step),
+        # ... inside a recomputed block's backward (batch chunks of it can lower the peak: memopt.recompute.ops)
+        "peak_in_recompute": int(in_recompute and not at_step),
     }
     alive = set() if at_step else {producer[i] for i, _, _ in fb_at_peak if i in producer}
     return param_bytes + input_bytes + max(fb_total, opt.step_peak), breakdown, alive

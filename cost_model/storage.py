@@ -102,7 +102,7 @@ class LiveStorageTracker(TorchDispatchMode):
     storages alive at the peak, from a history of births and the sweep at which each death was seen; ``phase``
     is whatever the caller set in ``tracker.phase`` when each was created. ``peak_in_weight_grad``: whether the
     peak fell while a weight gradient read a rebuilt input (``memopt.core.phase``), where batch chunks can lower
-    it.
+    it; ``peak_in_recompute``: while a recomputed block's backward ran, where running it over batch chunks can.
     """
 
     def __init__(self, preexisting: Iterable[torch.Tensor] = ()) -> None:
@@ -118,6 +118,7 @@ class LiveStorageTracker(TorchDispatchMode):
         self.phase = ""
         self.peak = 0
         self.peak_in_weight_grad = False
+        self.peak_in_recompute = False
 
     @property
     def current(self) -> int:
@@ -173,6 +174,7 @@ class LiveStorageTracker(TorchDispatchMode):
         self.peak = self._upper
         self._peak_at = (self._created, self._sweeps)
         self.peak_in_weight_grad = phase.in_weight_grad_from_codes()
+        self.peak_in_recompute = phase.in_recompute_backward()
 
     def reset_peak(self) -> None:
         self._sweep()

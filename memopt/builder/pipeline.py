@@ -30,6 +30,7 @@ from memopt.passes.manager import passes_for, run_passes
 from memopt.passes.planning.planner import BudgetPlan, apply_decision, fit_decision, plan_for_budget, plan_units
 from memopt.passes.planning.peak_first import every_block_from_codes, peak_first, peak_first_trial
 from memopt.passes.stash.chunks import chunk_to_fit, chunks_of, set_chunks
+from memopt.passes.recompute_chunks import recompute_chunks_of, set_recompute_chunks
 from memopt.cost_model.histograms import record_input_histograms
 from memopt.fewbit.activations import TABLE_ACTIVATIONS
 from memopt.fewbit.activations import ACTIVATIONS
@@ -316,6 +317,7 @@ def _rewrite(session: Session, gm: fx.GraphModule) -> Built:
         gm, records = apply_decision(gm, config, request.plan.chosen_units(), ctx)
         _check_applied(gm, request.plan)
         set_chunks(gm, request.plan.weight_grad_chunks)
+        set_recompute_chunks(gm, request.plan.recompute_chunks)
     elif target is None:
         trial = peak_first_trial(gm, config, ctx, baseline)
         pristine = copy_graph_module(gm) if trial is not None else None  # the default run rewrites gm in place
@@ -376,6 +378,7 @@ def make_plan(session: Session, estimate: Estimate, records: list, gm: fx.GraphM
         baseline_breakdown=dict(baseline.breakdown), estimated_breakdown=dict(estimate.breakdown),
         passes=[{"name": r.name, "modified": r.modified} for r in records],
         nodes=node_plans(baseline, estimate, decisions), units=units, weight_grad_chunks=chunks_of(gm),
+        recompute_chunks=recompute_chunks_of(gm),
         planner={} if planned is None else {
             "required_bytes": planned.required_bytes, "rounds": planned.rounds,
             "seconds": round(planned.seconds, 3), "predicted_freed_bytes": planned.solution.freed_bytes,

@@ -14,6 +14,12 @@ runs the block again from the rebuilt input. Its forward is still the block's ow
 approximate (the second forward sees the rebuilt input), so the fidelity gate checks them. Inputs without
 gradient (masks, rotary tables, shared by every block) are kept as they are: coding what other blocks keep
 frees nothing and would only add error.
+
+``RecomputeSpec.chunks`` > 1 runs that backward over ranges of the batch, one after the other (the block again on
+each range, its gradients, then the next): what is alive while a block's backward runs, the peak of a model whose
+blocks are recomputed, is then one range's. Only for blocks whose samples do not mix (``memopt.recompute.chunks.
+separable``: a BatchNorm in training, a mean over the batch or random ops make a range's run differ from the
+batch's); each sample's gradients are the same computation, the parameters' summed over the ranges in turn.
 """
 from __future__ import annotations
 
@@ -22,6 +28,7 @@ from typing import Any, List, NamedTuple, Optional, Tuple
 import torch
 from torch import nn
 
+from memopt.core import phase
 from memopt.core.leaf import graph_leaf, spec_of
 from memopt.runtime.autocast import autocast_state, replayed_autocast
 from memopt.runtime.rng import replayed_rng, rng_state
@@ -47,12 +54,14 @@ class RecomputeSpec(NamedTuple):
 
     ``random``: the block has random ops (its RNG state is saved and replayed); ``where``: the block's module path,
     for errors; ``bits`` / ``group``: the generic stash's code width and group size for the inputs that carry
-    gradient (None bits: every input kept as it is, ``recompute_block``'s behaviour)."""
+    gradient (None bits: every input kept as it is, ``recompute_block``'s behaviour); ``chunks``: ranges of the
+    batch its backward runs over, one at a time (1: the whole batch at once; see the module's docstring)."""
 
     random: bool
     where: str
     bits: Optional[int] = None
     group: int = 256
+    chunks: int = 1
 
     of = classmethod(spec_of)  # RecomputeSpec.of(node): a recompute_block / recompute_from_codes call's
 
@@ -133,14 +142,24 @@ class _Recompute(torch.autograd.Function):
         inputs, rng = _rebuilt(ctx, spec, saved[:ctx.n_kept]), list(saved[ctx.n_kept:])
         params = [p for p in ctx.block.parameters() if p.requires_grad]
         needs = ctx.needs_input_grad[3:3 + ctx.n_inputs]
+        if spec.chunks > 1 and grad.dim() > 0 and grad.shape[0] > 1:
+            if ctx.updated:
+                raise RuntimeError(f"memopt: the recomputed block {spec.where} updates buffers in its forward "
+                                   f"({len(ctx.updated)}: BatchNorm statistics or the like), so its samples mix and "
+                                   f"its backward cannot run over batch chunks; build its RecomputeSpec with "
+                                   f"chunks=1")
+            with phase.recompute_backward():
+                input_grads, param_grads = _chunked(ctx, inputs, needs, params, grad)
+            return (None, None, None, *input_grads, *param_grads)
         detached = [t.detach().requires_grad_(need) for t, need in zip(inputs, needs)]
         stats = [(b, b.clone()) for b in ctx.updated]
-        with replayed_rng(rng if spec.random else None, inputs):
+        with phase.recompute_backward(), replayed_rng(rng if spec.random else None, inputs):
             with torch.enable_grad(), replayed_autocast(ctx.autocast):  # the forward's precision, not fp32
                 out = ctx.block(*_merged(ctx.values, detached))
         del inputs
         wanted = [t for t in detached if t.requires_grad] + params
-        grads = iter(torch.autograd.grad(out, wanted, grad, allow_unused=True) if wanted else ())
+        with phase.recompute_backward():
+            grads = iter(torch.autograd.grad(out, wanted, grad, allow_unused=True) if wanted else ())
         del out
         with torch.no_grad():  # after the grads: BN backward reads the running stats' versions
             for buffer, before in stats:  # the first forward already updated them
@@ -148,6 +167,50 @@ class _Recompute(torch.autograd.Function):
         input_grads = [next(grads) if t.requires_grad else None for t in detached]
         param_grads = list(grads)
         return (None, None, None, *input_grads, *param_grads)
+
+
+def ranges(batch: int, chunks: int) -> List[Tuple[int, int]]:
+    """``min(chunks, batch)`` consecutive (start, stop) ranges covering ``batch``, the first ``batch % chunks`` one
+    longer (``torch.tensor_split``'s), in Python numbers: a fake tensor's values cannot be read."""
+    count = max(1, min(chunks, batch))
+    size, extra = divmod(batch, count)
+    bounds = [0]
+    for i in range(count):
+        bounds.append(bounds[-1] + size + (i < extra))
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+def _chunked(ctx, inputs: List[torch.Tensor], needs, params: List[torch.Tensor], grad: torch.Tensor):
+    """(input gradients, parameter gradients) of a separable block's backward over ``ctx.spec.chunks`` ranges of
+    the batch (the inputs whose first dimension is the output's batch are cut; the others, as a rotary table, go
+    whole to every range). Each range's input gradient lands in its rows of one tensor; a parameter's gradient
+    is the sum over the ranges, as autograd's own accumulation would add them."""
+    batch = grad.shape[0]
+    cut = [t.dim() > 0 and t.shape[0] == batch for t in inputs]
+    input_grads: List[Optional[torch.Tensor]] = [None] * len(inputs)
+    param_grads: List[Optional[torch.Tensor]] = [None] * len(params)
+    for start, stop in ranges(batch, ctx.spec.chunks):
+        part = [(t[start:stop] if c else t).detach().requires_grad_(need) for t, c, need in zip(inputs, cut, needs)]
+        with torch.enable_grad(), replayed_autocast(ctx.autocast):
+            out = ctx.block(*_merged(ctx.values, part))
+        wanted = [t for t in part if t.requires_grad] + params
+        found = iter(torch.autograd.grad(out, wanted, grad[start:stop], allow_unused=True) if wanted else ())
+        del out
+        for i, t in enumerate(part):
+            if not t.requires_grad:
+                continue
+            g = next(found)
+            if not cut[i]:  # a whole input every range reads: its gradient sums over them
+                input_grads[i] = g if input_grads[i] is None or g is None else input_grads[i] + g
+                continue
+            if input_grads[i] is None:
+                input_grads[i] = torch.zeros_like(inputs[i])
+            if g is not None:
+                input_grads[i][start:stop] = g
+        for j, g in enumerate(found):
+            if g is not None:
+                param_grads[j] = g if param_grads[j] is None else param_grads[j].add_(g)
+    return input_grads, param_grads
 
 
 def _run(block: nn.Module, spec: RecomputeSpec, inputs: tuple) -> torch.Tensor:

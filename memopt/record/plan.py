@@ -76,6 +76,10 @@ class Plan:
     # Batch chunks of the weight gradients read from rebuilt inputs (memopt.passes.stash_chunks; 1: one piece),
     # chosen where the cost model said they lower the peak; re-applied with the plan
     weight_grad_chunks: int = 1
+    # Batch chunks of the recomputed blocks' backward (memopt.passes.recompute_chunks; 1: the whole batch at once),
+    # set on the blocks whose samples do not mix where the cost model said they lower the peak; re-applied with the
+    # plan
+    recompute_chunks: int = 1
     schema_version: int = PLAN_SCHEMA_VERSION
 
     def chosen_units(self) -> Dict[str, Dict[str, int]]:

@@ -125,6 +125,8 @@ def _totals(plan: Plan, fmt: str) -> str:
               ["budget", "", fmt_bytes(plan.budget_bytes) if plan.budget_bytes is not None else "none"]]
     if plan.weight_grad_chunks > 1:  # the cost model found the peak inside a weight gradient from codes
         table.append(["weight gradients from codes in batch chunks", "", str(plan.weight_grad_chunks)])
+    if plan.recompute_chunks > 1:  # ... inside a recomputed block's backward
+        table.append(["recomputed blocks' backward in batch chunks", "", str(plan.recompute_chunks)])
     note = ("Per-node 'saved' counts every storage the node keeps; a storage kept by two nodes (a ReLU "
             "output that is also the next conv's input) shows in both rows and once in the totals.")
     return tabulate(table, headers=["total", "baseline", "optimized"], tablefmt=fmt) + "\n" + note

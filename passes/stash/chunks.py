@@ -21,6 +21,8 @@ from torch import fx
 
 from memopt.core.meta import decided_nodes
 from memopt.cost_model.analysis import Estimate
+from memopt.passes.chunking import fit_levels
+from memopt.passes.recompute_chunks import recompute_chunks_to_fit
 from memopt.stash.generic import conv_from_codes, linear_from_codes, matmul_from_codes
 from memopt.stash.ops import conv_from_stash, linear_from_stash
 
@@ -60,27 +62,14 @@ def set_chunks(gm: fx.GraphModule, chunks: int) -> int:
 def chunk_to_fit(gm: fx.GraphModule, estimate: Estimate, target: Optional[int],
                  annotate: Callable[[fx.GraphModule], Estimate]) -> Tuple[Estimate, int]:
     """Chunk ``gm``'s weight gradients where the cost model says that lowers the peak; (the estimate kept, the
-    chunk count set: 1 when none).
+    chunk count set: 1 when none). Recomputed blocks' backward is chunked first where the peak falls there
+    (``memopt.passes.recompute_chunks``).
 
     Tried only while the peak falls inside a weight gradient from a rebuilt input and is above ``target``
     (None: no budget, lower is better); each level is one full estimate. Stops at the fewest chunks that reach
     ``target``, or when more chunks no longer lower the peak; the graph keeps the best level found.
     """
-    best, chosen, rejected = estimate, chunks_of(gm), False
+    estimate, _ = recompute_chunks_to_fit(gm, estimate, target, annotate)  # the larger transient first
     if not consumers(gm):
-        return best, chosen
-    for level in LEVELS:
-        if level <= chosen:
-            continue
-        if not best.breakdown.get("peak_in_weight_grad") or (target is not None and best.peak_bytes <= target):
-            break
-        set_chunks(gm, level)
-        trial = annotate(gm)
-        if trial.peak_bytes >= best.peak_bytes:
-            rejected = True
-            break
-        best, chosen = trial, level
-    if rejected:  # the graph and its node.meta back to the level kept
-        set_chunks(gm, chosen)
-        best = annotate(gm)
-    return best, chosen
+        return estimate, chunks_of(gm)
+    return fit_levels(gm, estimate, target, LEVELS, chunks_of(gm), "peak_in_weight_grad", set_chunks, annotate)

@@ -1,0 +1,106 @@
+"""Recomputed blocks' backward over batch chunks: the setting on a rewritten graph, and the choice of it.
+
+A block recomputed from codes runs again in backward, and what it keeps for its own backward then, with that
+backward's gradients, is alive at once: in a model whose blocks are recomputed that is the step's peak (an MLP's
+hidden activations and their gradients, an attention's scores). Run over k ranges of the batch
+(``RecomputeSpec.chunks``, ``memopt.recompute.ops``) it is one range's. The cost model marks a peak that falls
+inside a recomputed block's backward (``Estimate.breakdown["peak_in_recompute"]``), so chunks are chosen as the
+weight gradients' are (``memopt.passes.stash.chunks``): by estimating the step with them, the fewest that reach
+the target, kept only while they lower the estimated peak. Only blocks whose samples do not mix are chunked
+(``memopt.recompute.chunks.separable``, measured once per block and kept in ``node.meta``), and only blocks
+recomputed from codes, whose gradients the fidelity gate checks anyway: an exact recomputation stays one piece,
+so ``Config.exact()`` keeps eager's bits. The forward is untouched. The fidelity gate measures the plan's
+decision on its slice without chunks: chunks change the order a parameter's gradient is summed over the samples
+in, not any sample's gradient, as the weight gradients' chunks do. The setting lives in each node's spec, so a
+printed, exported or re-traced graph keeps it; ``recompute_chunks_of`` reads it back for the plan.
+"""
+from __future__ import annotations
+
+from typing import Callable, List, Optional, Tuple
+
+from torch import fx
+
+from memopt.core.leaf import argument, set_argument
+from memopt.core.meta import META_KEY
+from memopt.passes.chunking import fit_levels
+from memopt.cost_model.analysis import Estimate
+from memopt.recompute.chunks import Like, separable
+from memopt.recompute.ops import RecomputeSpec, recompute_from_codes
+
+LEVELS = (2, 4, 8, 16)  # chunk counts tried, fewest first: each is one more run of the block's ops per backward
+SEPARABLE_KEY = "memopt_separable"  # node.meta: None where the block's samples do not mix, else why they do
+
+
+def recomputed(gm: fx.GraphModule) -> List[fx.Node]:
+    """The nodes of ``gm`` that recompute a block from codes."""
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is recompute_from_codes]
+
+
+def why_not_chunked(gm: fx.GraphModule, node: fx.Node) -> Optional[str]:
+    """None where ``node``'s block may run its backward over batch chunks, else why not (measured once:
+    ``separable`` on its inputs' shapes, from the cost model's annotation)."""
+    if SEPARABLE_KEY not in node.meta:
+        node.meta[SEPARABLE_KEY] = _measure(gm, node)
+    return node.meta[SEPARABLE_KEY]
+
+
+def _measure(gm: fx.GraphModule, node: fx.Node) -> Optional[str]:
+    block = argument(node, "block")
+    module = gm.get_submodule(block.target) if isinstance(block, fx.Node) and block.op == "get_attr" else None
+    if module is None:
+        return "its block is not a submodule of the graph"
+    inputs, batch = [], None
+    for value in argument(node, "inputs"):
+        if not isinstance(value, fx.Node):
+            inputs.append(value)
+            continue
+        cost = value.meta.get(META_KEY)
+        if cost is None or len(cost.shapes) != 1:
+            return f"input {value.name} has no single tensor shape from the cost model"
+        like = Like(cost.shapes[0], _dtype(cost.dtypes[0]))
+        if batch is None and like.dtype.is_floating_point and like.shape:
+            batch = like.shape[0]  # the block's stream: its first floating input
+        inputs.append(like)
+    if batch is None:
+        return "it has no floating input to take the batch from"
+    return separable(module, inputs, batch)
+
+
+def _dtype(name: str):
+    import torch
+
+    return getattr(torch, name)
+
+
+def recompute_chunks_of(gm: fx.GraphModule) -> int:
+    """The largest chunk count set on ``gm``'s recomputed blocks (1: none chunked)."""
+    return max((RecomputeSpec.of(n).chunks for n in recomputed(gm)), default=1)
+
+
+def set_recompute_chunks(gm: fx.GraphModule, chunks: int) -> int:
+    """Set ``chunks`` on every recomputed block of ``gm`` that may take it (1 on the others); returns how many
+    take it."""
+    if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
+        raise ValueError(f"recompute chunks must be an int >= 1, got {chunks!r}; 1 runs each recomputed block's "
+                         f"backward on the whole batch at once")
+    taken = 0
+    for node in recomputed(gm):
+        level = chunks if chunks == 1 or why_not_chunked(gm, node) is None else 1
+        taken += level > 1
+        spec = RecomputeSpec.of(node)
+        if spec.chunks != level:
+            set_argument(node, "spec", spec._replace(chunks=level))
+    gm.recompile()
+    return taken
+
+
+def recompute_chunks_to_fit(gm: fx.GraphModule, estimate: Estimate, target: Optional[int],
+                            annotate: Callable[[fx.GraphModule], Estimate]) -> Tuple[Estimate, int]:
+    """Chunk the backward of ``gm``'s separable recomputed blocks where the cost model says that lowers the peak;
+    (the estimate kept, the chunk count set: 1 when none). Tried only while the peak falls inside a recomputed
+    block's backward and is above ``target`` (None: lower is better); each level is one full estimate; the graph
+    keeps the best level found."""
+    if not recomputed(gm):
+        return estimate, 1
+    return fit_levels(gm, estimate, target, LEVELS, recompute_chunks_of(gm), "peak_in_recompute",
+                      set_recompute_chunks, annotate)

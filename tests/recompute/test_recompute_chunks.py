@@ -1,0 +1,178 @@
+"""A recomputed block's backward over batch chunks (RecomputeSpec.chunks): only for blocks whose samples do not mix
+(measured: memopt/recompute/chunks.py), chosen where the cost model puts the peak inside a recomputed block's
+backward (memopt/passes/recompute_chunks.py). Forward bit-identical, estimate = measurement, gradients those of the
+whole batch up to the order of the parameters' sums."""
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import memopt
+from memopt.core.inputs import normalize_inputs
+from memopt.cost_model.analysis import annotate
+from memopt.passes.planning.candidates import copy_graph_module
+from memopt.passes.recompute_chunks import recomputed, set_recompute_chunks, why_not_chunked
+from memopt.recompute.chunks import recompute_inputs, separable
+from memopt.recompute.ops import RecomputeSpec, ranges, recompute_from_codes
+from memopt.testing.zoo import build
+
+
+class Block(nn.Module):
+    """A transformer's MLP half: every op works on one sample (one token) at a time."""
+
+    def __init__(self, d=64, hidden=512):
+        super().__init__()
+        self.norm, self.fc1, self.act, self.fc2 = nn.LayerNorm(d), nn.Linear(d, hidden), nn.GELU(), nn.Linear(hidden, d)
+
+    def forward(self, x):
+        return x + self.fc2(self.act(self.fc1(self.norm(x))))
+
+
+class Mixer(nn.Module):
+    def __init__(self, n=6):
+        super().__init__()
+        self.embed = nn.Linear(32, 64)
+        self.blocks = nn.Sequential(*[Block() for _ in range(n)])
+        self.head = nn.Linear(64, 10)
+
+    def forward(self, x):
+        return self.head(self.blocks(self.embed(x)).mean(1))
+
+
+class Normed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.bn = nn.Linear(16, 16), nn.BatchNorm1d(16)
+
+    def forward(self, x):
+        return x + self.bn(self.fc(x))
+
+
+class Dropped(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.drop = nn.Linear(16, 16), nn.Dropout(0.5)
+
+    def forward(self, x):
+        return x + self.drop(self.fc(x))
+
+
+class Baked(nn.Module):
+    """Reshapes with the batch size it was written for, as an exported graph does."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return x + self.fc(x).view(8, 16)
+
+
+def _cosine(a, b):
+    return torch.nn.functional.cosine_similarity(a.flatten().double(), b.flatten().double(), 0).item()
+
+
+@pytest.mark.parametrize("batch,chunks", [(8, 2), (7, 3), (3, 8), (5, 1)])
+def test_ranges_are_tensor_splits(batch, chunks):
+    expected = [(int(r[0]), int(r[-1]) + 1) for r in torch.arange(batch).tensor_split(min(chunks, batch))]
+    assert ranges(batch, chunks) == expected
+
+
+def test_blocks_whose_samples_mix_are_not_separable_and_the_check_leaves_no_trace():
+    torch.manual_seed(0)
+    x = torch.randn(8, 16)
+    block, normed, dropped, baked = Block(16, 32), Normed().train(), Dropped().train(), Baked()
+    stats = [b.clone() for b in normed.buffers()]
+    rng = torch.get_rng_state()
+    assert separable(block, recompute_inputs([x]), 8) is None
+    assert "its samples mix" in separable(normed, recompute_inputs([x]), 8)
+    assert "its samples mix" in separable(dropped, recompute_inputs([x]), 8)
+    assert separable(dropped.eval(), recompute_inputs([x]), 8) is None  # no draw in eval mode
+    assert "does not run on part of the batch" in separable(baked, recompute_inputs([x]), 8)
+    assert all(torch.equal(a, b) for a, b in zip(stats, normed.buffers())) and normed.training
+    assert torch.equal(rng, torch.get_rng_state())
+
+
+def test_a_chunked_backward_gives_the_whole_batchs_gradients():
+    torch.manual_seed(0)
+    block, x = Block(), torch.randn(12, 16, 64)
+    table = torch.randn(16, 64, requires_grad=True)  # read whole by every range: its gradient sums over them
+    runs = []
+    for chunks in (1, 3):
+        block.zero_grad()
+        xs, ts = x.clone().requires_grad_(), table.detach().clone().requires_grad_()
+        out = recompute_from_codes(block, RecomputeSpec(False, "blocks.0", 8, 256, chunks), xs + ts)
+        out.square().mean().backward()
+        runs.append((out.detach(), xs.grad, ts.grad, [p.grad.clone() for p in block.parameters()]))
+    (out1, x1, t1, p1), (out3, x3, t3, p3) = runs
+    assert torch.equal(out1, out3)  # the forward is the block's own, whatever the chunks
+    assert torch.allclose(x1, x3, rtol=1e-5, atol=1e-7) and torch.allclose(t1, t3, rtol=1e-5, atol=1e-6)
+    for a, b in zip(p1, p3):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-6) and _cosine(a, b) > 0.999999
+
+
+def test_a_chunked_backward_refuses_a_block_that_updates_buffers():
+    block, x = Normed().train(), torch.randn(8, 16, requires_grad=True)
+    out = recompute_from_codes(block, RecomputeSpec(False, "layer.3", 8, 256, 4), x)
+    with pytest.raises(RuntimeError, match=r"block layer\.3 updates buffers.*chunks=1"):
+        out.sum().backward()
+
+
+def _mixer():
+    torch.manual_seed(0)
+    return Mixer(), torch.randn(32, 16, 32)
+
+
+def test_the_default_plan_chunks_recomputed_blocks_where_the_peak_falls_inside_one():
+    model, x = _mixer()
+    reference = copy.deepcopy(model)
+    om = memopt.optimize(model, example_inputs=x, optimizer="sgd")
+    plan = om.plan
+    assert plan.recompute_chunks > 1 and plan.fidelity["passed"]
+    assert "recomputed blocks' backward in batch chunks" in om.report()
+    measured = memopt.measure(om, x, optimizer="sgd")
+    assert measured.peak_bytes == plan.estimated_peak_bytes
+    # the same plan without chunks peaks higher
+    built = next(iter(om._memopt_built.values()))
+    whole = copy_graph_module(built.graph_module)
+    assert set_recompute_chunks(whole, 1) == 0
+    args, kwargs = normalize_inputs(x)
+    assert annotate(whole, args, kwargs, optimizer="sgd").peak_bytes > plan.estimated_peak_bytes
+    torch.manual_seed(1)
+    out = om(x)
+    torch.manual_seed(1)
+    ref = reference(x)
+    assert torch.equal(out, ref)
+    out.logsumexp(-1).mean().backward()
+    ref.logsumexp(-1).mean().backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert _cosine(p.grad, q.grad) >= 0.99, name
+
+
+def test_a_plan_applied_again_keeps_its_recompute_chunks():
+    model, x = _mixer()
+    om = memopt.optimize(model, example_inputs=x, optimizer="sgd")
+    again = memopt.optimize(copy.deepcopy(model), example_inputs=x, optimizer="sgd", plan=om.plan)
+    assert again.plan.recompute_chunks == om.plan.recompute_chunks > 1
+    assert again.plan.estimated_peak_bytes == om.plan.estimated_peak_bytes
+
+
+def test_blocks_with_batch_norm_are_never_chunked():
+    model, x = build("tiny_resnet")
+    config = memopt.Config(recompute=memopt.RecomputeConfig(segments=None, bits=8), stash=None, fewbit=None,
+                           fidelity=None)
+    om = memopt.optimize(model, example_inputs=x, config=config, optimizer="sgd")
+    gm = next(iter(om._memopt_built.values())).graph_module
+    nodes = recomputed(gm)
+    assert nodes and set_recompute_chunks(gm, 4) == 0
+    assert all("its samples mix" in why_not_chunked(gm, n) for n in nodes)
+    assert all(RecomputeSpec.of(n).chunks == 1 for n in nodes)
+
+
+def test_recompute_chunks_must_be_a_positive_int():
+    model, x = _mixer()
+    om = memopt.optimize(model, example_inputs=x, optimizer="sgd")
+    gm = next(iter(om._memopt_built.values())).graph_module
+    with pytest.raises(ValueError, match=r"recompute chunks must be an int >= 1, got 0"):
+        set_recompute_chunks(gm, 0)
