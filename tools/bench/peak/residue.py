@@ -1,4 +1,4 @@
-"""python -m tools.bench.peak.residue [--model llama|resnet50] [--batch N] [--res R]
+"""python -m tools.bench.peak.residue [--model llama|resnet50|vit|bert] [--batch N] [--res R]
 
 Where the resident peak of ``bench_peak``'s memopt rows differs from memopt's estimate: in one fresh process,
 the cost model's estimate of the plan, the same step measured by ``memopt.measure`` (the live-storage tracker the
@@ -23,7 +23,7 @@ def anon_mib() -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[1])
-    p.add_argument("--model", default="llama", choices=("llama", "resnet50"))
+    p.add_argument("--model", default="llama", choices=("llama", "resnet50", "vit", "bert"))
     p.add_argument("--batch", type=int, default=None)
     p.add_argument("--res", type=int, default=128)
     p.add_argument("--twice", action="store_true", help="then optimize() again in the same process (the first plan "
