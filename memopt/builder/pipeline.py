@@ -224,6 +224,7 @@ def _gate(session: Session, built: Built) -> Built:
         if built.planned is None:
             before = built.plan.estimated_peak_bytes
             gm, records = apply_decision(session.pristine, config, decision, session.ctx)
+            set_recompute_chunks(gm, built.plan.recompute_chunks)  # the search goes on from where the plan's ended
             estimate, _ = chunk_to_fit(gm, session.ctx.annotate(gm), session.target, session.ctx.annotate)
             built = Built(gm, make_plan(session, estimate, records, gm, None), session.baseline, estimate)
             if session.target is not None and estimate.peak_bytes > session.target:  # every block from codes
