@@ -7,7 +7,8 @@ hidden activations and their gradients, an attention's scores). Run over k range
 inside a recomputed block's backward (``Estimate.breakdown["peak_in_recompute"]``), so chunks are chosen as the
 weight gradients' are (``memopt.passes.stash.chunks``): by estimating the step with them, the fewest that reach
 the target, kept only while they lower the estimated peak. Only blocks whose samples do not mix are chunked
-(``memopt.recompute.chunks.separable``, measured once per block and kept in ``node.meta``), and only blocks
+(``memopt.recompute.chunks.separable``, measured once per block and kept in ``node.meta``; a block whose
+exported graph writes the example's batch into its views reads it from its input first, ``rebatch``), and only blocks
 recomputed from codes, whose gradients the fidelity gate checks anyway: an exact recomputation stays one piece,
 so ``Config.exact()`` keeps eager's bits. The forward is untouched. The fidelity gate measures the plan's
 decision on its slice without chunks: chunks change the order a parameter's gradient is summed over the samples
@@ -63,7 +64,69 @@ def _measure(gm: fx.GraphModule, node: fx.Node) -> Optional[str]:
         inputs.append(like)
     if batch is None:
         return "it has no floating input to take the batch from"
-    return separable(module, inputs, batch)
+    why = separable(module, inputs, batch)
+    if why is None or not why.startswith(BAKED) or not isinstance(module, fx.GraphModule):
+        return why
+    undo = rebatch(module, batch)  # sizes written into the graph (a torch.export capture's): read them instead
+    if undo is None:
+        return why
+    again = separable(module, inputs, batch)
+    if again is not None:
+        undo()
+    return again
+
+
+BAKED = "it does not run on part of the batch"
+# ops whose size-list argument a torch.export graph writes the example's batch into
+_SIZED = {"view", "reshape", "_unsafe_view", "expand"}
+
+
+def rebatch(module: fx.GraphModule, batch: int):
+    """Make ``module``'s graph read its batch size from its first floating input (``aten.sym_size``) wherever a
+    view, reshape or expand writes ``batch`` first in its sizes, as a graph exported at the example's sizes does;
+    returns a function that undoes it, or None where there is nothing to change. At the example's batch every op
+    gets the sizes it got before, so the forward is the same computation; ``separable`` then says whether the
+    block runs on part of the batch."""
+    import torch
+
+    stream = next((n for n in module.graph.nodes if n.op == "placeholder" and _floating(n, batch)), None)
+    changed = [n for n in module.graph.nodes if n.op == "call_function" and _size_list(n) is not None
+               and _size_list(n)[0] == batch]
+    if stream is None or not changed:
+        return None
+    with module.graph.inserting_after(stream):
+        size = module.graph.call_function(torch.ops.aten.sym_size.int, (stream, 0))
+    before = {n: n.args for n in changed}
+    for n in changed:
+        sizes = list(_size_list(n))
+        n.args = (n.args[0], [size, *sizes[1:]], *n.args[2:])
+    module.recompile()
+
+    def undo() -> None:
+        for n, args in before.items():
+            n.args = args
+        module.graph.erase_node(size)
+        module.recompile()
+
+    return undo
+
+
+def _floating(node: fx.Node, batch: int) -> bool:
+    value = node.meta.get("val")
+    cost = node.meta.get(META_KEY)
+    shape = tuple(value.shape) if hasattr(value, "shape") else (cost.shapes[0] if cost is not None and cost.shapes
+                                                                   else ())
+    dtype = str(getattr(value, "dtype", "")) if value is not None else (cost.dtypes[0] if cost is not None and
+                                                                        cost.dtypes else "")
+    return bool(shape) and shape[0] == batch and "float" in dtype
+
+
+def _size_list(node: fx.Node):
+    """The sizes a view / reshape / expand call passes (a list of ints, its second argument), else None."""
+    name = getattr(getattr(node.target, "overloadpacket", None), "__name__", getattr(node.target, "__name__", ""))
+    if name not in _SIZED or len(node.args) < 2 or not isinstance(node.args[1], (list, tuple)) or not node.args[1]:
+        return None
+    return node.args[1] if all(isinstance(v, int) for v in node.args[1]) else None
 
 
 def _dtype(name: str):

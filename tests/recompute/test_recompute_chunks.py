@@ -6,13 +6,13 @@ import copy
 
 import pytest
 import torch
-from torch import nn
+from torch import fx, nn
 
 import memopt
 from memopt.core.inputs import normalize_inputs
 from memopt.cost_model.analysis import annotate
 from memopt.passes.planning.candidates import copy_graph_module
-from memopt.passes.recompute_chunks import recomputed, set_recompute_chunks, why_not_chunked
+from memopt.passes.recompute_chunks import rebatch, recomputed, set_recompute_chunks, why_not_chunked
 from memopt.recompute.chunks import recompute_inputs, separable
 from memopt.recompute.ops import RecomputeSpec, ranges, recompute_from_codes
 from memopt.testing.zoo import build
@@ -67,6 +67,29 @@ class Baked(nn.Module):
 
     def forward(self, x):
         return x + self.fc(x).view(8, 16)
+
+
+class ShapedBlock(Block):
+    """Splits its hidden units into groups by the input's sizes: an exported graph writes the example's batch into
+    the view (``[32, 16, 8, 64]``), so the block runs on a range only once it reads the batch again (``rebatch``)."""
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        h = self.act(self.fc1(self.norm(x)).view(b, t, 8, 64))
+        return x + self.fc2(h.reshape(b, t, 512))
+
+
+class ExportedMixer(Mixer):
+    """torch.fx cannot trace the check on the input's rank, so memopt captures it with torch.export."""
+
+    def __init__(self, n=6):
+        super().__init__(n)
+        self.blocks = nn.Sequential(*[ShapedBlock() for _ in range(n)])
+
+    def forward(self, x):
+        if x.dim() != 3:
+            raise ValueError("x must be (batch, tokens, features)")
+        return super().forward(x)
 
 
 def _cosine(a, b):
@@ -148,6 +171,45 @@ def test_the_default_plan_chunks_recomputed_blocks_where_the_peak_falls_inside_o
     ref.logsumexp(-1).mean().backward()
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         assert _cosine(p.grad, q.grad) >= 0.99, name
+
+
+def test_an_exported_graphs_blocks_read_the_batch_again_and_take_chunks():
+    torch.manual_seed(0)
+    model, x = ExportedMixer(), torch.randn(32, 16, 32)
+    reference = copy.deepcopy(model)
+    om = memopt.optimize(model, example_inputs=x, optimizer="sgd")
+    assert om.plan.capture == "export" and om.plan.recompute_chunks > 1
+    assert memopt.measure(om, x, optimizer="sgd").peak_bytes == om.plan.estimated_peak_bytes
+    torch.manual_seed(1)
+    out = om(x)
+    torch.manual_seed(1)
+    ref = reference(x)
+    assert torch.equal(out, ref)
+    out.logsumexp(-1).mean().backward()
+    ref.logsumexp(-1).mean().backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert _cosine(p.grad, q.grad) >= 0.99, name
+
+
+def test_rebatch_reads_the_batch_from_the_input_and_its_undo_puts_the_graph_back():
+    block = fx.symbolic_trace(nn.Sequential(nn.Linear(16, 16), nn.Tanh()))
+    for node in block.graph.nodes:
+        if node.op == "placeholder":
+            node.meta["val"] = torch.empty(8, 16)
+    with block.graph.inserting_before(next(n for n in block.graph.nodes if n.op == "output")):
+        last = next(n for n in reversed(block.graph.nodes) if n.op == "call_module")
+        view = block.graph.call_function(torch.ops.aten.view.default, (last, [8, 16]))
+    last.replace_all_uses_with(view, delete_user_cb=lambda user: user is not view)
+    block.recompile()
+    code, x = block.code, torch.randn(8, 16)
+    whole = block(x)
+    with pytest.raises(RuntimeError, match="invalid for input of size"):
+        block(x[:4])  # the batch of 8 written into the view
+    undo = rebatch(block, 8)
+    assert undo is not None and "sym_size" in block.code
+    assert torch.equal(block(x), whole) and torch.equal(block(x[:4]), whole[:4])
+    undo()
+    assert block.code == code
 
 
 def test_a_plan_applied_again_keeps_its_recompute_chunks():
