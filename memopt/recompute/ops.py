@@ -201,7 +201,8 @@ def _chunked(ctx, inputs: List[torch.Tensor], needs, params: List[torch.Tensor],
                 continue
             g = next(found)
             if not cut[i]:  # a whole input every range reads: its gradient sums over them
-                input_grads[i] = g if input_grads[i] is None or g is None else input_grads[i] + g
+                if g is not None:
+                    input_grads[i] = g if input_grads[i] is None else input_grads[i] + g
                 continue
             if input_grads[i] is None:
                 input_grads[i] = torch.zeros_like(inputs[i])
