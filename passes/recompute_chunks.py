@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from typing import Callable, List, Optional, Tuple
 
+import torch
 from torch import fx
 
 from memopt.core.leaf import argument, set_argument
@@ -58,7 +59,7 @@ def _measure(gm: fx.GraphModule, node: fx.Node) -> Optional[str]:
         cost = value.meta.get(META_KEY)
         if cost is None or len(cost.shapes) != 1:
             return f"input {value.name} has no single tensor shape from the cost model"
-        like = Like(cost.shapes[0], _dtype(cost.dtypes[0]))
+        like = Like(cost.shapes[0], getattr(torch, cost.dtypes[0]))
         if batch is None and like.dtype.is_floating_point and like.shape:
             batch = like.shape[0]  # the block's stream: its first floating input
         inputs.append(like)
@@ -87,19 +88,16 @@ def rebatch(module: fx.GraphModule, batch: int):
     returns a function that undoes it, or None where there is nothing to change. At the example's batch every op
     gets the sizes it got before, so the forward is the same computation; ``separable`` then says whether the
     block runs on part of the batch."""
-    import torch
-
     stream = next((n for n in module.graph.nodes if n.op == "placeholder" and _floating(n, batch)), None)
-    changed = [n for n in module.graph.nodes if n.op == "call_function" and _size_list(n) is not None
-               and _size_list(n)[0] == batch]
+    sized = {n: _size_list(n) for n in module.graph.nodes if n.op == "call_function"}
+    changed = [n for n, sizes in sized.items() if sizes is not None and sizes[0] == batch]
     if stream is None or not changed:
         return None
     with module.graph.inserting_after(stream):
         size = module.graph.call_function(torch.ops.aten.sym_size.int, (stream, 0))
     before = {n: n.args for n in changed}
     for n in changed:
-        sizes = list(_size_list(n))
-        n.args = (n.args[0], [size, *sizes[1:]], *n.args[2:])
+        n.args = (n.args[0], [size, *sized[n][1:]], *n.args[2:])
     module.recompile()
 
     def undo() -> None:
@@ -127,12 +125,6 @@ def _size_list(node: fx.Node):
     if name not in _SIZED or len(node.args) < 2 or not isinstance(node.args[1], (list, tuple)) or not node.args[1]:
         return None
     return node.args[1] if all(isinstance(v, int) for v in node.args[1]) else None
-
-
-def _dtype(name: str):
-    import torch
-
-    return getattr(torch, name)
 
 
 def recompute_chunks_of(gm: fx.GraphModule) -> int:
