@@ -1,9 +1,10 @@
 """Whether a recomputed block's backward may run over ranges of the batch (``RecomputeSpec.chunks``).
 
 A block's backward over ranges gives each sample the gradients of the whole batch's backward only where the block
-does not mix samples: a BatchNorm in training (its batch statistics), a mean or a sort over the batch, a random
-op drawing for the whole batch at once (dropout: each range would draw other masks) all make a range's run differ
-from the batch's. Such ops are many and hide behind reshapes, so this is measured, not read off the graph: the
+does not mix samples: a BatchNorm in training (its batch statistics), a mean or a sort over the batch make a
+range's run differ from the batch's. Random draws (dropout) are kept from the whole run and each range gets its
+rows of them, as the chunked backward does (``memopt.recompute.draws``); a draw that cannot be kept so refuses.
+Such ops are many and hide behind reshapes, so this is measured, not read off the graph: the
 block runs on made-up inputs of its inputs' shapes and dtypes (a few samples), once whole and once range by range,
 and the ranges' outputs must be the whole run's rows up to rounding: within ``TOLERANCE`` of the dtype's epsilon
 (at most ``MOST``) times the whole run's norm. A matrix product over fewer rows may take another kernel and round
@@ -19,6 +20,7 @@ import torch
 from torch import nn
 
 from memopt.core.state import preserved_state
+from memopt.recompute.draws import DrawError, Recorder, Replayer
 from memopt.recompute.ops import ranges
 
 
@@ -45,9 +47,12 @@ def separable(block: nn.Module, inputs: Sequence[Any], batch: int) -> Optional[s
     made = [_made_up(x, samples if c else None, generator) if isinstance(x, Like) else x for x, c in zip(inputs, cut)]
     try:
         with preserved_state(block), torch.no_grad():
-            whole = block(*made)
-            parts = [block(*[x[start:stop] if c else x for x, c in zip(made, cut)])
-                     for start, stop in ranges(samples, 2)]
+            recorder = Recorder(samples, "")
+            with recorder:
+                whole = block(*made)
+            parts = [_part(block, made, cut, recorder, start, stop) for start, stop in ranges(samples, 2)]
+    except DrawError as error:
+        return error.reason
     except Exception as error:  # noqa: BLE001 - a block that cannot run on fewer samples is not separable
         first = str(error).strip().splitlines()[0][:160] if str(error).strip() else ""
         return f"it does not run on part of the batch ({type(error).__name__}: {first})"
@@ -55,8 +60,17 @@ def separable(block: nn.Module, inputs: Sequence[Any], batch: int) -> Optional[s
         return "its output's first dimension is not the batch"
     if not all(isinstance(p, torch.Tensor) for p in parts) or not _same(torch.cat(parts), whole):
         return ("its samples mix: run on two ranges of the batch it gives other values than on the whole batch "
-                "(a BatchNorm in training, a reduction over the batch or a random op)")
+                "(a BatchNorm in training or a reduction over the batch)")
     return None
+
+
+def _part(block: nn.Module, made: List[Any], cut: List[bool], recorder: Recorder, start: int, stop: int):
+    """The block on rows ``start:stop`` of the made-up batch, given those rows of the whole run's draws."""
+    replayer = Replayer(recorder.kept, recorder.shapes, start, stop, "")
+    with replayer:
+        out = block(*[x[start:stop] if c else x for x, c in zip(made, cut)])
+    replayer.finish()
+    return out
 
 
 def _made_up(like: Like, rows: Optional[int], generator: torch.Generator) -> torch.Tensor:

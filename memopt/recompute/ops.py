@@ -18,11 +18,14 @@ frees nothing and would only add error.
 ``RecomputeSpec.chunks`` > 1 runs that backward over ranges of the batch, one after the other (the block again on
 each range, its gradients, then the next): what is alive while a block's backward runs, the peak of a model whose
 blocks are recomputed, is then one range's. Only for blocks whose samples do not mix (``memopt.recompute.chunks.
-separable``: a BatchNorm in training, a mean over the batch or random ops make a range's run differ from the
-batch's); each sample's gradients are the same computation, the parameters' summed over the ranges in turn.
+separable``: a BatchNorm in training or a mean over the batch makes a range's run differ from the batch's); each
+sample's gradients are the same computation, the parameters' summed over the ranges in turn. Such a block with
+random ops (dropout) keeps its draws' masks as bits instead of the generator's state, and each range's second
+forward gets its rows of them (``memopt.recompute.draws``).
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any, List, NamedTuple, Optional, Tuple
 
 import torch
@@ -30,6 +33,7 @@ from torch import nn
 
 from memopt.core import phase
 from memopt.core.leaf import graph_leaf, spec_of
+from memopt.recompute.draws import Recorder, Replayer, batch_of
 from memopt.runtime.autocast import autocast_state, replayed_autocast
 from memopt.runtime.rng import replayed_rng, rng_state
 from memopt.stash.generic import group_dequantize, group_quantize
@@ -117,18 +121,23 @@ class _Recompute(torch.autograd.Function):
         n_inputs = sum(v is None for v in values)
         inputs = tensors[:n_inputs]
         ctx.block, ctx.values, ctx.spec = block, values, spec
-        rng = rng_state(inputs) if spec.random else []
+        # a random block whose backward runs in chunks keeps its draws (memopt.recompute.draws); others replay
+        recorder = Recorder(batch_of(inputs), spec.where) if spec.random and spec.chunks > 1 else None
+        rng = rng_state(inputs) if spec.random and recorder is None else []
         versions = [b._version for b in block.buffers()]
-        with torch.no_grad():
+        with torch.no_grad(), recorder if recorder is not None else contextlib.nullcontext():
             out = block(*_merged(values, [t.detach() for t in inputs]))  # hooks must not see inputs needing grad
+        draws = recorder.kept if recorder is not None else []
+        ctx.draw_shapes = recorder.shapes if recorder is not None else None
+        ctx.draw_batch = recorder.batch if recorder is not None else None
         ctx.updated = _updated(block, versions)
         if not isinstance(out, torch.Tensor):
             raise TypeError(f"memopt recompute: block {spec.where} returned {type(out).__name__}, expected one "
                             f"tensor")
         kept = _keep(ctx, spec, inputs, 3)
-        ctx.n_kept, ctx.n_inputs = len(kept), n_inputs
+        ctx.n_kept, ctx.n_inputs, ctx.n_rng = len(kept), n_inputs, len(rng)
         ctx.autocast = autocast_state()
-        ctx.save_for_backward(*kept, *rng)
+        ctx.save_for_backward(*kept, *rng, *draws)
         return out
 
     @staticmethod
@@ -139,7 +148,8 @@ class _Recompute(torch.autograd.Function):
                                f"supported; exclude it (RecomputeConfig(segments=...) without it, or "
                                f"Config(recompute=None)) to take second derivatives")
         saved = ctx.saved_tensors
-        inputs, rng = _rebuilt(ctx, spec, saved[:ctx.n_kept]), list(saved[ctx.n_kept:])
+        inputs, rng = _rebuilt(ctx, spec, saved[:ctx.n_kept]), list(saved[ctx.n_kept:ctx.n_kept + ctx.n_rng])
+        draws = saved[ctx.n_kept + ctx.n_rng:]
         params = [p for p in ctx.block.parameters() if p.requires_grad]
         needs = ctx.needs_input_grad[3:3 + ctx.n_inputs]
         if spec.chunks > 1 and grad.dim() > 0 and grad.shape[0] > 1:
@@ -149,13 +159,14 @@ class _Recompute(torch.autograd.Function):
                                    f"its backward cannot run over batch chunks; build its RecomputeSpec with "
                                    f"chunks=1")
             with phase.recompute_backward():
-                input_grads, param_grads = _chunked(ctx, inputs, needs, params, grad)
+                input_grads, param_grads = _chunked(ctx, inputs, needs, params, grad, draws)
             return (None, None, None, *input_grads, *param_grads)
         detached = [t.detach().requires_grad_(need) for t, need in zip(inputs, needs)]
         stats = [(b, b.clone()) for b in ctx.updated]
-        with phase.recompute_backward(), replayed_rng(rng if spec.random else None, inputs):
+        with phase.recompute_backward(), replayed_rng(rng if spec.random and ctx.draw_shapes is None else None,
+                                                      inputs):
             with torch.enable_grad(), replayed_autocast(ctx.autocast):  # the forward's precision, not fp32
-                out = ctx.block(*_merged(ctx.values, detached))
+                out = _again(ctx, detached, draws, 0, ctx.draw_batch)
         del inputs
         wanted = [t for t in detached if t.requires_grad] + params
         with phase.recompute_backward():
@@ -180,7 +191,20 @@ def ranges(batch: int, chunks: int) -> List[Tuple[int, int]]:
     return list(zip(bounds[:-1], bounds[1:]))
 
 
-def _chunked(ctx, inputs: List[torch.Tensor], needs, params: List[torch.Tensor], grad: torch.Tensor):
+def _again(ctx, inputs: List[torch.Tensor], draws: Tuple[torch.Tensor, ...], start: int, stop: int):
+    """The block's second forward on ``inputs`` (rows ``start:stop`` of the batch), given those rows of its first
+    forward's draws where it kept them."""
+    if ctx.draw_shapes is None:
+        return ctx.block(*_merged(ctx.values, inputs))
+    replayer = Replayer(draws, ctx.draw_shapes, start, stop, ctx.spec.where)
+    with replayer:
+        out = ctx.block(*_merged(ctx.values, inputs))
+    replayer.finish()
+    return out
+
+
+def _chunked(ctx, inputs: List[torch.Tensor], needs, params: List[torch.Tensor], grad: torch.Tensor,
+             draws: Tuple[torch.Tensor, ...] = ()):
     """(input gradients, parameter gradients) of a separable block's backward over ``ctx.spec.chunks`` ranges of
     the batch (the inputs whose first dimension is the output's batch are cut; the others, as a rotary table, go
     whole to every range). Each range's input gradient lands in its rows of one tensor; a parameter's gradient
@@ -192,7 +216,7 @@ def _chunked(ctx, inputs: List[torch.Tensor], needs, params: List[torch.Tensor],
     for start, stop in ranges(batch, ctx.spec.chunks):
         part = [(t[start:stop] if c else t).detach().requires_grad_(need) for t, c, need in zip(inputs, cut, needs)]
         with torch.enable_grad(), replayed_autocast(ctx.autocast):
-            out = ctx.block(*_merged(ctx.values, part))
+            out = _again(ctx, part, draws, start, stop)
         wanted = [t for t in part if t.requires_grad] + params
         found = iter(torch.autograd.grad(out, wanted, grad[start:stop], allow_unused=True) if wanted else ())
         del out
