@@ -25,7 +25,9 @@ that differ only in their sizes (the same ranks, dtypes, devices, ``requires_gra
 
 A reused plan skips capture, the soundness check, the planner and the fidelity gate (which ran once, at
 the reference sizes); the graph that runs is the one the passes produced for the new sizes, so a size the
-passes wrote into the graph as a constant is the new one. Anything else plans anew, with the reason logged.
+passes wrote into the graph as a constant is the new one, with the plan's batch chunks (weight gradients,
+recomputed blocks) set again where its layers and blocks take them at these sizes. Anything else plans anew,
+with the reason logged.
 """
 from __future__ import annotations
 
@@ -47,6 +49,8 @@ from memopt.cost_model.analysis import annotate
 from memopt.passes.base import PassContext
 from memopt.passes.planning.candidates import copy_graph_module
 from memopt.passes.manager import passes_for, run_passes
+from memopt.passes.recompute_chunks import set_recompute_chunks
+from memopt.passes.stash.chunks import set_chunks
 from memopt.passes.planning.planner import apply_decision
 from memopt.builder.pipeline import Built, autocast_state, build, decision_set, make_plan
 from memopt.builder.request import Request, Session
@@ -261,6 +265,9 @@ def reuse(reference: Reference, request: Request, signature: List[str]) -> Union
                 "the baseline no longer fits the budget at these sizes")
     if final:  # the plan's decisions (after its fidelity gate's repairs), applied at these sizes: each must apply
         gm, records = apply_decision(base, config, built.plan.chosen_units(), ctx)
+        # and its batch chunks, on the blocks and layers that take them at these sizes (the estimate counts them)
+        set_chunks(gm, built.plan.weight_grad_chunks)
+        set_recompute_chunks(gm, built.plan.recompute_chunks)
     elif budget:
         gm, records = base, []
     else:  # a plan that rewrites nothing: would the passes rewrite something at these sizes?

@@ -12,7 +12,8 @@ import memopt
 from memopt.core.inputs import normalize_inputs
 from memopt.cost_model.analysis import annotate
 from memopt.passes.planning.candidates import copy_graph_module
-from memopt.passes.recompute_chunks import rebatch, recomputed, set_recompute_chunks, why_not_chunked
+from memopt.passes.recompute_chunks import (rebatch, recompute_chunks_of, recomputed, set_recompute_chunks,
+                                           why_not_chunked)
 from memopt.recompute.chunks import recompute_inputs, separable
 from memopt.recompute.ops import RecomputeSpec, ranges, recompute_from_codes
 from memopt.testing.zoo import build
@@ -214,6 +215,23 @@ def test_a_plan_applied_again_keeps_its_recompute_chunks():
     again = memopt.optimize(copy.deepcopy(model), example_inputs=x, optimizer="sgd", plan=om.plan)
     assert again.plan.recompute_chunks == om.plan.recompute_chunks > 1
     assert again.plan.estimated_peak_bytes == om.plan.estimated_peak_bytes
+
+
+def test_a_new_batch_size_served_by_the_plan_keeps_its_recompute_chunks():
+    model, x = _mixer()
+    om = memopt.optimize(model, example_inputs=x, optimizer="sgd")
+    assert om.plan.recompute_chunks > 1
+    bigger = torch.randn(48, 16, 32)
+    om(bigger).sum().backward()
+    reused = om._memopt_last
+    assert type(reused).__name__ == "Reused"  # the plan served the new size: no capture, no planner
+    assert recompute_chunks_of(reused.graph_module) == om.plan.recompute_chunks
+    measured = memopt.measure(om, bigger, optimizer="sgd").peak_bytes
+    assert measured == reused.estimate.peak_bytes
+    whole = copy_graph_module(reused.graph_module)
+    set_recompute_chunks(whole, 1)
+    args, kwargs = normalize_inputs(bigger)
+    assert annotate(whole, args, kwargs, optimizer="sgd").peak_bytes > measured
 
 
 def test_blocks_with_batch_norm_are_never_chunked():
