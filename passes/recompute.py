@@ -97,6 +97,9 @@ def why_not(block: Block) -> Union[str, Tuple[List[fx.Node], fx.Node]]:
             inputs.append(arg)  # a value holding no tensor (attn_mask=None, a size) passes through as it is
         if _inplace_on(node, inside):
             return f"{node.name} modifies an input of the block in place"
+    # a size read off one of its tensor inputs (a dynamic export's ``sym_size``) is read inside the block instead,
+    # so that the block run on part of the batch reads that part's size (memopt.recompute.chunks)
+    inputs = [a for a in inputs if _size_source(a, inputs) is None]
     outputs = [n for n in block.nodes if any(u not in inside for u in n.users)]
     if len(outputs) != 1:
         return f"{len(outputs)} of its values are used outside it (one is needed)"
@@ -106,6 +109,23 @@ def why_not(block: Block) -> Union[str, Tuple[List[fx.Node], fx.Node]]:
     if not any(n.meta[META_KEY].shapes for n in inputs):
         return "it reads no tensor from outside"
     return inputs, outputs[0]
+
+
+def _size_source(node: fx.Node, inputs: List[fx.Node]) -> Optional[Tuple[fx.Node, int]]:
+    """(a tensor among ``inputs``, a dimension of it) whose size is ``node``'s value, where ``node`` is a symbolic
+    size (a dynamic export's ``sym_size`` of the model's input: the same symbol as the block's input's batch);
+    else None."""
+    value = node.meta.get("val")
+    if not isinstance(value, torch.SymInt):
+        return None
+    for source in inputs:
+        tensor = source.meta.get("val")
+        if source is node or not isinstance(tensor, torch.Tensor):
+            continue
+        for dim, size in enumerate(tensor.shape):
+            if isinstance(size, torch.SymInt) and size.node.expr == value.node.expr:
+                return source, dim
+    return None
 
 
 def _inplace_on(node: fx.Node, inside: set) -> bool:
@@ -135,6 +155,10 @@ def _extract(gm: fx.GraphModule, block: Block, inputs: List[fx.Node], output: fx
         for arg in node.all_input_nodes:
             if arg.op == "get_attr" and arg not in env:
                 env[arg] = graph.get_attr(arg.target)
+            elif arg not in env and arg not in inputs:  # a size read off its input inside (see why_not)
+                source, dim = _size_source(arg, inputs)
+                env[arg] = graph.call_function(torch.ops.aten.sym_size.int, (env[source], dim))
+                env[arg].meta = dict(arg.meta)
         env[node] = graph.node_copy(node, lambda n: env[n])
     graph.output(env[output])
     return fx.GraphModule(gm, graph, class_name=f"Recomputed_{block.name}")
@@ -218,6 +242,8 @@ def recompute_pass(gm: fx.GraphModule, cfg: RecomputeConfig, ctx: PassContext) -
             new.meta[DECISION_KEY][INNER_GRAPH_KEY] = attr
         if META_KEY in output.meta:  # shapes for the next block's checks (the re-annotation replaces it)
             new.meta[META_KEY] = dataclasses.replace(output.meta[META_KEY], name=new.name, saved=[], flops=0)
+        if "val" in output.meta:  # the capture's value (symbolic sizes: the next block reads them, _size_source)
+            new.meta["val"] = output.meta["val"]
         output.replace_all_uses_with(new)
         attributes = {a for n in block.nodes for a in n.all_input_nodes if a.op == "get_attr"}
         for node in reversed(block.nodes):

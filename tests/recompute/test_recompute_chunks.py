@@ -234,6 +234,20 @@ def test_a_new_batch_size_served_by_the_plan_keeps_its_recompute_chunks():
     assert annotate(whole, args, kwargs, optimizer="sgd").peak_bytes > measured
 
 
+def test_a_dynamically_exported_graphs_blocks_read_their_batch_off_their_input_and_take_chunks():
+    torch.manual_seed(0)
+    model, x = ExportedMixer(), torch.randn(32, 16, 32)
+    om = memopt.optimize(model, example_inputs=x, optimizer="sgd")
+    bigger = torch.randn(48, 16, 32)
+    om(bigger).sum().backward()  # exported again with the batch dynamic: sizes are sym_size of the model's input
+    built = om._memopt_last
+    nodes = recomputed(built.graph_module)
+    assert nodes and all(why_not_chunked(built.graph_module, n) is None for n in nodes)
+    assert all(not isinstance(a, fx.Node) or a.target is not torch.ops.aten.sym_size.int for n in nodes for a in n.args)
+    assert recompute_chunks_of(built.graph_module) > 1
+    assert memopt.measure(om, bigger, optimizer="sgd").peak_bytes == built.estimate.peak_bytes
+
+
 def test_blocks_with_batch_norm_are_never_chunked():
     model, x = build("tiny_resnet")
     config = memopt.Config(recompute=memopt.RecomputeConfig(segments=None, bits=8), stash=None, fewbit=None,
