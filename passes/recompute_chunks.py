@@ -41,9 +41,22 @@ def recomputed(gm: fx.GraphModule) -> List[fx.Node]:
 def why_not_chunked(gm: fx.GraphModule, node: fx.Node) -> Optional[str]:
     """None where ``node``'s block may run its backward over batch chunks, else why not (measured once:
     ``separable`` on its inputs' shapes, from the cost model's annotation)."""
-    if SEPARABLE_KEY not in node.meta:
-        node.meta[SEPARABLE_KEY] = _measure(gm, node)
-    return node.meta[SEPARABLE_KEY]
+    if SEPARABLE_KEY in node.meta:
+        return node.meta[SEPARABLE_KEY]
+    why = _measure(gm, node)
+    if why is None or not why.endswith(UNANNOTATED):  # not kept: once the graph is annotated it can be measured
+        node.meta[SEPARABLE_KEY] = why
+    return why
+
+
+UNANNOTATED = "has no single tensor shape from the cost model"
+
+
+def unannotated(gm: fx.GraphModule) -> bool:
+    """Whether a recomputed block of ``gm`` reads a node the cost model has not annotated (a node a pass made):
+    annotate ``gm`` before setting chunks, or those blocks are not measured."""
+    return any(isinstance(v, fx.Node) and META_KEY not in v.meta for n in recomputed(gm)
+               for v in argument(n, "inputs"))
 
 
 def _measure(gm: fx.GraphModule, node: fx.Node) -> Optional[str]:
@@ -58,7 +71,7 @@ def _measure(gm: fx.GraphModule, node: fx.Node) -> Optional[str]:
             continue
         cost = value.meta.get(META_KEY)
         if cost is None or len(cost.shapes) != 1:
-            return f"input {value.name} has no single tensor shape from the cost model"
+            return f"input {value.name} {UNANNOTATED}"
         like = Like(cost.shapes[0], getattr(torch, cost.dtypes[0]))
         if batch is None and like.dtype.is_floating_point and like.shape:
             batch = like.shape[0]  # the block's stream: its first floating input

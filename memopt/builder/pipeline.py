@@ -30,7 +30,7 @@ from memopt.passes.manager import passes_for, run_passes
 from memopt.passes.planning.planner import BudgetPlan, apply_decision, fit_decision, plan_for_budget, plan_units
 from memopt.passes.planning.peak_first import every_block_from_codes, peak_first, peak_first_trial
 from memopt.passes.stash.chunks import chunk_to_fit, chunks_of, set_chunks
-from memopt.passes.recompute_chunks import recompute_chunks_of, set_recompute_chunks
+from memopt.passes.recompute_chunks import recompute_chunks_of, set_recompute_chunks, unannotated
 from memopt.cost_model.histograms import record_input_histograms
 from memopt.fewbit.activations import TABLE_ACTIVATIONS
 from memopt.fewbit.activations import ACTIVATIONS
@@ -318,6 +318,8 @@ def _rewrite(session: Session, gm: fx.GraphModule) -> Built:
         gm, records = apply_decision(gm, config, request.plan.chosen_units(), ctx)
         _check_applied(gm, request.plan)
         set_chunks(gm, request.plan.weight_grad_chunks)
+        if request.plan.recompute_chunks > 1 and unannotated(gm):  # the blocks' inputs' shapes, for separable
+            ctx.annotate(gm, simulate=False)
         set_recompute_chunks(gm, request.plan.recompute_chunks)
     elif target is None:
         trial = peak_first_trial(gm, config, ctx, baseline)

@@ -49,7 +49,7 @@ from memopt.cost_model.analysis import annotate
 from memopt.passes.base import PassContext
 from memopt.passes.planning.candidates import copy_graph_module
 from memopt.passes.manager import passes_for, run_passes
-from memopt.passes.recompute_chunks import set_recompute_chunks
+from memopt.passes.recompute_chunks import set_recompute_chunks, unannotated
 from memopt.passes.stash.chunks import set_chunks
 from memopt.passes.planning.planner import apply_decision
 from memopt.builder.pipeline import Built, autocast_state, build, decision_set, make_plan
@@ -267,6 +267,8 @@ def reuse(reference: Reference, request: Request, signature: List[str]) -> Union
         gm, records = apply_decision(base, config, built.plan.chosen_units(), ctx)
         # and its batch chunks, on the blocks and layers that take them at these sizes (the estimate counts them)
         set_chunks(gm, built.plan.weight_grad_chunks)
+        if built.plan.recompute_chunks > 1 and unannotated(gm):  # the blocks' inputs' shapes, for separable
+            annotate(gm, args, kwargs, device=config.device, optimizer=optimizer, simulate=False)
         set_recompute_chunks(gm, built.plan.recompute_chunks)
     elif budget:
         gm, records = base, []

@@ -12,8 +12,9 @@ import memopt
 from memopt.core.inputs import normalize_inputs
 from memopt.cost_model.analysis import annotate
 from memopt.passes.planning.candidates import copy_graph_module
-from memopt.passes.recompute_chunks import (rebatch, recompute_chunks_of, recomputed, set_recompute_chunks,
-                                           why_not_chunked)
+from memopt.core.meta import META_KEY
+from memopt.passes.recompute_chunks import (SEPARABLE_KEY, rebatch, recompute_chunks_of, recomputed,
+                                           set_recompute_chunks, unannotated, why_not_chunked)
 from memopt.recompute.chunks import recompute_inputs, separable
 from memopt.recompute.ops import RecomputeSpec, ranges, recompute_from_codes
 from memopt.testing.zoo import build
@@ -246,6 +247,21 @@ def test_a_dynamically_exported_graphs_blocks_read_their_batch_off_their_input_a
     assert all(not isinstance(a, fx.Node) or a.target is not torch.ops.aten.sym_size.int for n in nodes for a in n.args)
     assert recompute_chunks_of(built.graph_module) > 1
     assert memopt.measure(om, bigger, optimizer="sgd").peak_bytes == built.estimate.peak_bytes
+
+
+def test_a_block_reading_an_unannotated_node_is_measured_once_the_graph_is_annotated():
+    model, x = _mixer()
+    om = memopt.optimize(model, example_inputs=x, optimizer="sgd")
+    gm = copy_graph_module(next(iter(om._memopt_built.values())).graph_module)
+    node = recomputed(gm)[1]
+    node.meta.pop(SEPARABLE_KEY, None)
+    source = next(a for a in node.args if isinstance(a, fx.Node) and a.op != "get_attr")
+    source.meta.pop(META_KEY)  # as a node a pass just made
+    assert unannotated(gm) and why_not_chunked(gm, node).endswith("has no single tensor shape from the cost model")
+    assert SEPARABLE_KEY not in node.meta  # that verdict is not kept
+    args, kwargs = normalize_inputs(x)
+    annotate(gm, args, kwargs, simulate=False)
+    assert not unannotated(gm) and why_not_chunked(gm, node) is None
 
 
 def test_blocks_with_batch_norm_are_never_chunked():
