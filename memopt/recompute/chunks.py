@@ -4,10 +4,10 @@ A block's backward over ranges gives each sample the gradients of the whole batc
 does not mix samples: a BatchNorm in training (its batch statistics), a mean or a sort over the batch make a
 range's run differ from the batch's. Random draws (dropout) are kept from the whole run and each range gets its
 rows of them, as the chunked backward does (``memopt.recompute.draws``); a draw that cannot be kept so refuses.
-Such ops are many and hide behind reshapes, so this is measured, not read off the graph: the
-block runs on made-up inputs of its inputs' shapes and dtypes (a few samples), once whole and once range by range,
-and the ranges' outputs must be the whole run's rows up to rounding: within ``TOLERANCE`` of the dtype's epsilon
-(at most ``MOST``) times the whole run's norm. A matrix product over fewer rows may take another kernel and round
+Such ops are many and hide behind reshapes, so this is measured, not read off the graph: the block runs on made-up
+inputs of its inputs' shapes and dtypes (a few samples), once whole and once range by range (with its backward,
+where a draw refuses), and the ranges' outputs must be the whole run's rows up to rounding: within ``TOLERANCE`` of
+the dtype's epsilon (at most ``MOST``) times the whole run's norm. A matrix product over fewer rows may take another kernel and round
 differently (a 2-D input's at 2 rows against 4), where samples that mix change the output by its own size (a
 BatchNorm over 2 samples against 4, another dropout mask). Everything the runs touch is put back: the block's
 parameters, buffers (BatchNorm statistics) and training flags, and the random generators.
@@ -65,12 +65,18 @@ def separable(block: nn.Module, inputs: Sequence[Any], batch: int) -> Optional[s
 
 
 def _part(block: nn.Module, made: List[Any], cut: List[bool], recorder: Recorder, start: int, stop: int):
-    """The block on rows ``start:stop`` of the made-up batch, given those rows of the whole run's draws."""
+    """The block's output on rows ``start:stop`` of the made-up batch, given those rows of the whole run's draws,
+    and its backward run, as a chunked backward runs both (a draw in the backward refuses: ``DrawError``)."""
+    part = [x[start:stop].detach().requires_grad_(x.is_floating_point()) if c else x for x, c in zip(made, cut)]
+    wanted = [x for x in part if isinstance(x, torch.Tensor) and x.requires_grad]
+    wanted += [p for p in block.parameters() if p.requires_grad]
     replayer = Replayer(recorder.kept, recorder.shapes, start, stop, "")
-    with replayer:
-        out = block(*[x[start:stop] if c else x for x, c in zip(made, cut)])
+    with replayer, torch.enable_grad():
+        out = block(*part)
+        if isinstance(out, torch.Tensor) and out.requires_grad and wanted:
+            torch.autograd.grad(out.sum(), wanted, allow_unused=True)
     replayer.finish()
-    return out
+    return out.detach() if isinstance(out, torch.Tensor) else out
 
 
 def _made_up(like: Like, rows: Optional[int], generator: torch.Generator) -> torch.Tensor:

@@ -6,7 +6,8 @@ sequence). So a block whose backward runs in chunks records what it drew instead
 own does (the same generator calls in the same order, so the forward and the user's random stream are eager's),
 and each draw's mask is kept, one bit per element, rows of the batch first (``ctx.save_for_backward``: the cost
 model and ``memopt.measure`` see it). Each range's second forward then gets its rows of each mask, in the order the
-block drew them, and draws nothing.
+block drew them, and draws nothing; nor may its backward (an op inside that replays the generator in its own
+backward, as a coded attention with dropout does, would draw masks of its own there: refused).
 
 Only draws whose values are 0 or 1 are kept (``bernoulli`` in its forms, which CPU dropout draws its noise with,
 and ``native_dropout``, CUDA's fused dropout, whose mask is returned); any other seeded op (``rand``, ``normal_``)
@@ -89,8 +90,9 @@ class Replayer(TorchDispatchMode):
         if func is not _DROPOUT and func not in _BERNOULLI:
             raise _unsupported(func, self.where)
         if self.used >= len(self.kept):
-            raise DrawError(self.where, f"draws more often in a range's second forward ({func}) than in its "
-                                        f"first ({len(self.kept)} draws)")
+            raise DrawError(self.where, f"draws more often in a range's second forward and its backward ({func}) "
+                                        f"than in its first forward ({len(self.kept)} draws): an op inside that "
+                                        f"replays the generator in its own backward")
         like = args[0]
         shape = (self.stop - self.start, *self.shapes[self.used][1:])
         if tuple(like.shape) != shape:

@@ -163,15 +163,14 @@ class _Recompute(torch.autograd.Function):
             return (None, None, None, *input_grads, *param_grads)
         detached = [t.detach().requires_grad_(need) for t, need in zip(inputs, needs)]
         stats = [(b, b.clone()) for b in ctx.updated]
-        with phase.recompute_backward(), replayed_rng(rng if spec.random and ctx.draw_shapes is None else None,
-                                                      inputs):
-            with torch.enable_grad(), replayed_autocast(ctx.autocast):  # the forward's precision, not fp32
-                out = _again(ctx, detached, draws, 0, ctx.draw_batch)
-        del inputs
         wanted = [t for t in detached if t.requires_grad] + params
-        with phase.recompute_backward():
+        with phase.recompute_backward(), _replaying(ctx, draws, 0, ctx.draw_batch):
+            with replayed_rng(rng if spec.random and ctx.draw_shapes is None else None, inputs):
+                with torch.enable_grad(), replayed_autocast(ctx.autocast):  # the forward's precision, not fp32
+                    out = ctx.block(*_merged(ctx.values, detached))
+            del inputs
             grads = iter(torch.autograd.grad(out, wanted, grad, allow_unused=True) if wanted else ())
-        del out
+            del out
         with torch.no_grad():  # after the grads: BN backward reads the running stats' versions
             for buffer, before in stats:  # the first forward already updated them
                 buffer.copy_(before)
@@ -191,16 +190,18 @@ def ranges(batch: int, chunks: int) -> List[Tuple[int, int]]:
     return list(zip(bounds[:-1], bounds[1:]))
 
 
-def _again(ctx, inputs: List[torch.Tensor], draws: Tuple[torch.Tensor, ...], start: int, stop: int):
-    """The block's second forward on ``inputs`` (rows ``start:stop`` of the batch), given those rows of its first
-    forward's draws where it kept them."""
+@contextlib.contextmanager
+def _replaying(ctx, draws: Tuple[torch.Tensor, ...], start: int, stop: int):
+    """Where the first forward kept its draws: rows ``start:stop`` of them given to the block's second forward, and
+    no draw allowed in its backward (an op inside that replays the generator in its own backward, as a coded
+    attention with dropout does, would draw other masks there: ``Replayer`` refuses it)."""
     if ctx.draw_shapes is None:
-        return ctx.block(*_merged(ctx.values, inputs))
+        yield
+        return
     replayer = Replayer(draws, ctx.draw_shapes, start, stop, ctx.spec.where)
     with replayer:
-        out = ctx.block(*_merged(ctx.values, inputs))
+        yield
     replayer.finish()
-    return out
 
 
 def _chunked(ctx, inputs: List[torch.Tensor], needs, params: List[torch.Tensor], grad: torch.Tensor,
@@ -215,11 +216,12 @@ def _chunked(ctx, inputs: List[torch.Tensor], needs, params: List[torch.Tensor],
     param_grads: List[Optional[torch.Tensor]] = [None] * len(params)
     for start, stop in ranges(batch, ctx.spec.chunks):
         part = [(t[start:stop] if c else t).detach().requires_grad_(need) for t, c, need in zip(inputs, cut, needs)]
-        with torch.enable_grad(), replayed_autocast(ctx.autocast):
-            out = _again(ctx, part, draws, start, stop)
         wanted = [t for t in part if t.requires_grad] + params
-        found = iter(torch.autograd.grad(out, wanted, grad[start:stop], allow_unused=True) if wanted else ())
-        del out
+        with _replaying(ctx, draws, start, stop):
+            with torch.enable_grad(), replayed_autocast(ctx.autocast):
+                out = ctx.block(*_merged(ctx.values, part))
+            found = iter(torch.autograd.grad(out, wanted, grad[start:stop], allow_unused=True) if wanted else ())
+            del out
         for i, t in enumerate(part):
             if not t.requires_grad:
                 continue

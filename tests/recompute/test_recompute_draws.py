@@ -141,3 +141,41 @@ def test_the_default_plan_chunks_blocks_with_dropout_estimate_equal_to_measureme
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         cosine = torch.nn.functional.cosine_similarity(p.grad.flatten().double(), q.grad.flatten().double(), 0)
         assert cosine >= 0.99, name
+
+
+def test_blocks_whose_ops_replay_the_generator_in_backward_refuse_chunks_and_keep_eagers_gradients():
+    """A coded attention with dropout inside a recomputed block runs again in its own backward from the generator
+    state it saved: in a chunked backward it would draw masks of its own, so such blocks are not chunked."""
+    from memopt.passes.recompute_chunks import recomputed, why_not_chunked
+    from memopt.testing.zoo import EncoderBlock
+
+    class LM(nn.Module):  # a large head after the blocks: the default plan recomputes them from codes
+        def __init__(self, vocab=1024, d=64):
+            super().__init__()
+            self.embed = nn.Embedding(vocab, d)
+            self.blocks = nn.Sequential(*[EncoderBlock(d, 4) for _ in range(6)])
+            self.norm, self.head = nn.LayerNorm(d), nn.Linear(d, vocab)
+
+        def forward(self, ids):
+            return self.head(self.norm(self.blocks(self.embed(ids))))
+
+    torch.manual_seed(0)
+    model, x = LM().train(), torch.randint(0, 1024, (8, 64))
+    reference = copy.deepcopy(model)
+    om = memopt.optimize(model, example_inputs=x)
+    gm = om._memopt_last.graph_module
+    nodes = [n for n in recomputed(gm) if "coded_call" in getattr(gm, n.args[0].target).code]
+    assert nodes, "no block recomputed with a coded op inside"
+    for node in nodes:
+        assert "replays the generator in its own backward" in why_not_chunked(gm, node)
+        assert RecomputeSpec.of(node).chunks == 1
+    torch.manual_seed(1)
+    out = om(x)
+    torch.manual_seed(1)
+    ref = reference(x)
+    assert torch.equal(out, ref)
+    out.logsumexp(-1).mean().backward()
+    ref.logsumexp(-1).mean().backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        cosine = torch.nn.functional.cosine_similarity(p.grad.flatten().double(), q.grad.flatten().double(), 0)
+        assert cosine >= 0.99, name
