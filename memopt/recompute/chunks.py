@@ -7,10 +7,10 @@ rows of them, as the chunked backward does (``memopt.recompute.draws``); a draw 
 Such ops are many and hide behind reshapes, so this is measured, not read off the graph: the block runs on made-up
 inputs of its inputs' shapes and dtypes (a few samples), once whole and once range by range (with its backward,
 where a draw refuses), and the ranges' outputs must be the whole run's rows up to rounding: within ``TOLERANCE`` of
-the dtype's epsilon (at most ``MOST``) times the whole run's norm. A matrix product over fewer rows may take another kernel and round
-differently (a 2-D input's at 2 rows against 4), where samples that mix change the output by its own size (a
-BatchNorm over 2 samples against 4, another dropout mask). Everything the runs touch is put back: the block's
-parameters, buffers (BatchNorm statistics) and training flags, and the random generators.
+the dtype's epsilon (at most ``MOST``) times the whole run's norm. A matrix product over fewer rows may take another
+kernel and round differently (a 2-D input's at 2 rows against 4), where samples that mix change the output by its
+own size (a BatchNorm over 2 samples against 4, another dropout mask). Everything the runs touch is put back: the
+block's parameters, buffers (BatchNorm statistics) and training flags, and the random generators.
 """
 from __future__ import annotations
 

@@ -17,6 +17,7 @@ from memopt.passes.recompute_chunks import (SEPARABLE_KEY, rebatch, recompute_ch
                                            set_recompute_chunks, unannotated, why_not_chunked)
 from memopt.recompute.chunks import recompute_inputs, separable
 from memopt.recompute.ops import RecomputeSpec, ranges, recompute_from_codes
+from memopt.testing.compare import forward_identical_gradients_close
 from memopt.testing.zoo import build
 
 
@@ -98,19 +99,6 @@ def _cosine(a, b):
     return torch.nn.functional.cosine_similarity(a.flatten().double(), b.flatten().double(), 0).item()
 
 
-def _forward_identical_gradients_close(om, model, reference, x):
-    """The optimized module's training forward is eager's bit for bit, and every gradient at the gate's bar."""
-    torch.manual_seed(1)
-    out = om(x)
-    torch.manual_seed(1)
-    ref = reference(x)
-    assert torch.equal(out, ref)
-    out.logsumexp(-1).mean().backward()
-    ref.logsumexp(-1).mean().backward()
-    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
-        assert _cosine(p.grad, q.grad) >= 0.99, name
-
-
 @pytest.mark.parametrize("batch,chunks", [(8, 2), (7, 3), (3, 8), (5, 1)])
 def test_ranges_are_tensor_splits(batch, chunks):
     expected = [(int(r[0]), int(r[-1]) + 1) for r in torch.arange(batch).tensor_split(min(chunks, batch))]
@@ -176,7 +164,7 @@ def test_the_default_plan_chunks_recomputed_blocks_where_the_peak_falls_inside_o
     assert set_recompute_chunks(whole, 1) == 0
     args, kwargs = normalize_inputs(x)
     assert annotate(whole, args, kwargs, optimizer="sgd").peak_bytes > plan.estimated_peak_bytes
-    _forward_identical_gradients_close(om, model, reference, x)
+    forward_identical_gradients_close(om, model, reference, x)
 
 
 def test_an_exported_graphs_blocks_read_the_batch_again_and_take_chunks():
@@ -186,7 +174,7 @@ def test_an_exported_graphs_blocks_read_the_batch_again_and_take_chunks():
     om = memopt.optimize(model, example_inputs=x, optimizer="sgd")
     assert om.plan.capture == "export" and om.plan.recompute_chunks > 1
     assert memopt.measure(om, x, optimizer="sgd").peak_bytes == om.plan.estimated_peak_bytes
-    _forward_identical_gradients_close(om, model, reference, x)
+    forward_identical_gradients_close(om, model, reference, x)
 
 
 def test_rebatch_reads_the_batch_from_the_input_and_its_undo_puts_the_graph_back():

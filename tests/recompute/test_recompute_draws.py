@@ -12,6 +12,7 @@ import memopt
 from memopt.recompute.chunks import recompute_inputs, separable
 from memopt.recompute.draws import DrawError
 from memopt.recompute.ops import RecomputeSpec, recompute_from_codes
+from memopt.testing.compare import forward_identical_gradients_close
 
 
 class DroppedBlock(nn.Module):
@@ -130,17 +131,7 @@ def test_the_default_plan_chunks_blocks_with_dropout_estimate_equal_to_measureme
     om = memopt.optimize(model, example_inputs=x, optimizer="sgd")
     assert om.plan.recompute_chunks > 1 and om.plan.fidelity["passed"]
     assert memopt.measure(om, x, optimizer="sgd").peak_bytes == om.plan.estimated_peak_bytes
-    torch.manual_seed(1)
-    out = om(x)
-    after = torch.get_rng_state()
-    torch.manual_seed(1)
-    ref = reference(x)
-    assert torch.equal(out, ref) and torch.equal(after, torch.get_rng_state())
-    out.logsumexp(-1).mean().backward()
-    ref.logsumexp(-1).mean().backward()
-    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
-        cosine = torch.nn.functional.cosine_similarity(p.grad.flatten().double(), q.grad.flatten().double(), 0)
-        assert cosine >= 0.99, name
+    forward_identical_gradients_close(om, model, reference, x)
 
 
 def test_blocks_whose_ops_replay_the_generator_in_backward_refuse_chunks_and_keep_eagers_gradients():
@@ -169,13 +160,4 @@ def test_blocks_whose_ops_replay_the_generator_in_backward_refuse_chunks_and_kee
     for node in nodes:
         assert "replays the generator in its own backward" in why_not_chunked(gm, node)
         assert RecomputeSpec.of(node).chunks == 1
-    torch.manual_seed(1)
-    out = om(x)
-    torch.manual_seed(1)
-    ref = reference(x)
-    assert torch.equal(out, ref)
-    out.logsumexp(-1).mean().backward()
-    ref.logsumexp(-1).mean().backward()
-    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
-        cosine = torch.nn.functional.cosine_similarity(p.grad.flatten().double(), q.grad.flatten().double(), 0)
-        assert cosine >= 0.99, name
+    forward_identical_gradients_close(om, model, reference, x)
