@@ -6,8 +6,9 @@ sequence). So a block whose backward runs in chunks records what it drew instead
 own does (the same generator calls in the same order, so the forward and the user's random stream are eager's),
 and each draw's mask is kept, one bit per element, rows of the batch first (``ctx.save_for_backward``: the cost
 model and ``memopt.measure`` see it). Each range's second forward then gets its rows of each mask, in the order the
-block drew them, and draws nothing; nor may its backward (an op inside that replays the generator in its own
-backward, as a coded attention with dropout does, would draw masks of its own there: refused).
+block drew them, and draws nothing; an op inside that replays its draws in its own backward (a coded attention
+with dropout saves the generator's state for it) is given the same rows again there, from the position it saved
+in place of the state (``memopt.runtime.rng``); any other draw in the backward is refused.
 
 Only draws whose values are 0 or 1 are kept (``bernoulli`` in its forms, which CPU dropout draws its noise with,
 and ``native_dropout``, CUDA's fused dropout, whose mask is returned); any other seeded op (``rand``, ``normal_``)
@@ -16,13 +17,15 @@ and refuses too.
 """
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import List, Optional, Sequence, Tuple
+from typing import Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from memopt.runtime.bitpack import pack_bits, unpack_bits
+from memopt.runtime.rng import drawing_from
 
 aten = torch.ops.aten
 # seeded ops whose result (for native_dropout: its mask, the second output) holds only 0 and 1
@@ -75,13 +78,42 @@ class Recorder(TorchDispatchMode):
 
 class Replayer(TorchDispatchMode):
     """Gives each draw of the ops run under it rows ``start:stop`` of the ``Recorder``'s draw of the same rank,
-    drawing nothing; ``finish()`` checks that every recorded draw was asked for."""
+    drawing nothing; ``finish()`` checks that every recorded draw was asked for. It is the draw source of those ops
+    (``memopt.runtime.rng.drawing_from``): one that saves the generator's state to replay its draws in its own
+    backward (a coded attention with dropout) saves this replayer's position instead, and its backward is given the
+    same rows again from there (``from_position``); any other draw in the backward is refused."""
 
     def __init__(self, kept: Sequence[torch.Tensor], shapes: Sequence[Tuple[int, ...]], start: int, stop: int,
                  where: str) -> None:
         super().__init__()
         self.kept, self.shapes, self.start, self.stop, self.where = kept, shapes, start, stop, where
         self.used = 0
+        self._source = None
+
+    def __enter__(self):
+        self._source = drawing_from(self)
+        self._source.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self._source.__exit__(*exc)
+
+    def position(self) -> int:
+        """The rank of the next draw."""
+        return self.used
+
+    @contextlib.contextmanager
+    def from_position(self, position: int) -> Iterator[None]:
+        """Serve draws from rank ``position`` on while the body runs (an op's backward drawing its forward's draws
+        again), then go on from where the replayer was."""
+        before, self.used = self.used, position
+        try:
+            yield
+        finally:
+            self.used = before
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -91,8 +123,7 @@ class Replayer(TorchDispatchMode):
             raise _unsupported(func, self.where)
         if self.used >= len(self.kept):
             raise DrawError(self.where, f"draws more often in a range's second forward and its backward ({func}) "
-                                        f"than in its first forward ({len(self.kept)} draws): an op inside that "
-                                        f"replays the generator in its own backward")
+                                        f"than in its first forward ({len(self.kept)} draws)")
         like = args[0]
         shape = (self.stop - self.start, *self.shapes[self.used][1:])
         if tuple(like.shape) != shape:

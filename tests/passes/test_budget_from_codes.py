@@ -55,8 +55,9 @@ def test_every_block_from_codes_meets_a_budget_the_planner_misses(planner_misses
 
 def test_a_budget_below_both_names_the_lower_least_and_without_codes_only_the_planner_s(planner_misses):
     model, x = _model()
+    # every block recomputed from codes, their backward in batch chunks (their dropout's draws kept as bits)
     with pytest.raises(BudgetError, match=r"budget_mb=10\.0 .* cannot be met for TinyViT: the smallest estimated "
-                                          r"peak with the current config is 17\.\d+ MiB") as caught:
+                                          r"peak with the current config is 11\.\d+ MiB") as caught:
         memopt.optimize(copy.deepcopy(model), budget_mb=10.0, example_inputs=x, optimizer="sgd")
     from_codes = caught.value.minimum_bytes
     config = memopt.Config(recompute=memopt.RecomputeConfig(peak_first_bits=None))

@@ -134,10 +134,37 @@ def test_the_default_plan_chunks_blocks_with_dropout_estimate_equal_to_measureme
     forward_identical_gradients_close(om, model, reference, x)
 
 
-def test_blocks_whose_ops_replay_the_generator_in_backward_refuse_chunks_and_keep_eagers_gradients():
+class _NoisyBackward(torch.autograd.Function):
+    """Doubles its input; its backward drops half the gradient by a fresh mask, a draw the forward never made."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return 2 * x
+
+    @staticmethod
+    def backward(ctx, grad):
+        noise = torch.empty_like(grad).bernoulli_(0.5)
+        return 2 * grad * noise
+
+
+class NoisyBackward(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.drop = nn.Linear(16, 16), nn.Dropout(0.5)
+
+    def forward(self, x):
+        return x + _NoisyBackward.apply(self.drop(self.fc(x)))
+
+
+def test_a_draw_only_in_backward_is_refused():
+    why = separable(NoisyBackward().train(), recompute_inputs([torch.randn(8, 16)]), 8)
+    assert "draws more often in a range's second forward and its backward (aten.bernoulli_.float)" in why
+
+
+def test_ops_that_replay_their_draws_in_backward_are_given_the_same_rows_there():
     """A coded attention with dropout inside a recomputed block runs again in its own backward from the generator
-    state it saved: in a chunked backward it would draw masks of its own, so such blocks are not chunked."""
-    from memopt.passes.recompute_chunks import recomputed, why_not_chunked
+    state it saved; in a chunked backward it saves the replayer's position instead and is given the same masks."""
+    from memopt.passes.recompute_chunks import recomputed, set_recompute_chunks, why_not_chunked
     from memopt.testing.zoo import EncoderBlock
 
     class LM(nn.Module):  # a large head after the blocks: the default plan recomputes them from codes
@@ -156,8 +183,13 @@ def test_blocks_whose_ops_replay_the_generator_in_backward_refuse_chunks_and_kee
     om = memopt.optimize(model, example_inputs=x)
     gm = om._memopt_last.graph_module
     nodes = [n for n in recomputed(gm) if "coded_call" in getattr(gm, n.args[0].target).code]
-    assert nodes, "no block recomputed with a coded op inside"
-    for node in nodes:
-        assert "replays the generator in its own backward" in why_not_chunked(gm, node)
-        assert RecomputeSpec.of(node).chunks == 1
+    assert nodes and all(why_not_chunked(gm, n) is None for n in nodes), "no chunkable block with a coded op inside"
+    assert om.plan.recompute_chunks > 1
     forward_identical_gradients_close(om, model, reference, x)
+    chunked = [p.grad.clone() for p in model.parameters()]
+    set_recompute_chunks(gm, 1)
+    model.zero_grad()
+    torch.manual_seed(1)
+    om(x).logsumexp(-1).mean().backward()
+    for name, p, g in zip([n for n, _ in model.named_parameters()], model.parameters(), chunked):
+        assert torch.allclose(g, p.grad, rtol=1e-4, atol=1e-7), name
