@@ -48,12 +48,18 @@ def _seeded(func) -> bool:
 
 
 def _drew(func, args, kwargs) -> bool:
-    """Whether this call draws: native_dropout outside training or at p 0 or 1 returns without drawing."""
-    if func is not _DROPOUT:
+    """Whether this call draws: native_dropout outside training or at p 0 or 1 returns without drawing, and a fused
+    attention (seeded for its dropout) at ``dropout_p`` 0, as every attention without dropout calls it."""
+    if func is _DROPOUT:
+        p = args[1] if len(args) > 1 else kwargs.get("p")
+        train = args[2] if len(args) > 2 else kwargs.get("train")
+        return train is not False and 0 < p < 1
+    arguments = func._schema.arguments
+    index = next((i for i, a in enumerate(arguments) if a.name == "dropout_p"), None)
+    if index is None:
         return True
-    p = args[1] if len(args) > 1 else kwargs.get("p")
-    train = args[2] if len(args) > 2 else kwargs.get("train")
-    return train is not False and 0 < p < 1
+    p = kwargs.get("dropout_p", args[index] if index < len(args) else arguments[index].default_value)
+    return p != 0
 
 
 class Recorder(TorchDispatchMode):

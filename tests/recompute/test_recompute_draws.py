@@ -98,6 +98,25 @@ def test_the_draws_are_kept_as_one_bit_per_element_through_save_for_backward():
     assert not any(t.dtype == torch.uint8 and t.dim() == 1 for t in saved)  # no generator state kept
 
 
+class SelfAttention(nn.Module):
+    def __init__(self, p):
+        super().__init__()
+        self.p = p
+
+    def forward(self, x):
+        q = x.view(x.shape[0], x.shape[1], 4, -1).transpose(1, 2)
+        y = torch.nn.functional.scaled_dot_product_attention(q, q, q, dropout_p=self.p)
+        return y.transpose(1, 2).reshape(x.shape)
+
+
+def test_an_attention_without_dropout_draws_nothing_and_with_dropout_keeps_its_draws():
+    """A CPU fused attention is a seeded op even at dropout_p 0 (every attention without dropout calls it): no draw.
+    With dropout, CPU attention runs its math path, whose dropout draws with bernoulli, kept as bits."""
+    x = torch.randn(8, 6, 32)
+    assert separable(SelfAttention(0.0), recompute_inputs([x]), 8) is None
+    assert separable(SelfAttention(0.2), recompute_inputs([x]), 8) is None
+
+
 def test_blocks_whose_draws_cannot_be_kept_or_cut_are_not_separable():
     x, tokens, block = torch.randn(8, 16), torch.randn(8, 6, 16), DroppedBlock(16, 32).train()
     rng = torch.get_rng_state()
