@@ -192,9 +192,9 @@ def ranges(batch: int, chunks: int) -> List[Tuple[int, int]]:
 
 @contextlib.contextmanager
 def _replaying(ctx, draws: Tuple[torch.Tensor, ...], start: int, stop: int):
-    """Where the first forward kept its draws: rows ``start:stop`` of them given to the block's second forward, and
-    no draw allowed in its backward (an op inside that replays the generator in its own backward, as a coded
-    attention with dropout does, would draw other masks there: ``Replayer`` refuses it)."""
+    """Where the first forward kept its draws: rows ``start:stop`` of them given to the block's second forward and
+    its backward (an op inside that replays its draws in its own backward, as a coded attention with dropout does,
+    is given the same rows there; any other draw in the backward is refused: ``Replayer``)."""
     if ctx.draw_shapes is None:
         yield
         return
