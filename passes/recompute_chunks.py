@@ -43,20 +43,21 @@ def why_not_chunked(gm: fx.GraphModule, node: fx.Node) -> Optional[str]:
     ``separable`` on its inputs' shapes, from the cost model's annotation)."""
     if SEPARABLE_KEY in node.meta:
         return node.meta[SEPARABLE_KEY]
-    why = _measure(gm, node)
-    if why is None or not why.endswith(UNANNOTATED):  # not kept: once the graph is annotated it can be measured
-        node.meta[SEPARABLE_KEY] = why
-    return why
+    missing = _unannotated_input(node)
+    if missing is not None:  # not kept: once the graph is annotated the block can be measured
+        return f"input {missing.name} has no single tensor shape from the cost model"
+    node.meta[SEPARABLE_KEY] = _measure(gm, node)
+    return node.meta[SEPARABLE_KEY]
 
 
-UNANNOTATED = "has no single tensor shape from the cost model"
+def _unannotated_input(node: fx.Node) -> Optional[fx.Node]:
+    return next((v for v in argument(node, "inputs") if isinstance(v, fx.Node) and META_KEY not in v.meta), None)
 
 
 def unannotated(gm: fx.GraphModule) -> bool:
     """Whether a recomputed block of ``gm`` reads a node the cost model has not annotated (a node a pass made):
     annotate ``gm`` before setting chunks, or those blocks are not measured."""
-    return any(isinstance(v, fx.Node) and META_KEY not in v.meta for n in recomputed(gm)
-               for v in argument(n, "inputs"))
+    return any(_unannotated_input(n) is not None for n in recomputed(gm))
 
 
 def _measure(gm: fx.GraphModule, node: fx.Node) -> Optional[str]:
@@ -69,9 +70,9 @@ def _measure(gm: fx.GraphModule, node: fx.Node) -> Optional[str]:
         if not isinstance(value, fx.Node):
             inputs.append(value)
             continue
-        cost = value.meta.get(META_KEY)
-        if cost is None or len(cost.shapes) != 1:
-            return f"input {value.name} {UNANNOTATED}"
+        cost = value.meta[META_KEY]
+        if len(cost.shapes) != 1:
+            return f"input {value.name} has no single tensor shape from the cost model"
         like = Like(cost.shapes[0], getattr(torch, cost.dtypes[0]))
         if batch is None and like.dtype.is_floating_point and like.shape:
             batch = like.shape[0]  # the block's stream: its first floating input

@@ -29,8 +29,8 @@ from memopt.passes.planning.candidates import rewritten_units
 from memopt.passes.manager import passes_for, run_passes
 from memopt.passes.planning.planner import BudgetPlan, apply_decision, fit_decision, plan_for_budget, plan_units
 from memopt.passes.planning.peak_first import every_block_from_codes, peak_first, peak_first_trial
-from memopt.passes.stash.chunks import chunk_to_fit, chunks_of, set_chunks
-from memopt.passes.recompute_chunks import recompute_chunks_of, set_recompute_chunks, unannotated
+from memopt.passes.stash.chunks import apply_chunks, chunk_to_fit, chunks_of
+from memopt.passes.recompute_chunks import recompute_chunks_of, set_recompute_chunks
 from memopt.cost_model.histograms import record_input_histograms
 from memopt.fewbit.activations import TABLE_ACTIVATIONS
 from memopt.fewbit.activations import ACTIVATIONS
@@ -317,10 +317,8 @@ def _rewrite(session: Session, gm: fx.GraphModule) -> Built:
     if request.plan is not None:
         gm, records = apply_decision(gm, config, request.plan.chosen_units(), ctx)
         _check_applied(gm, request.plan)
-        set_chunks(gm, request.plan.weight_grad_chunks)
-        if request.plan.recompute_chunks > 1 and unannotated(gm):  # the blocks' inputs' shapes, for separable
-            ctx.annotate(gm, simulate=False)
-        set_recompute_chunks(gm, request.plan.recompute_chunks)
+        apply_chunks(gm, request.plan.weight_grad_chunks, request.plan.recompute_chunks,
+                     lambda g: ctx.annotate(g, simulate=False))
     elif target is None:
         trial = peak_first_trial(gm, config, ctx, baseline)
         pristine = copy_graph_module(gm) if trial is not None else None  # the default run rewrites gm in place

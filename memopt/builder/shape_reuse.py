@@ -49,8 +49,7 @@ from memopt.cost_model.analysis import annotate
 from memopt.passes.base import PassContext
 from memopt.passes.planning.candidates import copy_graph_module
 from memopt.passes.manager import passes_for, run_passes
-from memopt.passes.recompute_chunks import set_recompute_chunks, unannotated
-from memopt.passes.stash.chunks import set_chunks
+from memopt.passes.stash.chunks import apply_chunks
 from memopt.passes.planning.planner import apply_decision
 from memopt.builder.pipeline import Built, autocast_state, build, decision_set, make_plan
 from memopt.builder.request import Request, Session
@@ -266,10 +265,8 @@ def reuse(reference: Reference, request: Request, signature: List[str]) -> Union
     if final:  # the plan's decisions (after its fidelity gate's repairs), applied at these sizes: each must apply
         gm, records = apply_decision(base, config, built.plan.chosen_units(), ctx)
         # and its batch chunks, on the blocks and layers that take them at these sizes (the estimate counts them)
-        set_chunks(gm, built.plan.weight_grad_chunks)
-        if built.plan.recompute_chunks > 1 and unannotated(gm):  # the blocks' inputs' shapes, for separable
-            annotate(gm, args, kwargs, device=config.device, optimizer=optimizer, simulate=False)
-        set_recompute_chunks(gm, built.plan.recompute_chunks)
+        apply_chunks(gm, built.plan.weight_grad_chunks, built.plan.recompute_chunks,
+                     lambda g: annotate(g, args, kwargs, device=config.device, optimizer=optimizer, simulate=False))
     elif budget:
         gm, records = base, []
     else:  # a plan that rewrites nothing: would the passes rewrite something at these sizes?

@@ -18,6 +18,7 @@ and refuses too.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from typing import Iterator, List, Optional, Sequence, Tuple
 
@@ -43,7 +44,9 @@ class DrawError(RuntimeError):
         self.reason = reason
 
 
+@functools.lru_cache(maxsize=None)
 def _seeded(func) -> bool:
+    """Whether ``func`` may draw (asked of every op the modes see, so cached per op)."""
     return torch.Tag.nondeterministic_seeded in getattr(func, "tags", ())
 
 
@@ -76,7 +79,9 @@ class Recorder(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         if _seeded(func) and _drew(func, args, kwargs):
-            mask = out[1] if func is _DROPOUT else _bernoulli_result(func, out, self.where)
+            if func is not _DROPOUT and func not in _BERNOULLI:
+                raise _unsupported(func, self.where)
+            mask = out[1] if func is _DROPOUT else out
             self.kept.append(_pack_rows(mask, self.batch, func, self.where))
             self.shapes.append(tuple(mask.shape))
         return out
@@ -152,12 +157,6 @@ class Replayer(TorchDispatchMode):
 
 def _unsupported(func, where: str) -> DrawError:
     return DrawError(where, f"draws with {func}, whose values are not only 0 and 1 (not kept as bits)")
-
-
-def _bernoulli_result(func, out: torch.Tensor, where: str) -> torch.Tensor:
-    if func not in _BERNOULLI:
-        raise _unsupported(func, where)
-    return out
 
 
 def _pack_rows(mask: torch.Tensor, batch: int, func, where: str) -> torch.Tensor:

@@ -22,7 +22,7 @@ from torch import fx
 from memopt.core.meta import decided_nodes
 from memopt.cost_model.analysis import Estimate
 from memopt.passes.chunking import fit_levels
-from memopt.passes.recompute_chunks import recompute_chunks_to_fit
+from memopt.passes.recompute_chunks import recompute_chunks_to_fit, set_recompute_chunks, unannotated
 from memopt.stash.generic import conv_from_codes, linear_from_codes, matmul_from_codes
 from memopt.stash.ops import conv_from_stash, linear_from_stash
 
@@ -57,6 +57,17 @@ def set_chunks(gm: fx.GraphModule, chunks: int) -> int:
     for owner in {id(n.graph): n.graph.owning_module for n in found}.values():  # gm, and each block's own graph
         owner.recompile()
     return len(found)
+
+
+def apply_chunks(gm: fx.GraphModule, weight_grad: int, recompute: int,
+                 shapes: Callable[[fx.GraphModule], Estimate]) -> None:
+    """Set a plan's chunk levels on ``gm`` (the plan applied again, or at other sizes): its weight gradients', and
+    its recomputed blocks' where they take them. ``shapes(gm)`` annotates ``gm`` first where a block reads a node
+    a pass made, which the cost model has not seen (measuring a block needs its inputs' shapes)."""
+    set_chunks(gm, weight_grad)
+    if recompute > 1 and unannotated(gm):
+        shapes(gm)
+    set_recompute_chunks(gm, recompute)
 
 
 def chunk_to_fit(gm: fx.GraphModule, estimate: Estimate, target: Optional[int],
