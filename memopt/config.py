@@ -84,13 +84,15 @@ class Config:
             "cuda" works on a machine without a GPU: planning runs on fake tensors.
         workspace_mb: MiB the budget planner keeps free below ``budget_mb`` for what the cost model does
             not see: cuDNN / cuBLAS workspaces and the caching allocator's 512-byte rounding. Default
-            None: ``CUDA_WORKSPACE_MB`` (64) when planning for CUDA, 0 on CPU, where the estimate is the
-            bytes of the tensors alive (``memopt.measure``'s figure) but a process's resident set runs above
-            it by what kernels allocate inside an op (oneDNN's reorders of convolution inputs and outputs)
-            and what optimize() leaves in the process: set it to keep those free when the budget is the
-            process's resident memory (docs/results/peak/largest_batch_resnet50_budget.md). The CUDA default
-            sits above the largest gap measured between a step's peak and its estimate (see
-            docs/results/cuda/cuda.md); with cuDNN autotuning on a large free GPU, more may be taken.
+            None: ``CUDA_WORKSPACE_MB`` (64) when planning for CUDA; on CPU, where the budget is the process's
+            resident memory, what the build itself leaves held in the process (measured: the math library's
+            buffer pools and the caches of its checks, ``memopt.core.heap.ResidentGrowth``; reported as
+            ``Plan.process_held_bytes``), so a first build in a process keeps more free than a later one. A
+            number replaces either. Not counted on CPU either way: what kernels allocate inside an op (oneDNN's
+            reorders of convolution inputs and outputs, docs/results/peak/largest_batch_resnet50_budget.md):
+            set a number to keep that free for a CNN. The CUDA default sits above the largest gap measured
+            between a step's peak and its estimate (see docs/results/cuda/cuda.md); with cuDNN autotuning on a
+            large free GPU, more may be taken.
         fidelity: the fidelity gate (``FidelityConfig``; None turns it off): plans without a budget are checked
             per parameter against exact gradients on the example inputs and repaired where they miss.
         prefer: how the budget planner trades gradient fidelity against step time when a ``budget_mb`` needs

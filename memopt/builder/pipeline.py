@@ -16,8 +16,10 @@ from memopt.cost_model.analysis import Estimate
 from memopt.capture.trace import Captured, capture, check_inputs, export_capture, flat_inputs, opaque_functions
 from memopt.config import Config
 from memopt.core.errors import BudgetError, MemoptError
-from memopt.record.plan import NodePlan, Plan, node_plans, option_label
+from memopt.core.heap import ResidentGrowth
+from memopt.record.plan import Plan, node_plans, option_label
 from memopt.fidelity.gate import has_lossy_units
+from memopt.builder.budget_message import budget_message
 from memopt.builder.request import Request, Session
 from memopt.capture.soundness import Soundness, check_capture
 from memopt.passes.planning.candidates import copy_graph_module
@@ -33,7 +35,6 @@ from memopt.passes.stash.chunks import apply_chunks, chunk_to_fit, chunks_of
 from memopt.passes.recompute_chunks import recompute_chunks_of, set_recompute_chunks
 from memopt.cost_model.histograms import record_input_histograms
 from memopt.fewbit.activations import TABLE_ACTIVATIONS
-from memopt.fewbit.activations import ACTIVATIONS
 
 
 log = logging.getLogger("memopt")
@@ -148,6 +149,9 @@ def build(request: Request, whole: bool = True, capture_fn: Callable[[nn.Module,
     """
     model, args, kwargs, config = request.model, request.args, request.kwargs, request.config
     check_inputs(model, args, kwargs)
+    # a budget in a CPU process's resident memory: what this build leaves held counts (measured from here)
+    growth = ResidentGrowth() if request.budget_bytes is not None and request.plan is None and \
+        config.workspace_mb is None else None
     captured = capture_fn(model, args, kwargs)
     if checked is None and captured.method == "symbolic_trace":
         exported, checked = _without_opaque_functions(model, args, kwargs, captured)
@@ -164,19 +168,51 @@ def build(request: Request, whole: bool = True, capture_fn: Callable[[nn.Module,
                           (lambda a, k: export_capture(model, a, k).graph_module) if captured.method == "export" else
                           (lambda a, k: capture(model, a, k).graph_module))
     session = Session(request, captured.method, ctx.annotate(gm), ctx, recapture=recapture)
+    session.growth = growth if session.baseline.device == "cpu" else None
     # the soundness check runs an export graph captured on its slice as the gate will: the gate is handed that graph
     soundness = checked or check_capture(model, gm, captured.method, args, kwargs, recapture=recapture)
     if config.fewbit is not None and config.fewbit.weight == "data" and not _has_meta(args, kwargs):
         record_input_histograms(gm, flat_inputs(gm, args, kwargs), TABLE_ACTIVATIONS, config.fewbit.domain)
     gated = config.fidelity is not None and request.plan is None and soundness.checked
     session.pristine = copy_graph_module(gm)  # the no-budget rewrite works on gm itself
+    if session.growth is not None:
+        session.reserve_bytes = session.growth.bytes()
+    built, initial = _rewrite_and_gate(session, gm, gated)
+    if session.growth is not None:
+        built, initial = _within_process(session, built, initial, gated)
+    built.plan.soundness = soundness.to_dict()
+    built.captured, built.method, built.initial = session.pristine, captured.method, initial
+    return built
+
+
+def _rewrite_and_gate(session: Session, gm: fx.GraphModule, gated: bool) -> Tuple[Built, FrozenSet]:
+    """The plan of ``gm`` (``_rewrite``), gated where it is lossy; with the decision before the gate."""
     built = _rewrite(session, gm)
     initial = decision_set(built.graph_module)
     if gated and has_lossy_units(built.plan.units):
         built = _gate(session, built)
-    built.plan.soundness = soundness.to_dict()
-    built.captured, built.method, built.initial = session.pristine, captured.method, initial
-    return built
+    return built, initial
+
+
+def _within_process(session: Session, built: Built, initial: FrozenSet, gated: bool) -> Tuple[Built, FrozenSet]:
+    """A CPU budget build's plan within the budget less what the build left held in the process.
+
+    The planner kept free what the build held when it planned; the gate's reference step in float64 and the
+    plan's own steps leave more (their buffer pools). Where the plan's estimate no longer fits beside all of it,
+    it is planned and gated once more for the budget less the whole of it, which a second planning in the same
+    process hardly grows."""
+    held = session.growth.bytes()
+    budget = session.request.budget_bytes - session.config.workspace_bytes(session.baseline.device)
+    if held > session.reserve_bytes and built.plan.estimated_peak_bytes + held > budget:
+        log.info("memopt: %s: the build left %s held in this process (%s when it planned); its plan's estimated "
+                 "peak %s does not fit beside it in budget_mb=%.1f: planning again for %s", session.request.name,
+                 fmt_bytes(held), fmt_bytes(session.reserve_bytes), fmt_bytes(built.plan.estimated_peak_bytes),
+                 session.request.budget_bytes / 2**20, fmt_bytes(budget - held))
+        session.reserve_bytes = held
+        built, initial = _rewrite_and_gate(session, copy_graph_module(session.pristine), gated)
+        held = max(held, session.growth.bytes())
+    built.plan.process_held_bytes = held
+    return built, initial
 
 
 def decision_set(gm: fx.GraphModule) -> FrozenSet[Tuple[str, str, Optional[int]]]:
@@ -240,14 +276,20 @@ def _gate(session: Session, built: Built) -> Built:
 
 
 def _repaired_over(session: Session, before: int, after: int, report: Dict[str, Any]) -> str:
-    budget, config = session.request.budget_bytes, session.config
+    budget = session.request.budget_bytes
     return (f"budget_mb={budget / 2**20:.1f} ({fmt_bytes(budget)}) cannot be met for {session.request.name} with "
             f"every parameter's gradient at cosine >= {report['min_cosine']} (Config.fidelity): with every block "
             f"recomputed from codes the estimated peak is {fmt_bytes(before)} but its gradients miss (worst "
             f"{report['before']['parameter']} at cosine {report['before']['cosine']:.4f}), and with the gate's "
             f"repairs it is {fmt_bytes(after)}. Raise the budget to at least "
-            f"{math.ceil((after + config.workspace_bytes(session.baseline.device)) / 2**20 * 100) / 100} MiB, lower "
+            f"{math.ceil((after + session.kept_free) / 2**20 * 100) / 100} MiB{_held_note(session)}, lower "
             f"FidelityConfig.min_cosine, or accept the approximate gradients with Config(fidelity=None).")
+
+
+def _held_note(session: Session) -> str:
+    """Why a budget asked for in a refusal is above the least peak by more than the workspace reserve."""
+    return (f" (with the {fmt_bytes(session.reserve_bytes)} this build left held in the process's resident memory, "
+            f"measured, kept free beside it)" if session.reserve_bytes else "")
 
 
 MAX_REPLANS = 3  # plans made again around the gate's repairs before a budget is refused
@@ -291,7 +333,7 @@ def _refit(session: Session, built: Built, decision: Dict[str, Dict[str, Any]], 
             f"with the gate's repairs "
             f"{'plus every recomputable block' if config.recompute is not None else '(recomputation is off)'} "
             f"the least estimated peak is {fmt_bytes(least)}. Raise the budget to at least "
-            f"{math.ceil((least + config.workspace_bytes(baseline.device)) / 2**20 * 100) / 100} MiB, lower "
+            f"{math.ceil((least + session.kept_free) / 2**20 * 100) / 100} MiB{_held_note(session)}, lower "
             f"FidelityConfig.min_cosine, or accept the approximate gradients with Config(fidelity=None).",
             budget_bytes, least)
     added = sorted(set(found.decision.get("recompute", {})) - set(built.planned.decision.get("recompute", {})))
@@ -333,7 +375,7 @@ def _rewrite(session: Session, gm: fx.GraphModule) -> Built:
                 least = make_plan(session, best.estimate, best.records, best.graph_module, best) if found is None \
                     or best.estimate.peak_bytes <= found.estimate.peak_bytes else \
                     make_plan(session, found.estimate, found.records, found.graph_module, None)
-                raise BudgetError(_budget_message(least, config), request.budget_bytes,
+                raise BudgetError(budget_message(least, config, session.reserve_bytes), request.budget_bytes,
                                   min(least.estimated_peak_bytes, least.baseline_peak_bytes))
             log.info("memopt: %s: the budget is met by recomputing all %d blocks from %d-bit codes (estimated peak "
                      "%s; the planner's least was %s)", request.name, len(found.blocks),
@@ -357,7 +399,8 @@ def _rewrite(session: Session, gm: fx.GraphModule) -> Built:
         estimate, _ = chunk_to_fit(gm, estimate, None, ctx.annotate)
     result = make_plan(session, estimate, records, gm, planned)
     if target is not None and request.plan is None and result.estimated_peak_bytes > target:
-        raise BudgetError(_budget_message(result, config), request.budget_bytes, result.estimated_peak_bytes)
+        raise BudgetError(budget_message(result, config, session.reserve_bytes), request.budget_bytes,
+                          result.estimated_peak_bytes)
     return Built(gm, result, baseline, estimate, planned)
 
 
@@ -426,47 +469,3 @@ def _has_meta(args: tuple, kwargs: dict) -> bool:
     from torch.utils._pytree import tree_leaves
 
     return any(isinstance(t, torch.Tensor) and t.is_meta for t in tree_leaves((args, kwargs)))
-
-
-def _budget_message(plan: Plan, config: Config) -> str:
-    """The requested budget, the least peak the config can reach, and what would free the rest."""
-    top = sorted(plan.nodes, key=lambda n: -n.saved_bytes_after)[:5]
-    b = plan.estimated_breakdown
-    lines = [f"budget_mb={plan.budget_bytes / 2**20:.1f} ({fmt_bytes(plan.budget_bytes)}) cannot be met for "
-             f"{plan.model}: the smallest estimated peak with the current config is "
-             f"{fmt_bytes(plan.estimated_peak_bytes)} (baseline "
-             f"{fmt_bytes(plan.baseline_peak_bytes)}; of it parameters and buffers "
-             f"{fmt_bytes(b.get('parameters_and_buffers'))}, gradients {fmt_bytes(b.get('gradients'))}, "
-             f"optimizer state {fmt_bytes(b.get('optimizer_state'))}, activations {fmt_bytes(b.get('activations'))}, "
-             f"transient {fmt_bytes(b.get('transient'))}).",
-             "Largest remaining consumers of saved activation memory, and what would free them:"]
-    for n in top:
-        lines.append(f"  {n.name} ({n.op}, {n.shape}): {fmt_bytes(n.saved_bytes_after)} - {_what_frees(n, config)}")
-    reserve = config.workspace_bytes(plan.device)
-    if reserve:
-        lines.append(f"Of the budget, {fmt_bytes(reserve)} is kept free for cuDNN/cuBLAS workspaces, which the estimate "
-                     f"does not count (Config.workspace_mb={config.workspace_mb!r}; None means "
-                     f"{reserve // 2**20} MiB on {plan.device}).")
-    if plan.estimated_peak_bytes > plan.baseline_peak_bytes:
-        lines.append(f"On this model the rewrites' backward temporaries outweigh what they free: the least peak is "
-                     f"the baseline's own, {fmt_bytes(plan.baseline_peak_bytes)}.")
-    lines.append("Raise budget_mb, lower the batch size, or widen the techniques' plan_bits in memopt.Config.")
-    return "\n".join(lines)
-
-
-def _what_frees(node: NodePlan, config: Config) -> str:
-    if node.technique == "stash" and node.bits:
-        return (f"a {node.bits}-bit stash, the fewest bits StashConfig.plan_bits={config.stash.plan_bits} allows; "
-                f"adding {node.bits // 2 or 1} to plan_bits would shrink it" if node.bits > 1 else "a 1-bit stash already")
-    if node.technique == "recompute":
-        return "a recomputed block: keeps only its inputs already"
-    if node.technique == "fewbit" and node.bits:
-        return (f"{node.bits}-bit few-bit codes; add {node.bits - 1} to FewBitConfig.plan_bits to shrink them"
-                if node.bits > 1 else "a 1-bit code already")
-    if node.op == "batch_norm" and config.stash is None:
-        return "exact; enable the stash (Config.stash=memopt.StashConfig())"
-
-    if node.op in ACTIVATIONS and config.fewbit is None:
-        return "exact; enable few-bit (Config.fewbit=memopt.FewBitConfig())"
-    why = node.reason or "no enabled technique rewrites this op"
-    return f"exact: {why}; only recomputation (torch.utils.checkpoint) or a smaller batch frees it"

@@ -16,6 +16,7 @@ from torch import fx, nn
 
 from memopt.config import Config
 from memopt.cost_model.analysis import Estimate
+from memopt.core.heap import ResidentGrowth
 from memopt.fidelity.gate import fidelity_gate
 from memopt.passes.base import Decision, PassContext
 from memopt.record.plan import Plan
@@ -58,11 +59,23 @@ class Session:
     def config(self) -> Config:
         return self.request.config
 
+    # A CPU budget build without Config.workspace_mb: the resident memory the build has left held so far
+    # (``memopt.core.heap.ResidentGrowth``), measured before planning and again after the gate; None elsewhere
+    growth: Optional[ResidentGrowth] = None
+    reserve_bytes: int = 0  # the growth the planner keeps free below the budget, beside the workspace
+
     @property
     def target(self) -> Optional[int]:
-        """The bytes the planner plans for: the budget less the device's workspace reserve (None: no budget)."""
+        """The bytes the planner plans for: the budget less the device's workspace reserve and what the build has
+        left held in a CPU process (None: no budget)."""
         budget = self.request.budget_bytes
-        return None if budget is None else self.config.planning_target(budget, self.baseline.device)
+        return None if budget is None else self.config.planning_target(budget, self.baseline.device) - \
+            self.reserve_bytes
+
+    @property
+    def kept_free(self) -> int:
+        """The bytes of the budget no plan may use: the workspace reserve and the measured process growth."""
+        return self.config.workspace_bytes(self.baseline.device) + self.reserve_bytes
 
     def gate(self, decision: Decision, units: List[Dict[str, Any]], config: Optional[Config] = None,
              verify_only: bool = False) -> Tuple[Decision, Dict[str, Any]]:

@@ -258,7 +258,8 @@ def reuse(reference: Reference, request: Request, signature: List[str]) -> Union
     meta = any(isinstance(t, torch.Tensor) and t.is_meta for t in torch.utils._pytree.tree_leaves((args, kwargs)))
     ctx = PassContext(args, kwargs, config.device, None if meta else real_examples(flat_inputs(base, args, kwargs)))
     final = decision_set(built.graph_module)
-    target = config.planning_target(budget_bytes, baseline.device)
+    # and beside what the reference's build left held in a CPU process (a later build's planning grows it little)
+    target = config.planning_target(budget_bytes, baseline.device) - built.plan.process_held_bytes if budget else None
     if budget and (baseline.peak_bytes <= target) != (not final):
         return ("the baseline fits the budget at these sizes: the plan's rewrites are not needed" if final else
                 "the baseline no longer fits the budget at these sizes")
@@ -279,7 +280,7 @@ def reuse(reference: Reference, request: Request, signature: List[str]) -> Union
         estimate = annotate(gm, args, kwargs, device=config.device, optimizer=optimizer) if modified else baseline
         if estimate.peak_bytes > target:
             return (f"the plan's estimated peak at these sizes, {estimate.peak_bytes / 2**20:.1f} MiB, exceeds the "
-                    f"budget less the workspace reserve, {target / 2**20:.1f} MiB")
+                    f"budget less the workspace reserve and what optimize() left held, {target / 2**20:.1f} MiB")
         estimates = (baseline, estimate)
     if same_program(gm, built.graph_module):  # one graph for every size it was checked at
         gm = built.graph_module

@@ -6,11 +6,14 @@ threshold grows to 32 MiB after large frees, so later tensors of that size come 
 that follows ``optimize()`` then peaks above what its live tensors need: the resident set a user's out-of-memory
 killer or ``ps`` sees (tools/bench/peak: the free heap column). ``malloc_trim(0)`` returns every free page of every
 arena; it frees nothing in use and costs milliseconds. Elsewhere (another C library, macOS, Windows) nothing runs.
+
+What a build leaves held after that (``ResidentGrowth``) is measured here too: a CPU budget plans for it.
 """
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import gc
 import sys
 from typing import Any, Optional
 
@@ -40,3 +43,41 @@ def release_free_heap() -> bool:
         return False
     trim(0)
     return True
+
+
+def anonymous_resident_bytes() -> Optional[int]:
+    """This process's anonymous resident memory (Linux ``RssAnon``: heaps and private mappings, not the pages of
+    loaded libraries), None where ``/proc/self/status`` does not say."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def settled_resident_bytes() -> Optional[int]:
+    """``anonymous_resident_bytes`` once unreachable Python objects are collected and the free heap handed back,
+    so that what is read is held, not garbage or free pages the allocator kept."""
+    gc.collect()
+    release_free_heap()
+    return anonymous_resident_bytes()
+
+
+class ResidentGrowth:
+    """How much anonymous resident memory this process holds beyond what it held when this was made.
+
+    A CPU budget is the process's resident memory, and a build leaves some of it held for good that no tensor
+    of the step accounts for: the math library's buffer pools for the shapes the checks ran (float64 ones for the
+    fidelity gate's reference), torch's fake-tensor caches, compiled graphs. A second build in the same process
+    adds little (those pools and caches exist by then), so the growth of this one build is what its training steps
+    run on top of. ``bytes()`` is 0 where the resident set cannot be read."""
+
+    def __init__(self) -> None:
+        self._start = settled_resident_bytes()
+
+    def bytes(self) -> int:
+        now = settled_resident_bytes()
+        return 0 if now is None or self._start is None else max(0, now - self._start)

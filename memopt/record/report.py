@@ -105,10 +105,14 @@ def headline(plan: Plan) -> str:
     e = plan.estimated_breakdown
     fixed = sum(e.get(p) or 0 for p in FLOOR_PARTS)  # a plan saved before all_gradients: 0
     ratio = plan.baseline_peak_bytes / plan.estimated_peak_bytes if plan.estimated_peak_bytes else float("inf")
+    held = getattr(plan, "process_held_bytes", 0)  # a partial plan has none
+    process = (f"; with what optimize() left held in this process ({fmt_bytes(held)}: buffer pools and caches of "
+               f"its checks, measured), its resident peak is about {fmt_bytes(plan.estimated_peak_bytes + held)}"
+               if held else "")
     return (f"estimated peak of one training step {fmt_bytes(plan.baseline_peak_bytes)} -> "
             f"{fmt_bytes(plan.estimated_peak_bytes)} ({ratio:.2f}x), of which {fmt_bytes(fixed)} parameters, "
             f"buffers, gradients, optimizer state and inputs no rewrite removes; saved activations "
-            f"{fmt_bytes(plan.baseline_saved_bytes)} -> {fmt_bytes(plan.estimated_saved_bytes)}")
+            f"{fmt_bytes(plan.baseline_saved_bytes)} -> {fmt_bytes(plan.estimated_saved_bytes)}{process}")
 
 
 def _totals(plan: Plan, fmt: str) -> str:
