@@ -149,9 +149,7 @@ def build(request: Request, whole: bool = True, capture_fn: Callable[[nn.Module,
     """
     model, args, kwargs, config = request.model, request.args, request.kwargs, request.config
     check_inputs(model, args, kwargs)
-    # a budget in a CPU process's resident memory: what this build leaves held counts (measured from here)
-    growth = ResidentGrowth() if request.budget_bytes is not None and request.plan is None and \
-        config.workspace_mb is None else None
+    growth = ResidentGrowth()  # what this build leaves held in a CPU process (its resident memory), from here
     captured = capture_fn(model, args, kwargs)
     if checked is None and captured.method == "symbolic_trace":
         exported, checked = _without_opaque_functions(model, args, kwargs, captured)
@@ -175,11 +173,14 @@ def build(request: Request, whole: bool = True, capture_fn: Callable[[nn.Module,
         record_input_histograms(gm, flat_inputs(gm, args, kwargs), TABLE_ACTIVATIONS, config.fewbit.domain)
     gated = config.fidelity is not None and request.plan is None and soundness.checked
     session.pristine = copy_graph_module(gm)  # the no-budget rewrite works on gm itself
-    if session.growth is not None:
+    # a budget in a CPU process's resident memory, with no reserve of the user's: keep that free too
+    reserving = session.growth is not None and request.budget_bytes is not None and request.plan is None and \
+        config.workspace_mb is None
+    if reserving:
         session.reserve_bytes = session.growth.bytes()
     built, initial = _rewrite_and_gate(session, gm, gated)
     if session.growth is not None:
-        built, initial = _within_process(session, built, initial, gated)
+        built, initial = _within_process(session, built, initial, gated, reserving)
     built.plan.soundness = soundness.to_dict()
     built.captured, built.method, built.initial = session.pristine, captured.method, initial
     return built
@@ -194,16 +195,20 @@ def _rewrite_and_gate(session: Session, gm: fx.GraphModule, gated: bool) -> Tupl
     return built, initial
 
 
-def _within_process(session: Session, built: Built, initial: FrozenSet, gated: bool) -> Tuple[Built, FrozenSet]:
-    """A CPU budget build's plan within the budget less what the build left held in the process.
+def _within_process(session: Session, built: Built, initial: FrozenSet, gated: bool,
+                    reserving: bool) -> Tuple[Built, FrozenSet]:
+    """A CPU build's plan with what the build left held in the process recorded (the report adds it to the
+    estimated peak: the process's resident peak); ``reserving`` (a budget without Config.workspace_mb): within the
+    budget less all of it.
 
     The planner kept free what the build held when it planned; the gate's reference step in float64 and the
     plan's own steps leave more (their buffer pools). Where the plan's estimate no longer fits beside all of it,
     it is planned and gated once more for the budget less the whole of it, which a second planning in the same
     process hardly grows."""
     held = session.growth.bytes()
-    budget = session.request.budget_bytes - session.config.workspace_bytes(session.baseline.device)
-    if held > session.reserve_bytes and built.plan.estimated_peak_bytes + held > budget:
+    budget = session.request.budget_bytes - session.config.workspace_bytes(session.baseline.device) if reserving \
+        else None
+    if reserving and held > session.reserve_bytes and built.plan.estimated_peak_bytes + held > budget:
         log.info("memopt: %s: the build left %s held in this process (%s when it planned); its plan's estimated "
                  "peak %s does not fit beside it in budget_mb=%.1f: planning again for %s", session.request.name,
                  fmt_bytes(held), fmt_bytes(session.reserve_bytes), fmt_bytes(built.plan.estimated_peak_bytes),

@@ -80,8 +80,8 @@ class Plan:
     # set on the blocks whose samples do not mix where the cost model said they lower the peak; re-applied with the
     # plan
     recompute_chunks: int = 1
-    # A CPU budget build's (without Config.workspace_mb): the anonymous resident memory the build left held in its
-    # process (memopt.core.heap.ResidentGrowth), which the plan was fitted beside; 0: not measured
+    # A CPU build's: the anonymous resident memory the build left held in its process (memopt.core.heap.
+    # ResidentGrowth), which a budget's plan is fitted beside (unless Config.workspace_mb is set); 0: not measured
     process_held_bytes: int = 0
     schema_version: int = PLAN_SCHEMA_VERSION
 

@@ -107,7 +107,8 @@ def headline(plan: Plan) -> str:
     ratio = plan.baseline_peak_bytes / plan.estimated_peak_bytes if plan.estimated_peak_bytes else float("inf")
     held = getattr(plan, "process_held_bytes", 0)  # a partial plan has none
     process = (f"; with what optimize() left held in this process ({fmt_bytes(held)}: buffer pools and caches of "
-               f"its checks, measured), its resident peak is about {fmt_bytes(plan.estimated_peak_bytes + held)}"
+               f"its checks, measured), the process's resident peak is about "
+               f"{fmt_bytes(plan.estimated_peak_bytes + held)}"
                if held else "")
     return (f"estimated peak of one training step {fmt_bytes(plan.baseline_peak_bytes)} -> "
             f"{fmt_bytes(plan.estimated_peak_bytes)} ({ratio:.2f}x), of which {fmt_bytes(fixed)} parameters, "

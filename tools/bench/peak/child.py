@@ -207,6 +207,8 @@ def apply(method: str, case: Case, opt, cast, budget_mb: Optional[float]):
         note += (f"; recomputes {len(blocks)} blocks" + (f" from {'/'.join(map(str, bits))}-bit codes" if bits else "")
                  if blocks else "; recomputes no block")
         note += f"; estimated peak {plan.estimated_peak_bytes / 2**20:.1f} MiB (the cost model)"
+        if getattr(plan, "process_held_bytes", 0):
+            note += f", beside {plan.process_held_bytes / 2**20:.1f} MiB optimize() left held (measured)"
     return om, setup, note
 
 

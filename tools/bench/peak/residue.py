@@ -1,4 +1,4 @@
-"""python -m tools.bench.peak.residue [--model llama|resnet50|vit|bert] [--batch N] [--res R]
+"""python -m tools.bench.peak.residue [--model llama|resnet50|vit|bert] [--batch N] [--res R] [--budget-mb B]
 
 Where the resident peak of ``bench_peak``'s memopt rows differs from memopt's estimate: in one fresh process,
 the cost model's estimate of the plan, the same step measured by ``memopt.measure`` (the live-storage tracker the
@@ -26,6 +26,8 @@ def main() -> None:
     p.add_argument("--model", default="llama", choices=("llama", "resnet50", "vit", "bert"))
     p.add_argument("--batch", type=int, default=None)
     p.add_argument("--res", type=int, default=128)
+    p.add_argument("--budget-mb", type=float, default=None, help="optimize() with this budget_mb: the plan then "
+                   "records what the build measured it left held (Plan.process_held_bytes), printed beside")
     p.add_argument("--twice", action="store_true", help="then optimize() again in the same process (the first plan "
                    "dropped) and print what that second call leaves held: one-time process costs vs per-plan ones")
     args = p.parse_args()
@@ -40,13 +42,15 @@ def main() -> None:
     opt = child.make_optimizer(args.model, case.model)
     gc.collect()
     before = anon_mib()
-    om = memopt.optimize(case.model, example_inputs=case.inputs, optimizer=opt, loss_fn=case.loss_of_output)
+    om = memopt.optimize(case.model, example_inputs=case.inputs, optimizer=opt, loss_fn=case.loss_of_output,
+                         budget_mb=args.budget_mb)
     gc.collect()
     held = anon_mib() - before
     measured = memopt.measure(om, case.inputs, case.loss_of_output, optimizer=opt)
     print(f"{case.describe}, batch {batch}: estimated peak {om.plan.estimated_peak_bytes / 2**20:.1f} MiB, "
           f"memopt.measure {measured.peak_bytes / 2**20:.1f} MiB, anonymous memory held after optimize() "
-          f"{held:.1f} MiB")
+          f"{held:.1f} MiB" + (f" (the build's own measure, Plan.process_held_bytes: "
+                               f"{om.plan.process_held_bytes / 2**20:.1f} MiB)" if args.budget_mb else ""))
     parts = ("parameters_and_buffers", "optimizer_state", "gradients", "inputs", "activations", "transient")
     print("the estimated peak's parts: " + ", ".join(f"{p.replace('_', ' ')} "
                                                       f"{om.plan.estimated_breakdown.get(p, 0) / 2**20:.1f}"
