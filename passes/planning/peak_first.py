@@ -104,21 +104,34 @@ def peak_first(pristine: fx.GraphModule, trial: Tuple[Any, Tuple[str, ...], floa
 def every_block_from_codes(pristine: fx.GraphModule, config: Any, ctx: PassContext, baseline: Estimate,
                            target: int, annotate: Callable[[fx.GraphModule], Estimate]) -> Optional[PeakFirst]:
     """Under a budget the planner could not meet: every eligible block recomputed from ``peak_first_bits``-bit
-    codes on top of the other techniques' defaults (codes inside the blocks too), weight gradients chunked where
-    that lowers the peak toward ``target``; None when the config asks for no recomputation from codes (off, blocks
-    named, ``peak_first_bits=None``) or no block is eligible. The caller keeps it only where it fits.
+    codes on top of the other techniques' defaults, the blocks' backward and the weight gradients chunked where
+    that lowers the peak toward ``target``: first with the blocks' own tensors kept as they are, then, where that
+    misses ``target`` and ``RecomputeConfig.codes_inside`` allows, coded inside too; None when the config asks for
+    no recomputation from codes (off, blocks named, ``peak_first_bits=None``) or no block is eligible. The caller
+    keeps it only where it fits (the lower of the two where neither does).
 
     Why beside the planner: its last resort recomputes blocks exactly, so a recomputed block's backward holds the
     block's saved tensors as eager keeps them, and at large batches that transient, not what the step keeps, is
-    the peak; the same blocks from codes keep codes in that second forward too. Time is not weighed here (every
-    block costs one more forward, as checkpointing every block does): the budget asked for the memory. ``pristine``
-    is not changed."""
-    eligible = eligible_blocks(pristine, baseline) if from_codes(config, ctx, ()) is not None else {}
+    the peak. Batch chunks of that backward lower it without coding anything; codes inside the second forward
+    lower it where chunks cannot (a block whose samples mix), and cost an encode and a decode per coded tensor in
+    every block's backward where the peak lies elsewhere, so they are tried second. Time is not weighed otherwise
+    (every block costs one more forward, as checkpointing every block does): the budget asked for the memory.
+    ``pristine`` is not changed."""
+    asked = from_codes(config, ctx, ())
+    eligible = eligible_blocks(pristine, baseline) if asked is not None else {}
     blocks = tuple(sorted(eligible))
     if not blocks:
         return None
-    gm, records = run_passes(copy_graph_module(pristine), passes_for(from_codes(config, ctx, blocks)), ctx)
-    estimate, _ = chunk_to_fit(gm, annotate(gm), target, annotate)
     forward = sum(c.flops for c in baseline.nodes.values())
-    extra = sum(flops for _, flops in eligible.values())
-    return PeakFirst(gm, records, estimate, blocks, (STEP_FORWARDS * forward + extra) / (STEP_FORWARDS * max(forward, 1)))
+    ratio = (STEP_FORWARDS * forward + sum(flops for _, flops in eligible.values())) / (STEP_FORWARDS * max(forward, 1))
+    found = None
+    for inside in (False, True) if asked.recompute.codes_inside else (False,):
+        cfg = from_codes(config, ctx, blocks)
+        cfg = dataclasses.replace(cfg, recompute=dataclasses.replace(cfg.recompute, codes_inside=inside))
+        gm, records = run_passes(copy_graph_module(pristine), passes_for(cfg), ctx)
+        estimate, _ = chunk_to_fit(gm, annotate(gm), target, annotate)
+        if found is None or estimate.peak_bytes < found.estimate.peak_bytes:
+            found = PeakFirst(gm, records, estimate, blocks, ratio)
+        if estimate.peak_bytes <= target:
+            break
+    return found

@@ -3,8 +3,9 @@ the planner's last resort recomputes blocks exactly, and an exactly recomputed b
 tensors as eager keeps them, which at large batches is the peak (a timm ViT-S under 1 GiB, measured in
 docs/results/peak/largest_batch_vit.md); from codes the block keeps codes in that second forward too. Here the
 planner is made to miss (its search wrapped to report no plan), so the test is of the pipeline's fallback, not of
-where the two cross on a toy model (where lossy units at their fewest bits reach lower than either). Kept only
-where it fits; the gate checks it as any plan."""
+where the two cross on a toy model (where lossy units at their fewest bits reach lower than either). The blocks'
+own tensors are coded too only where batch chunks of their backward alone miss the budget. Kept only where it fits;
+the gate checks it as any plan."""
 import copy
 
 import pytest
@@ -44,13 +45,40 @@ def test_every_block_from_codes_meets_a_budget_the_planner_misses(planner_misses
     assert om.plan.chosen_units()["recompute"] == {f"blocks_{i}": 8 for i in range(4)}
     assert om.plan.estimated_peak_bytes <= BUDGET_MB * 2**20
     assert om.plan.fidelity["passed"]
-    inside = [n for n in om.graph_module.graph.nodes if (n.meta.get(DECISION_KEY) or {}).get("inside")]
-    assert len(inside) == 4  # codes inside each block, named in the plan
+    assert _coded_inside(om) == 0  # the blocks' own tensors kept as they are: batch chunks of their backward do
+    assert om.plan.recompute_chunks > 1
     assert memopt.measure(om, x, optimizer="sgd").peak_bytes == om.plan.estimated_peak_bytes
     torch.manual_seed(1)
     out = om(x)
     torch.manual_seed(1)
     assert torch.equal(out, reference(x))
+
+
+def _coded_inside(om) -> int:
+    return len([n for n in om.graph_module.graph.nodes if (n.meta.get(DECISION_KEY) or {}).get("inside")])
+
+
+def test_codes_inside_the_blocks_where_chunks_alone_miss_the_budget(planner_misses, monkeypatch):
+    # chunks made to lower nothing, as for blocks whose samples mix (BatchNorm): the blocks' backward transient,
+    # their saved tensors as eager keeps them, is then over the budget without codes inside the blocks
+    import memopt.passes.planning.peak_first as peak_first
+
+    monkeypatch.setattr(peak_first, "chunk_to_fit", lambda gm, estimate, target, annotate: (estimate, 1))
+    model, x = _model()
+    reference = copy.deepcopy(model)
+    om = memopt.optimize(model, budget_mb=BUDGET_MB, example_inputs=x, optimizer="sgd")
+    assert om.plan.chosen_units()["recompute"] == {f"blocks_{i}": 8 for i in range(4)}
+    assert _coded_inside(om) == 4 and om.plan.fidelity["passed"]  # codes inside each block, named in the plan
+    assert om.plan.estimated_peak_bytes <= BUDGET_MB * 2**20 and om.plan.recompute_chunks == 1
+    assert memopt.measure(om, x, optimizer="sgd").peak_bytes == om.plan.estimated_peak_bytes
+    torch.manual_seed(1)
+    out = om(x)
+    torch.manual_seed(1)
+    assert torch.equal(out, reference(x))
+    config = memopt.Config(recompute=memopt.RecomputeConfig(codes_inside=False))
+    with pytest.raises(BudgetError, match=r"cannot be met for TinyViT"):  # no codes inside, as asked: refused
+        memopt.optimize(copy.deepcopy(reference), budget_mb=BUDGET_MB, example_inputs=x, optimizer="sgd",
+                        config=config)
 
 
 def test_a_budget_below_both_names_the_lower_least_and_without_codes_only_the_planner_s(planner_misses):
