@@ -59,8 +59,9 @@ class Session:
     def config(self) -> Config:
         return self.request.config
 
-    # A CPU budget build without Config.workspace_mb: the resident memory the build has left held so far
-    # (``memopt.core.heap.ResidentGrowth``), measured before planning and again after the gate; None elsewhere
+    # A CPU build's: the resident memory the build has left held so far (``memopt.core.heap.ResidentGrowth``), read
+    # after the gate for the plan's record, and before planning too where a budget has no Config.workspace_mb;
+    # None for a CUDA build
     growth: Optional[ResidentGrowth] = None
     reserve_bytes: int = 0  # the growth the planner keeps free below the budget, beside the workspace
 
