@@ -32,7 +32,7 @@ from torch import nn
 
 from memopt.capture.trace import capture
 from memopt.core import counters
-from memopt.core.heap import release_free_heap
+from memopt.core.heap import release_autocast_cache, release_free_heap
 from memopt.core.inputs import normalize_inputs
 from memopt.config import Config
 from memopt.core.errors import MemoptError, TraceError
@@ -190,6 +190,7 @@ class OptimizedModule(nn.Module):
             built.plan.build = dict(counts)
             return built
         finally:  # planning's freed memory back to the system, not left in the heap the training step then grows
+            release_autocast_cache()
             release_free_heap()
 
     def _capture_and_plan(self, signature: tuple, args: tuple, kwargs: dict, capture_fn, checked):

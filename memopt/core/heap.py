@@ -17,6 +17,8 @@ import gc
 import sys
 from typing import Any, Optional
 
+import torch
+
 _TRIM: Optional[Any] = None
 _LOOKED = False
 
@@ -58,10 +60,20 @@ def anonymous_resident_bytes() -> Optional[int]:
     return None
 
 
+def release_autocast_cache() -> None:
+    """Drop autocast's cache of cast parameters. Inside a user's ``torch.autocast`` region every leaf a model copy
+    casts stays cached until the outermost region exits, also once the copy is gone: the fidelity gate's and the
+    capture check's copies of the model would leave their low-precision weights there for as long as the user's
+    region lasts (training, often). Values are unchanged: the next forward casts the user's weights again."""
+    torch.clear_autocast_cache()
+
+
 def settled_resident_bytes() -> Optional[int]:
-    """``anonymous_resident_bytes`` once unreachable Python objects are collected and the free heap handed back,
-    so that what is read is held, not garbage or free pages the allocator kept."""
+    """``anonymous_resident_bytes`` once unreachable Python objects are collected, autocast's cache of casts
+    dropped and the free heap handed back, so that what is read is held, not garbage or free pages the allocator
+    kept."""
     gc.collect()
+    release_autocast_cache()
     release_free_heap()
     return anonymous_resident_bytes()
 
