@@ -203,8 +203,9 @@ def _within_process(session: Session, built: Built, initial: FrozenSet, gated: b
 
     The planner kept free what the build held when it planned; the gate's reference step in float64 and the
     plan's own steps leave more (their buffer pools). Where the plan's estimate no longer fits beside all of it,
-    it is planned and gated once more for the budget less the whole of it, which a second planning in the same
-    process hardly grows."""
+    it is planned and gated once more for the budget less the whole of it; a second planning in the same process
+    grows it less than the first, and where it still grows past the plan's room that is logged as a warning with
+    the reserve that would have held it (one more planning could grow it again)."""
     held = session.growth.bytes()
     budget = session.request.budget_bytes - session.config.workspace_bytes(session.baseline.device) if reserving \
         else None
@@ -216,6 +217,13 @@ def _within_process(session: Session, built: Built, initial: FrozenSet, gated: b
         session.reserve_bytes = held
         built, initial = _rewrite_and_gate(session, copy_graph_module(session.pristine), gated)
         held = max(held, session.growth.bytes())
+        if built.plan.estimated_peak_bytes + held > budget:
+            log.warning("memopt: %s: the build left %s held in this process after planning again for "
+                        "budget_mb=%.1f; beside the plan's estimated peak %s that is %s over the budget. Set "
+                        "Config(workspace_mb=%d) to keep that much free, or raise budget_mb", session.request.name,
+                        fmt_bytes(held), session.request.budget_bytes / 2**20,
+                        fmt_bytes(built.plan.estimated_peak_bytes),
+                        fmt_bytes(built.plan.estimated_peak_bytes + held - budget), math.ceil(held / 2**20))
     built.plan.process_held_bytes = held
     return built, initial
 

@@ -2,6 +2,7 @@
 buffer pools and caches of its checks) is kept free below the budget, measured before planning and again after the
 gate, planned again where the plan no longer fits beside it; reported; Config.workspace_mb replaces it."""
 import logging
+import math
 
 import pytest
 import torch
@@ -70,6 +71,19 @@ def test_a_plan_that_no_longer_fits_beside_it_is_planned_again(monkeypatch, capl
     again = [r.getMessage() for r in caplog.records if "planning again for" in r.getMessage()]
     assert len(again) == 1 and "the build left 2.00 MiB held in this process (0 B when it planned)" in again[0]
     assert om.plan.estimated_peak_bytes <= budget - 2 * MiB and om.plan.process_held_bytes == 2 * MiB
+
+
+def test_growth_past_the_second_plan_s_room_is_a_warning_with_the_reserve(monkeypatch, caplog, preact):
+    model, x, baseline = preact
+    budget = baseline - MiB // 2
+    _Process(monkeypatch, 0, 2 * MiB, baseline)  # and after the second plan's gate, as much as the whole step
+    with caplog.at_level(logging.INFO, logger="memopt"):
+        om = memopt.optimize(model, budget / MiB, example_inputs=x, optimizer="sgd")
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "over the budget" in
+              r.getMessage()]
+    assert len(warned) == 1 and f"Set Config(workspace_mb={math.ceil(baseline / MiB)}) to keep that much free" \
+        in warned[0]
+    assert om.plan.process_held_bytes == baseline
 
 
 def test_a_budget_it_leaves_no_room_for_names_it(monkeypatch, preact):
