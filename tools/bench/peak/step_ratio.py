@@ -55,6 +55,20 @@ def _step(net, opt, forward_loss, cast) -> float:
     return time.perf_counter() - start
 
 
+def interleaved(nets: dict, cast, rounds: int, show: bool = False) -> dict:
+    """{method: step seconds of each round}: one warm-up step of every method (optimizer state, caches), then
+    ``rounds`` rounds of one step of every method in turn, so machine load falls on all of them alike."""
+    times = {m: [] for m in nets}
+    for m in nets:
+        _step(*nets[m], cast)
+    for _ in range(rounds):
+        for m in nets:
+            times[m].append(_step(*nets[m], cast))
+            if show:
+                print(m, f"{times[m][-1]:.2f} s", flush=True)
+    return times
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[1])
     p.add_argument("--models", default="llama,resnet50")
@@ -76,12 +90,7 @@ def main() -> None:
         for dtype in a.dtypes.split(","):
             nets, setup = _nets(name, batches[name], dtype, child.shape_args(res=a.res))
             cast = _cast(dtype)
-            times = {m: [] for m in METHODS}
-            for m in METHODS:  # warm-up: optimizer state, caches
-                _step(*nets[m], cast)
-            for _ in range(a.rounds):
-                for m in METHODS:
-                    times[m].append(_step(*nets[m], cast))
+            times = interleaved(nets, cast, a.rounds)
             med = {m: statistics.median(times[m]) for m in METHODS}
             rows.append([name, dtype, batches[name], *(f"{med[m]:.3f}" for m in METHODS),
                          f"{med['checkpoint'] / med['stock']:.2f}x", f"{med['memopt'] / med['stock']:.2f}x",

@@ -21,7 +21,7 @@ import time
 from tabulate import tabulate
 
 from tools.bench.common import RESULTS, write_results
-from tools.bench.peak.step_ratio import _cast, _step
+from tools.bench.peak.step_ratio import _cast, interleaved
 
 
 def main() -> None:
@@ -51,13 +51,7 @@ def main() -> None:
         net, _, note = child.apply(method, case, opt, cast, a.cap_mb if method == "memopt_budget" else None)
         setups[method] = (time.perf_counter() - start if method.startswith("memopt") else None, note)
         nets[method] = (net, opt, case.forward_loss)
-    times = {m: [] for m in batches}
-    for m in batches:  # warm-up: optimizer state, caches
-        _step(*nets[m], cast)
-    for _ in range(a.rounds):
-        for m in batches:
-            times[m].append(_step(*nets[m], cast))
-            print(m, f"{times[m][-1]:.2f} s", flush=True)
+    times = interleaved(nets, cast, a.rounds, show=True)
     rate = {m: batches[m] / statistics.median(times[m]) for m in batches}
     base = rate.get("checkpoint")
     rows = [[a.model, a.dtype, m, batches[m], f"{statistics.median(times[m]):.2f}",
