@@ -4,6 +4,12 @@ Backward usually runs outside the user's ``torch.autocast`` block, so an op reco
 would run in float32 while the forward ran it in bfloat16 / float16: a reversible segment would
 subtract a different ``H(V)`` than it added, and a recomputed block would differentiate a
 different function. Forward records the state; backward recomputes under the same one.
+
+Without autocast's cache of casts: inside a user's ``torch.autocast`` region (a backward run inside it, as some
+training loops do) a nested region does not empty the cache when it exits, and the cache keeps every cast of a
+leaf that requires grad, with its source, until the outermost region exits. The inputs a backward rebuilds are
+such leaves, so every recomputed block's rebuilt inputs and their casts would stay alive to the end of the
+backward. A cast is a pure function of its source: the values are the same with or without the cache.
 """
 from __future__ import annotations
 
@@ -24,10 +30,10 @@ def autocast_state() -> AutocastState:
 
 @contextlib.contextmanager
 def replayed_autocast(state: AutocastState) -> Iterator[None]:
-    """Run the body under exactly ``state`` (enabled or disabled per device type)."""
+    """Run the body under exactly ``state`` (enabled or disabled per device type), caching no cast."""
     with contextlib.ExitStack() as stack:
         for device, enabled, dtype in state:
             if device == "cuda" and not enabled and not torch.cuda.is_available():
                 continue
-            stack.enter_context(torch.autocast(device, dtype=dtype, enabled=enabled))
+            stack.enter_context(torch.autocast(device, dtype=dtype, enabled=enabled, cache_enabled=False))
         yield
