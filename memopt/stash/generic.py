@@ -178,20 +178,26 @@ def _check_backward(node: str) -> None:
                           f"exclude it with memopt.StashConfig(deny=(...)) or set StashConfig(generic=False)")
 
 
-def _rebuild(ctx, packed, params) -> Rows:
+def _rebuild(ctx, packed, params, compute: Optional[torch.dtype] = None) -> Rows:
     """The consumer's input rebuilt whole, or rows of its first dimension from their slice of the codes: where
-    that dimension is outermost in the codes' memory order and a row's codes end on a group and a byte."""
+    that dimension is outermost in the codes' memory order and a row's codes end on a group and a byte.
+
+    ``compute``: the dtype the consumer's backward reads the input in (the gradient's). A float32 input that
+    autocast cast to bf16 / fp16 for the op is rebuilt straight into that dtype, through float32 a slice at a time
+    (``group_dequantize``): the same values as the float32 rebuild cast down, without the full-size float32
+    tensor and its copy."""
     shape, stride, bits, group = ctx.shape, ctx.stride, ctx.bits, ctx.group
+    dtype = compute if ctx.dtype == torch.float32 and compute in (torch.bfloat16, torch.float16) else ctx.dtype
 
     def whole() -> torch.Tensor:
-        like = torch.empty_strided(shape, stride, dtype=ctx.dtype, device=packed.device)
+        like = torch.empty_strided(shape, stride, dtype=dtype, device=packed.device)
         return group_dequantize(packed, params, bits, group, like)
     m = shape[1:].numel() if len(shape) > 1 else 0
     if not m or stride[0] != m or m % group or (m * bits) % 8:
         return Rows(whole, None)
 
     def part(a: int, b: int) -> torch.Tensor:
-        like = torch.empty_strided((b - a, *shape[1:]), stride, dtype=ctx.dtype, device=packed.device)
+        like = torch.empty_strided((b - a, *shape[1:]), stride, dtype=dtype, device=packed.device)
         return group_dequantize(packed[a * m * bits // 8:b * m * bits // 8],
                                 params[:, a * m // group:b * m // group].contiguous(), bits, group, like)
     return Rows(whole, part)
@@ -215,8 +221,8 @@ class LinearFromCodes(torch.autograd.Function):
     def backward(ctx, grad):
         _check_backward(ctx.node)
         packed, params, weight = ctx.saved_tensors
-        grads = linear_grads(grad, _rebuild(ctx, packed, params), weight, ctx.has_bias, ctx.needs_input_grad[0],
-                             ctx.chunks)
+        grads = linear_grads(grad, _rebuild(ctx, packed, params, grad.dtype), weight, ctx.has_bias,
+                             ctx.needs_input_grad[0], ctx.chunks)
         return (*grads, None, None, None, None, None, None)
 
 
@@ -233,7 +239,7 @@ class ConvFromCodes(torch.autograd.Function):
     def backward(ctx, grad):
         _check_backward(ctx.node)
         packed, params, weight = ctx.saved_tensors
-        grads = conv_grads(grad, _rebuild(ctx, packed, params), weight, *ctx.conv, ctx.needs_input_grad[0],
+        grads = conv_grads(grad, _rebuild(ctx, packed, params, grad.dtype), weight, *ctx.conv, ctx.needs_input_grad[0],
                            ctx.chunks)
         return (*grads, None, None, None, None, None, None, None, None, None, None)
 
@@ -251,7 +257,7 @@ class MatmulFromCodes(torch.autograd.Function):
     def backward(ctx, grad):
         _check_backward(ctx.node)
         packed, params, weight = ctx.saved_tensors
-        grad_in, grad_w = matmul_grads(grad, _rebuild(ctx, packed, params), weight, ctx.needs_input_grad[0],
+        grad_in, grad_w = matmul_grads(grad, _rebuild(ctx, packed, params, grad.dtype), weight, ctx.needs_input_grad[0],
                                        ctx.chunks)
         return grad_in, grad_w, None, None, None, None, None, None
 

@@ -76,7 +76,7 @@ class _RecomputedWeightOp(torch.autograd.Function):
                               f"recompute_weights=False) to take second derivatives")
         saved = ctx.saved_tensors
         leaves = saved[-ctx.n_leaves:] if ctx.n_leaves else ()
-        x = saved[0] if spec.bits is None else _rebuild(ctx, saved[0], saved[1])
+        x = saved[0] if spec.bits is None else _rebuild(ctx, saved[0], saved[1], grad.dtype)
         with torch.enable_grad(), replayed_autocast(ctx.autocast):
             inputs = [leaf.detach().requires_grad_(leaf.requires_grad) for leaf in leaves]
             weight = ctx.recipe(*inputs)

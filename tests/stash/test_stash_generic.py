@@ -267,6 +267,47 @@ def test_under_autocast_linears_drop_their_low_precision_copies():
         assert p.grad.dtype == torch.float32 and F.cosine_similarity(p.grad.flatten(), q.grad.flatten(), 0) > 0.999
 
 
+@pytest.mark.parametrize("op", ["linear", "matmul", "conv"])
+def test_under_autocast_a_float32_input_is_rebuilt_in_the_ops_dtype(op, monkeypatch):
+    """Autocast casts a float32 input to bf16 for the op, so its weight gradient reads the bf16 copy: backward
+    rebuilds the codes straight into bf16 (through float32 a slice at a time), the same values as the float32
+    rebuild cast down, and makes no float32 tensor as large as the input."""
+    from memopt.cost_model.storage import LiveStorageTracker
+    from memopt.stash import generic
+    monkeypatch.setattr(generic, "DECODE_SLICE", 4096)  # float32 slices well below the input's size
+    torch.manual_seed(0)
+    x = torch.randn(64, 8, 16, 16) if op == "conv" else torch.randn(16, 24, 256)
+    weight = torch.randn(12, 8, 3, 3) if op == "conv" else torch.randn(256, 128) if op == "matmul" \
+        else torch.randn(128, 256)
+    weight.requires_grad_()
+    packed, params = generic_encode(x, EncodeSpec(8, 256))
+    spec = FromCodesSpec(8, 256, "test", (1, 1, 1, 1) if op == "conv" else ())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = conv_from_codes(x, weight, None, packed, params, spec) if op == "conv" else \
+            matmul_from_codes(x, weight, packed, params, spec) if op == "matmul" else \
+            linear_from_codes(x, weight, None, packed, params, spec)
+    assert out.dtype == torch.bfloat16
+    grad = torch.randn_like(out)
+    largest = []
+
+    class Float32Sizes(LiveStorageTracker):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            result = super().__torch_dispatch__(func, types, args, kwargs)
+            largest.extend(t.numel() for t in torch.utils._pytree.tree_leaves(result)
+                           if isinstance(t, torch.Tensor) and t.dtype == torch.float32)
+            return result
+    tracker = Float32Sizes(preexisting=[x, weight, packed, params, grad, out])
+    with tracker:
+        (grad_w,) = torch.autograd.grad(out, weight, grad)
+    assert max(largest, default=0) < x.numel()  # no full-size float32 rebuild
+    x_hat = group_dequantize(packed, params, 8, 256, torch.empty_like(x)).to(torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = F.conv2d(x_hat, weight, None, 1, 1, 1, 1) if op == "conv" else x_hat @ weight if op == "matmul" \
+            else F.linear(x_hat, weight)
+    (want,) = torch.autograd.grad(ref, weight, grad)
+    assert torch.equal(grad_w, want)
+
+
 class PlainCNN(nn.Module):
     """Convs and ReLUs without BatchNorm (VGG, AlexNet): each ReLU keeps its output, the next conv its input,
     a max pool its input and int64 indices; ``branch`` adds a shape test that sends capture to torch.export."""
