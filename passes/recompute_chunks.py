@@ -65,7 +65,7 @@ def _measure(gm: fx.GraphModule, node: fx.Node) -> Optional[str]:
     module = gm.get_submodule(block.target) if isinstance(block, fx.Node) and block.op == "get_attr" else None
     if module is None:
         return "its block is not a submodule of the graph"
-    inputs, batch = [], None
+    inputs, batch, stream = [], None, None
     for value in argument(node, "inputs"):
         if not isinstance(value, fx.Node):
             inputs.append(value)
@@ -75,14 +75,14 @@ def _measure(gm: fx.GraphModule, node: fx.Node) -> Optional[str]:
             return f"input {value.name} has no single tensor shape from the cost model"
         like = Like(cost.shapes[0], getattr(torch, cost.dtypes[0]))
         if batch is None and like.dtype.is_floating_point and like.shape:
-            batch = like.shape[0]  # the block's stream: its first floating input
+            batch, stream = like.shape[0], len(inputs)  # the block's stream: its first floating input
         inputs.append(like)
     if batch is None:
         return "it has no floating input to take the batch from"
     why = separable(module, inputs, batch)
     if why is None or not why.startswith(BAKED) or not isinstance(module, fx.GraphModule):
         return why
-    undo = rebatch(module, batch)  # sizes written into the graph (a torch.export capture's): read them instead
+    undo = rebatch(module, batch, stream)  # sizes written into the graph (a torch.export capture's): read them instead
     if undo is None:
         return why
     again = separable(module, inputs, batch)
@@ -96,13 +96,17 @@ BAKED = "it does not run on part of the batch"
 _SIZED = {"view", "reshape", "_unsafe_view", "expand"}
 
 
-def rebatch(module: fx.GraphModule, batch: int):
+def rebatch(module: fx.GraphModule, batch: int, stream_at: Optional[int] = None):
     """Make ``module``'s graph read its batch size from its first floating input (``aten.sym_size``) wherever a
     view, reshape or expand writes ``batch`` first in its sizes, as a graph exported at the example's sizes does;
     returns a function that undoes it, or None where there is nothing to change. At the example's batch every op
     gets the sizes it got before, so the forward is the same computation; ``separable`` then says whether the
-    block runs on part of the batch."""
-    stream = next((n for n in module.graph.nodes if n.op == "placeholder" and _floating(n, batch)), None)
+    block runs on part of the batch. ``stream_at``: that input's position, where the caller knows it (a block's
+    placeholders carry no shapes when the recompute pass made its graph from nodes without them); else the first
+    placeholder whose recorded shape starts with ``batch``."""
+    placeholders = [n for n in module.graph.nodes if n.op == "placeholder"]
+    stream = placeholders[stream_at] if stream_at is not None and stream_at < len(placeholders) else \
+        next((n for n in placeholders if _floating(n, batch)), None)
     sized = {n: _size_list(n) for n in module.graph.nodes if n.op == "call_function"}
     changed = [n for n, sizes in sized.items() if sizes is not None and sizes[0] == batch]
     if stream is None or not changed:

@@ -400,16 +400,15 @@ def _rewrite(session: Session, gm: fx.GraphModule) -> Built:
     modified = any(r.modified for r in records)
     estimate = planned.estimate if planned is not None else fallback.estimate if fallback is not None else (
         ctx.annotate(gm) if modified else baseline)
-    if trial is not None:  # peak first (no plan, no budget): blocks recomputed from codes
-        found = peak_first(pristine, trial, ctx, estimate, ctx.annotate)
-        if found is not None:
-            log.info("memopt: %s: recomputing %d blocks from %d-bit codes lowers the estimated peak %s -> %s at "
-                     "about %.2fx a stock step's FLOPs", request.name, len(found.blocks),
-                     config.recompute.peak_first_bits, fmt_bytes(estimate.peak_bytes),
-                     fmt_bytes(found.estimate.peak_bytes), found.time_ratio)
-            gm, records, estimate, modified = found.graph_module, found.records, found.estimate, True
     if modified and request.plan is None and target is None:  # no budget: chunks wherever they lower the peak
         estimate, _ = chunk_to_fit(gm, estimate, None, ctx.annotate)
+    found = peak_first(pristine, trial, ctx, estimate, ctx.annotate) if trial is not None else None
+    if found is not None:  # peak first (no plan, no budget): blocks recomputed from codes, with their chunks
+        log.info("memopt: %s: recomputing %d blocks from %d-bit codes%s lowers the estimated peak %s -> %s at "
+                 "about %.2fx a stock step's FLOPs", request.name, len(found.blocks), config.recompute.peak_first_bits,
+                 " (their own tensors coded too)" if found.inside else "", fmt_bytes(estimate.peak_bytes),
+                 fmt_bytes(found.estimate.peak_bytes), found.time_ratio)
+        gm, records, estimate, modified = found.graph_module, found.records, found.estimate, True
     result = make_plan(session, estimate, records, gm, planned)
     if target is not None and request.plan is None and result.estimated_peak_bytes > target:
         raise BudgetError(budget_message(result, config, session.reserve_bytes), request.budget_bytes,

@@ -45,7 +45,11 @@ class RecomputeConfig:
             techniques (stash, few-bit, at their configs) rewrite the block's own graph as they would have in
             place (default True). Without it the second forward keeps what eager keeps, as checkpointing does,
             and that, the block's saved tensors, is what sits at the peak of a step whose blocks are all
-            recomputed. Exact recomputation (``bits`` None) never codes inside.
+            recomputed. Exact recomputation (``bits`` None) never codes inside. The peak-first step and a
+            budget's fallback (every block from codes) try without it first, the blocks' backward in batch
+            chunks, and code inside only where the estimated peak then still falls inside a recomputed block's
+            backward (peak-first) or misses the budget (fallback): the codes cost an encode and a decode of each
+            tensor every step. False: never.
     """
 
     segments: Optional[Tuple[str, ...]] = ()

@@ -6,10 +6,13 @@ more than checkpointing, which keeps only each block's input. Recomputing a bloc
 (``memopt.recompute``, ``RecomputeConfig.bits``) keeps less than both: a quarter of float32's bytes per
 boundary element at 8 bits. It costs one more forward of the block, so blocks are taken by the bytes they keep
 per FLOP until the cost model's FLOPs of a step reach ``RecomputeConfig.time_allowance`` stock steps, and the
-result is kept only when the estimated peak falls by at least ``peak_first_gain``; otherwise the default plan
-stands. Two more cost-model runs at most (every block; the share within the allowance), none where what no
-rewrite removes (``Estimate.floor_bytes``: parameters, inputs, optimizer state, every gradient) is already within
-``peak_first_gain`` of the default plan's peak.
+result is kept only when the estimated peak, with the recomputed blocks' backward in batch chunks where they
+lower it, falls by at least ``peak_first_gain``; otherwise the default plan stands. The blocks' own tensors are
+kept as eager keeps them first: codes inside them (``RecomputeConfig.codes_inside``) lower only a peak that
+falls inside a recomputed block's backward and cost an encode and a decode of each in every step, so that
+variant is estimated only where the first one's peak still falls there, and kept only where it is lower. None
+of it runs where what no rewrite removes (``Estimate.floor_bytes``: parameters, inputs, optimizer state, every
+gradient) is already within ``peak_first_gain`` of the default plan's peak.
 """
 from __future__ import annotations
 
@@ -36,6 +39,7 @@ class PeakFirst:
     estimate: Estimate
     blocks: Tuple[str, ...]
     time_ratio: float  # the step's FLOPs with the blocks recomputed, in stock steps
+    inside: bool = False  # the blocks' own tensors coded too (RecomputeConfig.codes_inside)
 
 
 def eligible_blocks(gm: fx.GraphModule, baseline: Estimate) -> Dict[str, Tuple[int, int]]:
@@ -89,16 +93,26 @@ def from_codes(config: Any, ctx: PassContext, blocks: Tuple[str, ...]) -> Option
 
 def peak_first(pristine: fx.GraphModule, trial: Tuple[Any, Tuple[str, ...], float], ctx: PassContext,
                default: Estimate, annotate: Callable[[fx.GraphModule], Estimate]) -> Optional[PeakFirst]:
-    """``peak_first_trial``'s config run on ``pristine`` (a copy of the captured graph: it is rewritten in place)
-    and estimated; kept when its peak is at least ``peak_first_gain`` below ``default``'s, else None."""
+    """``peak_first_trial``'s config run on ``pristine`` (a copy of the captured graph: the last trial rewrites it
+    in place) and estimated with chunks, without codes inside the blocks and then, where its peak still falls inside a
+    recomputed block's backward and the config allows, with them; the lower kept (the first on a tie) when its
+    peak is at least ``peak_first_gain`` below ``default``'s, else None."""
     config, taken, ratio = trial
-    if default.floor_bytes() > (1 - config.recompute.peak_first_gain) * default.peak_bytes:
+    bar = (1 - config.recompute.peak_first_gain) * default.peak_bytes
+    if default.floor_bytes() > bar:
         return None  # what no rewrite removes is already within the gain of the default's peak: no trial can pass
-    gm, records = run_passes(pristine, passes_for(config), ctx)
-    estimate = annotate(gm)
-    if estimate.peak_bytes > (1 - config.recompute.peak_first_gain) * default.peak_bytes:
-        return None
-    return PeakFirst(gm, records, estimate, taken, ratio)
+    found = None
+    variants = (False, True) if config.recompute.codes_inside else (False,)
+    for inside in variants:
+        cfg = dataclasses.replace(config, recompute=dataclasses.replace(config.recompute, codes_inside=inside))
+        source = pristine if inside == variants[-1] else copy_graph_module(pristine)
+        gm, records = run_passes(source, passes_for(cfg), ctx)
+        estimate, _ = chunk_to_fit(gm, annotate(gm), None, annotate)
+        if found is None or estimate.peak_bytes < found.estimate.peak_bytes:
+            found = PeakFirst(gm, records, estimate, taken, ratio, inside)
+        if not estimate.breakdown.get("peak_in_recompute"):
+            break  # codes inside lower only a recomputed block's backward
+    return found if found.estimate.peak_bytes <= bar else None
 
 
 def every_block_from_codes(pristine: fx.GraphModule, config: Any, ctx: PassContext, baseline: Estimate,
@@ -131,7 +145,7 @@ def every_block_from_codes(pristine: fx.GraphModule, config: Any, ctx: PassConte
         gm, records = run_passes(copy_graph_module(pristine), passes_for(cfg), ctx)
         estimate, _ = chunk_to_fit(gm, annotate(gm), target, annotate)
         if found is None or estimate.peak_bytes < found.estimate.peak_bytes:
-            found = PeakFirst(gm, records, estimate, blocks, ratio)
+            found = PeakFirst(gm, records, estimate, blocks, ratio, inside)
         if estimate.peak_bytes <= target:
             break
     return found

@@ -167,11 +167,15 @@ def test_the_default_plan_chunks_recomputed_blocks_where_the_peak_falls_inside_o
     forward_identical_gradients_close(om, model, reference, x)
 
 
-def test_an_exported_graphs_blocks_read_the_batch_again_and_take_chunks():
+@pytest.mark.parametrize("inside", [True, False])
+def test_an_exported_graphs_blocks_read_the_batch_again_and_take_chunks(inside):
+    # without codes inside, the block's graph is the captured nodes' copy, whose inputs carry no shapes: the batch
+    # is read from the input the block's stream comes in by (it was not, and such blocks took no chunks)
     torch.manual_seed(0)
     model, x = ExportedMixer(), torch.randn(32, 16, 32)
     reference = copy.deepcopy(model)
-    om = memopt.optimize(model, example_inputs=x, optimizer="sgd")
+    config = memopt.Config(recompute=memopt.RecomputeConfig(codes_inside=inside))
+    om = memopt.optimize(model, example_inputs=x, optimizer="sgd", config=config)
     assert om.plan.capture == "export" and om.plan.recompute_chunks > 1
     assert memopt.measure(om, x, optimizer="sgd").peak_bytes == om.plan.estimated_peak_bytes
     forward_identical_gradients_close(om, model, reference, x)

@@ -16,7 +16,9 @@ from memopt.stash.coded import CodedSpec, coded_call, name_of, resolve
 from memopt.stash.config import CODED_OPS
 from memopt.stash.generic import EncodeSpec, FromCodesSpec, generic_encode, linear_from_codes
 
-CODED = memopt.Config(stash=memopt.StashConfig(generic=True, coded_ops=CODED_OPS), fewbit=None, fidelity=None)
+# coded ops alone: no block recomputed from codes by the default plan's peak-first step
+CODED = memopt.Config(stash=memopt.StashConfig(generic=True, coded_ops=CODED_OPS), fewbit=None, fidelity=None,
+                      recompute=memopt.RecomputeConfig(peak_first_bits=None))
 EXACT = memopt.Config(stash=None, fewbit=None, fidelity=None)
 
 
