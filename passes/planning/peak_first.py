@@ -101,17 +101,8 @@ def peak_first(pristine: fx.GraphModule, trial: Tuple[Any, Tuple[str, ...], floa
     bar = (1 - config.recompute.peak_first_gain) * default.peak_bytes
     if default.floor_bytes() > bar:
         return None  # what no rewrite removes is already within the gain of the default's peak: no trial can pass
-    found = None
-    variants = (False, True) if config.recompute.codes_inside else (False,)
-    for inside in variants:
-        cfg = dataclasses.replace(config, recompute=dataclasses.replace(config.recompute, codes_inside=inside))
-        source = pristine if inside == variants[-1] else copy_graph_module(pristine)
-        gm, records = run_passes(source, passes_for(cfg), ctx)
-        estimate, _ = chunk_to_fit(gm, annotate(gm), None, annotate)
-        if found is None or estimate.peak_bytes < found.estimate.peak_bytes:
-            found = PeakFirst(gm, records, estimate, taken, ratio, inside)
-        if not estimate.breakdown.get("peak_in_recompute"):
-            break  # codes inside lower only a recomputed block's backward
+    found = _codes_inside_last(pristine, config, ctx, taken, ratio, None, annotate,
+                               lambda estimate: not estimate.breakdown.get("peak_in_recompute"), in_place=True)
     return found if found.estimate.peak_bytes <= bar else None
 
 
@@ -138,14 +129,26 @@ def every_block_from_codes(pristine: fx.GraphModule, config: Any, ctx: PassConte
         return None
     forward = sum(c.flops for c in baseline.nodes.values())
     ratio = (STEP_FORWARDS * forward + sum(flops for _, flops in eligible.values())) / (STEP_FORWARDS * max(forward, 1))
+    return _codes_inside_last(pristine, from_codes(config, ctx, blocks), ctx, blocks, ratio, target, annotate,
+                              lambda estimate: estimate.peak_bytes <= target, in_place=False)
+
+
+def _codes_inside_last(pristine: fx.GraphModule, config: Any, ctx: PassContext, blocks: Tuple[str, ...],
+                       ratio: float, target: Optional[int], annotate: Callable[[fx.GraphModule], Estimate],
+                       done: Callable[[Estimate], bool], in_place: bool) -> PeakFirst:
+    """``config``'s blocks recomputed from codes, estimated with chunks toward ``target`` (None: lower is better):
+    first with the blocks' own tensors kept as eager keeps them, then, where ``done`` says that estimate is not
+    enough and ``RecomputeConfig.codes_inside`` allows, coded inside too; the lower kept (the first on a tie).
+    ``pristine`` is rewritten in place by the last trial where ``in_place``, else left as it is."""
+    variants = (False, True) if config.recompute.codes_inside else (False,)
     found = None
-    for inside in (False, True) if asked.recompute.codes_inside else (False,):
-        cfg = from_codes(config, ctx, blocks)
-        cfg = dataclasses.replace(cfg, recompute=dataclasses.replace(cfg.recompute, codes_inside=inside))
-        gm, records = run_passes(copy_graph_module(pristine), passes_for(cfg), ctx)
+    for inside in variants:
+        cfg = dataclasses.replace(config, recompute=dataclasses.replace(config.recompute, codes_inside=inside))
+        source = pristine if in_place and inside == variants[-1] else copy_graph_module(pristine)
+        gm, records = run_passes(source, passes_for(cfg), ctx)
         estimate, _ = chunk_to_fit(gm, annotate(gm), target, annotate)
         if found is None or estimate.peak_bytes < found.estimate.peak_bytes:
             found = PeakFirst(gm, records, estimate, blocks, ratio, inside)
-        if estimate.peak_bytes <= target:
+        if done(estimate):
             break
     return found
