@@ -38,6 +38,8 @@ from memopt.fewbit.activations import TABLE_ACTIVATIONS
 
 
 log = logging.getLogger("memopt")
+# plannings of a CPU budget beside what the build left held in the process, the first included (_within_process)
+PLANNINGS = 3
 
 
 @dataclass
@@ -203,27 +205,30 @@ def _within_process(session: Session, built: Built, initial: FrozenSet, gated: b
 
     The planner kept free what the build held when it planned; the gate's reference step in float64 and the
     plan's own steps leave more (their buffer pools). Where the plan's estimate no longer fits beside all of it,
-    it is planned and gated once more for the budget less the whole of it; a second planning in the same process
-    grows it less than the first, and where it still grows past the plan's room that is logged as a warning with
-    the reserve that would have held it (one more planning could grow it again)."""
+    it is planned and gated again for the budget less the whole of it, up to ``PLANNINGS`` times in all: each
+    planning in the same process grows it less than the one before (the pools are already there), so a plan a
+    few MiB past its room is planned once more rather than handed over. Where it still grows past the last plan's
+    room that is logged as a warning with the reserve that would have held it."""
     held = session.growth.bytes()
     budget = session.request.budget_bytes - session.config.workspace_bytes(session.baseline.device) if reserving \
         else None
-    if reserving and held > session.reserve_bytes and built.plan.estimated_peak_bytes + held > budget:
+    plannings = 1
+    while reserving and plannings < PLANNINGS and held > session.reserve_bytes and \
+            built.plan.estimated_peak_bytes + held > budget:
         log.info("memopt: %s: the build left %s held in this process (%s when it planned); its plan's estimated "
                  "peak %s does not fit beside it in budget_mb=%.1f: planning again for %s", session.request.name,
                  fmt_bytes(held), fmt_bytes(session.reserve_bytes), fmt_bytes(built.plan.estimated_peak_bytes),
                  session.request.budget_bytes / 2**20, fmt_bytes(budget - held))
         session.reserve_bytes = held
         built, initial = _rewrite_and_gate(session, copy_graph_module(session.pristine), gated)
-        held = max(held, session.growth.bytes())
-        if built.plan.estimated_peak_bytes + held > budget:
-            log.warning("memopt: %s: the build left %s held in this process after planning again for "
-                        "budget_mb=%.1f; beside the plan's estimated peak %s that is %s over the budget. Set "
-                        "Config(workspace_mb=%d) to keep that much free, or raise budget_mb", session.request.name,
-                        fmt_bytes(held), session.request.budget_bytes / 2**20,
-                        fmt_bytes(built.plan.estimated_peak_bytes),
-                        fmt_bytes(built.plan.estimated_peak_bytes + held - budget), math.ceil(held / 2**20))
+        held, plannings = max(held, session.growth.bytes()), plannings + 1
+    if reserving and built.plan.estimated_peak_bytes + held > budget:
+        log.warning("memopt: %s: the build left %s held in this process after planning %d times for "
+                    "budget_mb=%.1f; beside the plan's estimated peak %s that is %s over the budget. Set "
+                    "Config(workspace_mb=%d) to keep that much free, or raise budget_mb", session.request.name,
+                    fmt_bytes(held), plannings, session.request.budget_bytes / 2**20,
+                    fmt_bytes(built.plan.estimated_peak_bytes),
+                    fmt_bytes(built.plan.estimated_peak_bytes + held - budget), math.ceil(held / 2**20))
     built.plan.process_held_bytes = held
     return built, initial
 

@@ -1,6 +1,7 @@
 """A CPU budget is the process's resident memory: what a build leaves held in it (memopt/core/heap.py ResidentGrowth:
 buffer pools and caches of its checks) is kept free below the budget, measured before planning and again after the
-gate, planned again where the plan no longer fits beside it; reported; Config.workspace_mb replaces it."""
+gate, planned again (up to three plannings in all) where the plan no longer fits beside it; reported;
+Config.workspace_mb replaces it."""
 import logging
 import math
 
@@ -73,16 +74,30 @@ def test_a_plan_that_no_longer_fits_beside_it_is_planned_again(monkeypatch, capl
     assert om.plan.estimated_peak_bytes <= budget - 2 * MiB and om.plan.process_held_bytes == 2 * MiB
 
 
-def test_growth_past_the_second_plan_s_room_is_a_warning_with_the_reserve(monkeypatch, caplog, preact):
+def test_growth_past_the_second_plan_s_room_is_planned_a_third_time(monkeypatch, caplog, preact):
     model, x, baseline = preact
     budget = baseline - MiB // 2
-    _Process(monkeypatch, 0, 2 * MiB, baseline)  # and after the second plan's gate, as much as the whole step
+    process = _Process(monkeypatch, 0, 2 * MiB, 3 * MiB)  # the second planning grows it by 1 MiB more
     with caplog.at_level(logging.INFO, logger="memopt"):
         om = memopt.optimize(model, budget / MiB, example_inputs=x, optimizer="sgd")
+    assert process.reads == 5  # the start, before planning, after each of the three plans' gates
+    again = [r.getMessage() for r in caplog.records if "planning again for" in r.getMessage()]
+    assert len(again) == 2 and "the build left 3.00 MiB held in this process (2.00 MiB when it planned)" in again[1]
+    assert not [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert om.plan.estimated_peak_bytes <= budget - 3 * MiB and om.plan.process_held_bytes == 3 * MiB
+
+
+def test_growth_past_the_last_plan_s_room_is_a_warning_with_the_reserve(monkeypatch, caplog, preact):
+    model, x, baseline = preact
+    budget = baseline - MiB // 2
+    process = _Process(monkeypatch, 0, 2 * MiB, 3 * MiB, baseline)  # after the third, as much as the whole step
+    with caplog.at_level(logging.INFO, logger="memopt"):
+        om = memopt.optimize(model, budget / MiB, example_inputs=x, optimizer="sgd")
+    assert process.reads == 5  # no fourth planning (PLANNINGS)
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "over the budget" in
               r.getMessage()]
-    assert len(warned) == 1 and f"Set Config(workspace_mb={math.ceil(baseline / MiB)}) to keep that much free" \
-        in warned[0]
+    assert len(warned) == 1 and "after planning 3 times" in warned[0] and \
+        f"Set Config(workspace_mb={math.ceil(baseline / MiB)}) to keep that much free" in warned[0]
     assert om.plan.process_held_bytes == baseline
 
 
