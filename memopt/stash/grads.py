@@ -27,6 +27,7 @@ still holds). The input gradient is bit-identical to the one-call result:
 """
 from __future__ import annotations
 
+import math
 from contextlib import nullcontext
 from typing import Callable, List, NamedTuple, Optional, Tuple, Union
 
@@ -35,6 +36,8 @@ import torch
 from memopt.core.phase import weight_grad_from_codes
 
 _BACKWARD = torch.ops.aten.convolution_backward
+# the most bytes of a CPU conv's input gradient (or incoming gradient) one piece of its batch computes (input_pieces)
+PIECE_BYTES = 16 * 2 ** 20
 
 
 class Rows(NamedTuple):
@@ -84,14 +87,7 @@ def _shape_only(x_hat: torch.Tensor, weight: torch.Tensor, conv_args: tuple, sha
     if x_hat.device.type != "cpu" or not x_hat.is_contiguous() or x_hat.numel() < 2:
         return None
     stand_in = x_hat.new_empty(1).expand(x_hat.shape if shape is None else shape)
-    stride, padding, dilation, transposed, output_padding, groups = conv_args
-    select = torch._C._select_conv_backend
-    try:
-        same = select(x_hat, weight, None, stride, padding, dilation, transposed, output_padding, groups, None) \
-            == select(stand_in, weight, None, stride, padding, dilation, transposed, output_padding, groups, None)
-    except (RuntimeError, TypeError):  # a build without the query: keep the one call
-        return None
-    return stand_in if same else None
+    return stand_in if _same_kernel(x_hat, stand_in, weight, conv_args) else None
 
 
 def conv_grads(grad: torch.Tensor, rebuild: Rebuild, weight: torch.Tensor, stride, padding, dilation, groups,
@@ -99,13 +95,15 @@ def conv_grads(grad: torch.Tensor, rebuild: Rebuild, weight: torch.Tensor, strid
                ) -> Tuple[Optional[torch.Tensor], torch.Tensor, Optional[torch.Tensor]]:
     """(input, weight, bias) gradients of a conv whose input is rebuilt by ``rebuild``: the input gradient
     needs the weight only (exact), the weight gradient uses the rebuilt input (approximate), over ``chunks``
-    ranges of the batch where ``rebuild`` is ``Rows``. Under autocast the forward's conv ran in the
+    ranges of the batch where ``rebuild`` is ``Rows``; the input gradient over batch pieces on the CPU
+    (``input_pieces``) where ``rebuild`` is not a tensor. Under autocast the forward's conv ran in the
     gradient's dtype (bf16 input and weight copies); so does this."""
     weight = weight.to(grad.dtype)
     dims = grad.dim() - 2
     conv_args = (_tuple(stride, dims), _tuple(padding, dims), _tuple(dilation, dims), False, [0] * dims, groups)
     bias_sizes = [weight.shape[0]] if has_bias else None
-    ranges = _ranges(rebuild, grad, chunks)
+    pieces = not isinstance(rebuild, torch.Tensor)  # codes: a lossy plan, whose gradients the gate checks
+    ranges = _ranges(rebuild, grad, max(chunks, input_pieces(grad, _input_size(grad, weight, conv_args))))
     if ranges is not None:
         first = rebuild.part(*ranges[0]).to(grad.dtype)
         shape = (grad.shape[0], *first.shape[1:])
@@ -121,8 +119,8 @@ def conv_grads(grad: torch.Tensor, rebuild: Rebuild, weight: torch.Tensor, strid
                     grad_w = w if grad_w is None else grad_w.add_(w)
             if not (need_input or has_bias):
                 return None, grad_w, None
-            grad_in, _, grad_b = _BACKWARD(grad, stand_in if need_input else grad.new_empty(1).expand(shape),
-                                           weight, bias_sizes, *conv_args, [need_input, False, has_bias])
+            grad_in, grad_b = _input_and_bias(grad, stand_in if need_input else grad.new_empty(1).expand(shape),
+                                              weight, bias_sizes, conv_args, need_input, pieces)
             return grad_in, grad_w, grad_b
         del first
     # off the CPU the conv below is one call (no stand-in), which chunks would not change: no mark there
@@ -133,8 +131,72 @@ def conv_grads(grad: torch.Tensor, rebuild: Rebuild, weight: torch.Tensor, strid
             return _BACKWARD(grad, x_hat, weight, bias_sizes, *conv_args, [True, True, has_bias])
         _, grad_w, grad_b = _BACKWARD(grad, x_hat, weight, bias_sizes, *conv_args, [False, True, has_bias])
         del x_hat  # before the input gradient exists
-    grad_in = _BACKWARD(grad, stand_in, weight, None, *conv_args, [True, False, False])[0] if need_input else None
+    grad_in = _input_and_bias(grad, stand_in, weight, None, conv_args, True, pieces)[0] if need_input else None
     return grad_in, grad_w, grad_b
+
+
+def input_pieces(grad: torch.Tensor, shape: torch.Size) -> int:
+    """Batch pieces of a CPU conv's input gradient of ``shape``: enough that neither it nor ``grad`` is over
+    ``PIECE_BYTES`` a piece. oneDNN computes a large batch's input and weight gradients in its blocked layout,
+    through copies of the incoming gradient, of the input and of the result in that layout, none of them a
+    tensor the dispatcher (or the cost model) sees: together several times the input gradient, inside one
+    call, at a CNN's backward peak. Run a piece of the batch at a time, they are a piece's
+    (docs/results/peak/conv_pieces.md). The weight gradient takes at least as many chunks (where its input is
+    rebuilt by rows)."""
+    if grad.device.type != "cpu" or grad.dim() < 3 or shape[0] < 2:
+        return 1
+    nbytes = max(grad.numel(), math.prod(shape)) * grad.element_size()
+    return max(1, min(shape[0], -(-nbytes // PIECE_BYTES)))
+
+
+def _input_size(grad: torch.Tensor, weight: torch.Tensor, conv_args: tuple) -> torch.Size:
+    """The conv input's size as far as ``grad`` and the weight tell it (a strided conv's input may be up to a
+    stride - 1 larger per side): enough to count ``input_pieces`` before anything is rebuilt."""
+    stride, padding, dilation, _, _, groups = conv_args
+    space = [(o - 1) * s - 2 * p + d * (k - 1) + 1 for o, s, p, d, k in
+             zip(grad.shape[2:], stride, padding, dilation, weight.shape[2:])]
+    return torch.Size((grad.shape[0], weight.shape[1] * groups, *space))
+
+
+def _input_and_bias(grad: torch.Tensor, stand_in: torch.Tensor, weight: torch.Tensor, bias_sizes, conv_args: tuple,
+                    need_input: bool, pieces: bool) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """The input gradient (from the shape-only ``stand_in``) and the bias gradient; the input gradient in batch
+    pieces (``input_pieces``) where ``pieces`` allows and every piece selects the whole batch's kernel. A piece
+    of the batch may still run another of that kernel's implementations (oneDNN picks one by the batch too):
+    its samples' gradients may differ from the one call's by rounding, as a chunked weight gradient's sum does,
+    so pieces are taken only from codes, in plans whose gradients the fidelity gate checks."""
+    ranges = row_ranges(stand_in.shape[0], input_pieces(grad, stand_in.shape)) if need_input and pieces else []
+    same = len(ranges) > 1 and all(_same_kernel(stand_in, stand_in[a:b], weight, conv_args) for a, b in ranges)
+    if not same:
+        grad_in, _, grad_b = _BACKWARD(grad, stand_in, weight, bias_sizes, *conv_args, [need_input, False,
+                                                                                        bias_sizes is not None])
+        return grad_in, grad_b
+    grad_b = _BACKWARD(grad, stand_in, weight, bias_sizes, *conv_args, [False, False, True])[2] \
+        if bias_sizes is not None else None
+    grad_in = None
+    for a, b in ranges:
+        part = _BACKWARD(grad[a:b], stand_in[a:b], weight, None, *conv_args, [True, False, False])[0]
+        if grad_in is None:
+            grad_in = torch.empty((stand_in.shape[0], *part.shape[1:]), dtype=part.dtype, device=part.device,
+                                  memory_format=_format(part))
+        grad_in[a:b] = part
+        del part
+    return grad_in, grad_b
+
+
+def _format(t: torch.Tensor) -> torch.memory_format:
+    return torch.channels_last if t.dim() == 4 and not t.is_contiguous() and \
+        t.is_contiguous(memory_format=torch.channels_last) else torch.contiguous_format
+
+
+def _same_kernel(whole: torch.Tensor, piece: torch.Tensor, weight: torch.Tensor, conv_args: tuple) -> bool:
+    stride, padding, dilation, transposed, output_padding, groups = conv_args
+    select = torch._C._select_conv_backend
+    try:
+        return select(whole, weight, None, stride, padding, dilation, transposed, output_padding, groups, None) \
+            == select(piece, weight, None, stride, padding, dilation, transposed, output_padding, groups, None)
+    except (RuntimeError, TypeError):
+        return False
 
 
 def _weight_grad_rows(grad: torch.Tensor, rebuild: Rows, ranges, dtype, rows_of, out_shape) -> torch.Tensor:
