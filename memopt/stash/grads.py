@@ -12,12 +12,18 @@ range rebuilt from its own slice of the codes, so no full-size rebuilt input exi
 input costs as much as the input gradient allocated next, so chunks lower the op's moment only by what the
 rebuild needs beyond its output: the float32 copy a bf16 / fp16 input is rebuilt through (autocast), and the
 unpacked codes and mask of the plain-PyTorch decode (CUDA where the Triton kernels are not taken). The planner
-(``memopt.passes.stash_chunks``) turns chunks on only where the cost model's step says the peak falls. The
+(``memopt.passes.stash_chunks``) turns chunks on where the cost model's step says the peak falls. The
 weight gradient's sum then runs in another order (chunked rounding, on an already approximate gradient); the
 bias and input gradients are the unchunked ones.
 
+CPU batch pieces (``input_pieces``): a conv's input gradient from codes, at a batch large enough, runs a piece
+of the batch at a time, and its weight gradient in at least as many chunks, so that oneDNN's copies in its
+blocked layout, which no tensor shows and which were the step's peak of a CNN, are a piece's. A piece may run
+another of oneDNN's implementations than the whole batch, so such an input gradient can differ from the one
+call's by rounding (the gradients of these plans are approximate and gated anyway).
+
 ``rebuild`` is a callable that returns the rebuilt input (a tensor is accepted too, which its caller then
-still holds). The input gradient is bit-identical to the one-call result:
+still holds). Outside CPU batch pieces the input gradient is bit-identical to the one-call result:
 - linear / matmul: ``grad @ weight`` does not read the input at all;
 - conv: ``aten.convolution_backward`` reads only the input's sizes for the input gradient, but picks its
   kernel (and the gradient's memory format) from the input's strides too. The input is replaced by a
