@@ -303,7 +303,7 @@ def bn_backward(packed: torch.Tensor, bits: int, shape: torch.Size, book: torch.
                 grad: Optional[torch.Tensor] = None, act: str = "relu", slope: float = 0.0,
                 exact: Optional[Tuple[torch.Tensor, torch.Tensor]] = None, out: Optional[torch.Tensor] = None,
                 solve: Optional[torch.Tensor] = None, top: float = 0.0, keep_g: bool = True,
-                out_dtype: torch.dtype = torch.float32
+                out_dtype: torch.dtype = torch.float32, g_into: Optional[torch.Tensor] = None
                 ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
     """``stash._bn_backward`` in two passes over the code with no full-size x̂ (``mo_bn_backward``; x̂ / std from the
     code ``book`` or grid rows: ``_book``): from ``g`` and
@@ -320,6 +320,9 @@ def bn_backward(packed: torch.Tensor, bits: int, shape: torch.Size, book: torch.
     ReLU6, else 0) times the clipped elements' gradient summed in the first.
     ``keep_g`` False (with ``grad`` and a mask): g is not returned (None) and never exists at full size; each
     pass makes it a block at a time (a full-size write and read fewer, the same grad_x).
+    ``g_into`` (with ``grad``, ``keep_g``, grad's dtype): g is written there, which may be ``grad`` itself (each
+    element is read before it is written, and the second pass reads g only), except with ``solve`` at a nonzero
+    ``top``, whose clipped sums read grad after the first pass.
     Returns (grad_x, sum of g times centred x̂, g, sum_g)."""
     n, channels, inner = _geometry(shape)
     table, is_book, split = _book(book)
@@ -332,8 +335,12 @@ def bn_backward(packed: torch.Tensor, bits: int, shape: torch.Size, book: torch.
                              f"use memopt.stash.bn.bn_backward, which falls back to the plain path")
     if out is None and out_dtype not in _BN_DTYPES:
         raise ValueError(f"native.bn_backward: out_dtype must be float32 or bfloat16, got {out_dtype}")
+    if g_into is not None and (grad is None or not keep_g or g_into.dtype != grad.dtype or g_into.shape != shape
+                               or not g_into.is_contiguous() or (g_into is grad and solve is not None and top)):
+        raise ValueError("native.bn_backward: g_into must be a contiguous tensor of grad's shape and dtype, with "
+                         "grad and keep_g, and not grad itself where solve clips (top != 0)")
     if grad is not None:
-        g = torch.empty(shape, dtype=grad.dtype) if keep_g else None
+        g = (g_into if g_into is not None else torch.empty(shape, dtype=grad.dtype)) if keep_g else None
         sum_g = torch.empty(channels, dtype=torch.float32)
     else:
         sum_g = sum_g.float().contiguous()

@@ -55,7 +55,7 @@ from memopt.runtime.bitpack import pack_bits, unpack_bits
 from memopt.stash.grads import Rows, conv_grads, linear_grads
 from memopt.stash.bn import bn_backward as _bn_backward, gamma_invstd as _gamma_invstd
 from memopt.stash.pool import BNReLUMaxPoolStash
-from memopt.stash.residual import residual_sum
+from memopt.stash.residual import owned_gradient, residual_sum
 from memopt.stash.identity import link_term, solve_rows, solved_weight_grad
 from memopt.stash.grid import (MEAN_STRIDE, REACH, WINDOWS, _act_backward, _activation, _code_, _decode_mask,
                                    _from_codes, _grid, _mask, _per_channel, add_bin_sums,
@@ -282,11 +282,16 @@ class BNActStash(torch.autograd.Function):
             # g itself is needed only as the residual's gradient and by the downsample BN: else it is never
             # written at full size
             narrow = dtype == torch.bfloat16
+            # g over grad_y where autograd handed grad_y to this backward alone: at a residual block's backward
+            # (ResNet's layer1 at a large batch: the step's peak) one full-size tensor fewer
+            into = grad_y if keep_g and rows is None and (narrow or dtype == torch.float32) and \
+                owned_gradient(grad_y) else None
             grad_x, sum_gx, g, sum_g = native.bn_backward(
                 x_codes, ctx.bits, shape, book, mask, xstd, _gamma_invstd(weight, invstd),
                 grad=grad_y if narrow else grad_y.float(), act=ctx.act,
                 slope=ctx.act_params[0] if ctx.act == "leaky_relu" else 0.0, solve=rows,
-                top=6.0 if ctx.act == "relu6" else 0.0, keep_g=keep_g, out_dtype=dtype if narrow else torch.float32)
+                top=6.0 if ctx.act == "relu6" else 0.0, keep_g=keep_g, out_dtype=dtype if narrow else torch.float32,
+                g_into=into)
             grad_z = g
         elif fused:
             made = keep_g and ctx.act != "identity"  # an identity's g is grad_y itself

@@ -51,3 +51,14 @@ def residual_sum(out: torch.Tensor, residual: torch.Tensor, residual_first: bool
         return first + second
     shape, stride, dtype = want
     return torch.add(first, second, out=torch.empty_strided(shape, stride, dtype=dtype, device=out.device))
+
+
+def owned_gradient(grad: torch.Tensor) -> bool:
+    """Whether autograd handed ``grad`` to this backward alone, so it may be written over: one reference to the
+    tensor and none but it (and the probe's own) to its storage, contiguous, not a view. A gradient the user
+    passed to ``backward``, one ``retain_grad`` keeps or one an ``add`` hands to both its inputs fails it."""
+    try:
+        return grad._use_count() == 1 and grad._base is None and grad.is_contiguous() and \
+            torch._C._storage_Use_Count(grad.untyped_storage()._cdata) == 2
+    except (AttributeError, RuntimeError):  # a torch without the counts, or a tensor without a storage
+        return False
