@@ -109,7 +109,10 @@ def conv_grads(grad: torch.Tensor, rebuild: Rebuild, weight: torch.Tensor, strid
     conv_args = (_tuple(stride, dims), _tuple(padding, dims), _tuple(dilation, dims), False, [0] * dims, groups)
     bias_sizes = [weight.shape[0]] if has_bias else None
     pieces = not isinstance(rebuild, torch.Tensor)  # codes: a lossy plan, whose gradients the gate checks
-    ranges = _ranges(rebuild, grad, max(chunks, input_pieces(grad, _input_size(grad, weight, conv_args))))
+    like = grad.new_empty(1).expand(_input_size(grad, weight, conv_args))
+    ranges = _ranges(rebuild, grad, len(kernel_pieces(like, weight, conv_args,
+                                                      max(chunks, input_pieces(grad, like.shape)))))
+    del like  # so that only the stand-in's one element is alive beside the full-size tensors below
     if ranges is not None:
         first = rebuild.part(*ranges[0]).to(grad.dtype)
         shape = (grad.shape[0], *first.shape[1:])
@@ -171,9 +174,9 @@ def _input_and_bias(grad: torch.Tensor, stand_in: torch.Tensor, weight: torch.Te
     of the batch may still run another of that kernel's implementations (oneDNN picks one by the batch too):
     its samples' gradients may differ from the one call's by rounding, as a chunked weight gradient's sum does,
     so pieces are taken only from codes, in plans whose gradients the fidelity gate checks."""
-    ranges = row_ranges(stand_in.shape[0], input_pieces(grad, stand_in.shape)) if need_input and pieces else []
-    same = len(ranges) > 1 and all(_same_kernel(stand_in, stand_in[a:b], weight, conv_args) for a, b in ranges)
-    if not same:
+    ranges = kernel_pieces(stand_in, weight, conv_args, input_pieces(grad, stand_in.shape)) \
+        if need_input and pieces else []
+    if len(ranges) < 2:
         grad_in, _, grad_b = _BACKWARD(grad, stand_in, weight, bias_sizes, *conv_args, [need_input, False,
                                                                                         bias_sizes is not None])
         return grad_in, grad_b
@@ -188,6 +191,18 @@ def _input_and_bias(grad: torch.Tensor, stand_in: torch.Tensor, weight: torch.Te
         grad_in[a:b] = part
         del part
     return grad_in, grad_b
+
+
+def kernel_pieces(like: torch.Tensor, weight: torch.Tensor, conv_args: tuple, pieces: int) -> List[Tuple[int, int]]:
+    """Batch ranges of the most pieces up to ``pieces`` whose every piece selects the kernel ``like`` (the whole
+    batch) selects, else the one range of the whole batch. A conv picks its kernel by the batch too (a
+    single-threaded 1x1 conv takes oneDNN only from 16 samples up): a piece that picked another would round
+    differently and, for a weight gradient, throw the chunks away."""
+    for count in range(min(pieces, like.shape[0]), 1, -1):
+        ranges = row_ranges(like.shape[0], count)
+        if all(_same_kernel(like, like[a:b], weight, conv_args) for a, b in ranges):
+            return ranges
+    return [(0, like.shape[0])]
 
 
 def _format(t: torch.Tensor) -> torch.memory_format:

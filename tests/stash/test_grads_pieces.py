@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import memopt.stash.grads as grads
-from memopt.stash.grads import Rows, conv_grads, input_pieces
+from memopt.stash.grads import Rows, conv_grads, input_pieces, kernel_pieces
 
 _ONE_CALL = torch.ops.aten.convolution_backward
 MiB = 2 ** 20
@@ -89,3 +89,19 @@ def test_without_an_input_gradient_only_the_weight_is_chunked(monkeypatch):
     assert got[0] is None and got[2] is None
     assert [n for n, mask in seen.calls if mask[1]] == [6, 6] and not [m for _, m in seen.calls if m[0]]
     assert torch.allclose(got[1], want[1], rtol=1e-5, atol=1e-4)
+
+
+def test_pieces_keep_the_whole_batch_s_kernel():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a single-threaded 1x1 conv takes oneDNN only from 16 samples up
+    try:
+        like, weight = torch.empty(1).expand(40, 256, 8, 8), torch.empty(64, 256, 1, 1)
+        args = ([1, 1], [0, 0], [1, 1], False, [0, 0], 1)
+        select = torch._C._select_conv_backend
+        if select(like, weight, None, *args, None) == select(like[:4], weight, None, *args, None):
+            pytest.skip("this build picks the same conv kernel at every batch")
+        assert kernel_pieces(like, weight, args, 8) == [(0, 20), (20, 40)]  # 8, 7, ... pieces: under 16 samples
+        assert kernel_pieces(like[:20], weight, args, 8) == [(0, 20)]  # no split keeps the kernel: one call
+        assert kernel_pieces(like, weight, args, 1) == [(0, 40)]
+    finally:
+        torch.set_num_threads(threads)
