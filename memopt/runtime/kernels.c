@@ -30,9 +30,11 @@
 
 static int64_t num_blocks(int64_t n) { return (n + BLOCK - 1) / BLOCK; }
 
-/* bfloat16 (autocast's CPU dtype) in and out of the BN backward: a bf16 value widens exactly; a float narrows
- * rounding to nearest even as c10::BFloat16 does (NaN to 0x7FC0), so a bf16 result written here equals the float
- * result's .to(torch.bfloat16). TYPE_* flags say which of grad, g and out are bf16. */
+/* bfloat16 (autocast's CPU dtype) in and out of the BN backward, and as the input of the forward's encode, mask
+ * and extremes (`x_bf16`): a bf16 value widens exactly, a block at a time, so a kernel reading bf16 computes what
+ * it computes on the float32 copy (what the plain path's type promotion reads), with no full-size copy; a float
+ * narrows rounding to nearest even as c10::BFloat16 does (NaN to 0x7FC0), so a bf16 result written here equals the
+ * float result's .to(torch.bfloat16). TYPE_* flags say which of grad, g and out are bf16. */
 #define TYPE_GRAD_BF16 1
 #define TYPE_G_BF16 2
 #define TYPE_OUT_BF16 4
@@ -231,7 +233,7 @@ static inline void bin_sums_run(const float *restrict r, const uint8_t *restrict
  * positive_not_le (ReLU / ReLU6: a NaN passes the gradient), else v > 0. Packed straight into out. With
  * bin_sums (2 x C x T int64, T = sides x 2^bits, zeroed by the caller): per channel, side and code the sum of
  * the fixed-point offsets (bin_sums_run) of every sum_stride-th element, then their counts. */
-void mo_encode(const float *x, int64_t n, int64_t C, int64_t S, const float *mean, const float *scale,
+void mo_encode(const void *x, int x_bf16, int64_t n, int64_t C, int64_t S, const float *mean, const float *scale,
                const float *lo0, const float *w0, const float *lo1, const float *w1, const uint8_t *mask,
                const int32_t *zero_code, int positive_not_le, int bits, uint8_t *out, int64_t nbytes,
                int64_t *bin_sums, int sum_stride, int nthreads) {
@@ -245,6 +247,7 @@ void mo_encode(const float *x, int64_t n, int64_t C, int64_t S, const float *mea
     {
         uint8_t *codes = (uint8_t *)malloc(BLOCK);
         float *rbuf = acc ? (float *)malloc(BLOCK * sizeof(float)) : NULL;
+        float *xbuf = x_bf16 ? (float *)malloc(BLOCK * sizeof(float)) : NULL;  /* the block's x, widened */
         int t = 0;
 #ifdef _OPENMP
         t = omp_get_thread_num();
@@ -253,22 +256,24 @@ void mo_encode(const float *x, int64_t n, int64_t C, int64_t S, const float *mea
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < num_blocks(n); b++) {
             int64_t i0 = b * BLOCK, count = n - i0 < BLOCK ? n - i0 : BLOCK;
+            if (xbuf) bf16_widen_run((const uint16_t *)x + i0, xbuf, count);
             for (int64_t s = i0, e; s < i0 + count; s = e) {  /* runs of one channel c */
                 const int64_t c = (s / S) % C;
                 e = segment_end(s, S, i0 + count);
+                const float *xs = xbuf ? xbuf + (s - i0) : (const float *)x + s;
                 const float m = mean ? mean[c] : 0.0f, sc = scale ? scale[c] : 1.0f;
                 const float l0 = lo0[c], v0 = w0[c];
                 const float l1 = lo1 ? lo1[c] : l0, v1 = w1 ? w1[c] : v0;
                 const uint8_t *mk = lo1 ? mask + s : NULL;
                 uint8_t *dst = codes + (s - i0);
                 float *r = rbuf ? rbuf + (s - i0) : NULL;
-                if (mean && lo1) encode_run(x + s, mk, dst, e - s, 1, 1, m, sc, l0, v0, l1, v1, top, r);
-                else if (mean) encode_run(x + s, mk, dst, e - s, 1, 0, m, sc, l0, v0, l1, v1, top, r);
-                else if (lo1) encode_run(x + s, mk, dst, e - s, 0, 1, m, sc, l0, v0, l1, v1, top, r);
-                else encode_run(x + s, mk, dst, e - s, 0, 0, m, sc, l0, v0, l1, v1, top, r);
+                if (mean && lo1) encode_run(xs, mk, dst, e - s, 1, 1, m, sc, l0, v0, l1, v1, top, r);
+                else if (mean) encode_run(xs, mk, dst, e - s, 1, 0, m, sc, l0, v0, l1, v1, top, r);
+                else if (lo1) encode_run(xs, mk, dst, e - s, 0, 1, m, sc, l0, v0, l1, v1, top, r);
+                else encode_run(xs, mk, dst, e - s, 0, 0, m, sc, l0, v0, l1, v1, top, r);
                 if (zero_code) {
                     const uint8_t j = (uint8_t)zero_code[c], below = (uint8_t)(j - 1);
-                    const float *z = x + s;
+                    const float *z = xs;
                     for (int64_t i = 0; i < e - s; i++) {
                         int positive = positive_not_le ? !(z[i] <= 0.0f) : z[i] > 0.0f;
                         uint8_t k = dst[i];
@@ -283,6 +288,7 @@ void mo_encode(const float *x, int64_t n, int64_t C, int64_t S, const float *mea
         }
         free(codes);
         free(rbuf);
+        free(xbuf);
     }
     if (acc) {
         for (int t = 0; t < threads; t++)
@@ -548,16 +554,24 @@ static void mo_bn_grad(const uint8_t *packed, int64_t nbytes, int bits, int64_t 
 
 /* The activation's exact mask from its input z, with ATen's comparisons (stash_grid._mask): ReLU !(z <= 0)
  * (a NaN passes), ReLU6 !(z <= 0 || z >= 6), LeakyReLU z > 0; as 0/1 bytes. */
-void mo_act_mask(const float *z, int64_t n, int act, uint8_t *out, int nthreads) {
-#pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t b = 0; b < num_blocks(n); b++) {
-        int64_t i0 = b * BLOCK, end = n - i0 < BLOCK ? n : i0 + BLOCK;
-        if (act == ACT_RELU6)
-            for (int64_t i = i0; i < end; i++) out[i] = (uint8_t)!((z[i] <= 0.0f) | (z[i] >= 6.0f));
-        else if (act == ACT_LEAKY_RELU)
-            for (int64_t i = i0; i < end; i++) out[i] = (uint8_t)(z[i] > 0.0f);
-        else
-            for (int64_t i = i0; i < end; i++) out[i] = (uint8_t)!(z[i] <= 0.0f);
+void mo_act_mask(const void *zv, int z_bf16, int64_t n, int act, uint8_t *out, int nthreads) {
+#pragma omp parallel num_threads(nthreads)
+    {
+        float *zbuf = z_bf16 ? (float *)malloc(BLOCK * sizeof(float)) : NULL;  /* the block's z, widened */
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < num_blocks(n); b++) {
+            const int64_t i0 = b * BLOCK, count = n - i0 < BLOCK ? n - i0 : BLOCK;
+            const float *z = zbuf ? zbuf : (const float *)zv + i0;
+            uint8_t *o = out + i0;
+            if (zbuf) bf16_widen_run((const uint16_t *)zv + i0, zbuf, count);
+            if (act == ACT_RELU6)
+                for (int64_t i = 0; i < count; i++) o[i] = (uint8_t)!((z[i] <= 0.0f) | (z[i] >= 6.0f));
+            else if (act == ACT_LEAKY_RELU)
+                for (int64_t i = 0; i < count; i++) o[i] = (uint8_t)(z[i] > 0.0f);
+            else
+                for (int64_t i = 0; i < count; i++) o[i] = (uint8_t)!(z[i] <= 0.0f);
+        }
+        free(zbuf);
     }
 }
 
@@ -667,7 +681,7 @@ static void extremes_run(const float *restrict v, const uint8_t *restrict mk, in
 /* Per channel of x: its least and greatest value, and with a mask the greatest where the mask is 0 and
  * the least where it is 1 (stash_grid._ends before its affine map, which is monotonic): rows
  * (lo, hi0, lo1, hi) of out (4 x C floats). An empty side gives +-inf, a channel with a NaN gives NaN. */
-void mo_channel_extremes(const float *x, const uint8_t *mask, int64_t n, int64_t C, int64_t S, float *out,
+void mo_channel_extremes(const void *x, int x_bf16, const uint8_t *mask, int64_t n, int64_t C, int64_t S, float *out,
                          int nthreads) {
     int threads = nthreads < 1 ? 1 : nthreads;
     float *acc = (float *)malloc((size_t)threads * 5 * C * sizeof(float));
@@ -681,16 +695,20 @@ void mo_channel_extremes(const float *x, const uint8_t *mask, int64_t n, int64_t
 #ifdef _OPENMP
         t = omp_get_thread_num();
 #endif
+        float *xbuf = x_bf16 ? (float *)malloc(BLOCK * sizeof(float)) : NULL;  /* the block's x, widened */
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < num_blocks(n); b++) {
             int64_t i0 = b * BLOCK, count = n - i0 < BLOCK ? n - i0 : BLOCK;
+            if (xbuf) bf16_widen_run((const uint16_t *)x + i0, xbuf, count);
             for (int64_t s = i0, e; s < i0 + count; s = e) {  /* runs of one channel c */
                 const int64_t c = (s / S) % C;
                 e = segment_end(s, S, i0 + count);
-                if (mask) extremes_run(x + s, mask + s, e - s, acc + 5 * ((size_t)t * C + c));
-                else extremes_run(x + s, NULL, e - s, acc + 5 * ((size_t)t * C + c));
+                const float *xs = xbuf ? xbuf + (s - i0) : (const float *)x + s;
+                if (mask) extremes_run(xs, mask + s, e - s, acc + 5 * ((size_t)t * C + c));
+                else extremes_run(xs, NULL, e - s, acc + 5 * ((size_t)t * C + c));
             }
         }
+        free(xbuf);
     }
     for (int64_t c = 0; c < C; c++) {
         float lo = INFINITY, hi0 = -INFINITY, lo1 = INFINITY, hi = -INFINITY;

@@ -8,10 +8,12 @@ accumulated in another order (float lanes, then double). The backward also keeps
 byte mask (the saved 1-bit mask is read a block at a time). ResNet-50 step time with and without them:
 docs/results/stash/stash_memory.md.
 
-The kernels run on contiguous CPU tensors only (float32 where a float is read); everything else (CUDA,
-half precision, strided views) takes the plain path. The library is built with the system's C compiler
-(``$CC``, else ``cc`` / ``gcc``; ``-O3 -march=native -ffp-contract=off -fno-trapping-math -fopenmp``) into
-``$MEMOPT_CACHE_DIR`` (default ``~/.cache/memopt``), once per source, flags and CPU. Without a working
+The kernels run on contiguous CPU tensors only (float32 where a float is read; bfloat16 too where autocast
+gives it: the forward's codes, activation mask and extremes, the BN backward's gradients, each widened or
+narrowed a block at a time); everything else (CUDA, float16, strided views) takes the plain path. The library
+is built with the system's C compiler (``$CC``, else ``cc`` / ``gcc``; ``-O3 -march=native -ffp-contract=off
+-fno-trapping-math -fopenmp``) into ``$MEMOPT_CACHE_DIR`` (default ``~/.cache/memopt``), once per source, flags
+and CPU. Without a working
 compiler memopt warns once (quoting the compiler's error) and uses the plain path: same codes, slower;
 ``MEMOPT_NATIVE=0`` chooses the plain path without building anything, as ``MEMOPT_KERNELS=torch`` does
 (``memopt.runtime.kernels``, which also decides when few-bit backward runs its Triton kernels instead).
@@ -56,13 +58,13 @@ _P, _I64, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 _SIGNATURES = {
     "mo_pack": [_P, _I64, _I, _P, _I64, _I],
     "mo_unpack": [_P, _I64, _I64, _I, _P, _I],
-    "mo_encode": [_P, _I64, _I64, _I64, _P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _P, _I64, _P, _I, _I],
+    "mo_encode": [_P, _I, _I64, _I64, _I64, _P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _P, _I64, _P, _I, _I],
     "mo_rebuild": [_P, _I64, _I, _I64, _I64, _I64, _P, _I, _I, _P, _I, _P, _I, _F, _P, _I],
     "mo_mask_from_codes": [_P, _I64, _I, _I64, _I64, _I64, _P, _P, _I, _I],
-    "mo_act_mask": [_P, _I64, _I, _P, _I],
+    "mo_act_mask": [_P, _I, _I64, _I, _P, _I],
     "mo_bn_backward": [_P, _I64, _I, _I64, _I64, _I64, _P, _I, _I, _P, _I, _P, _P, _I, _F, _P, _P, _P, _P, _P, _P, _F, _P,
                        _P, _I, _I],
-    "mo_channel_extremes": [_P, _P, _I64, _I64, _I64, _P, _I],
+    "mo_channel_extremes": [_P, _I, _P, _I64, _I64, _I64, _P, _I],
     "mo_chain_grid": [_I64, _P, _P, _P, _P, _P, _P, _I, _I, _F, _F, _F, _I, _I, _I, _I, _P, _P, _P, _P],
     "mo_compare": [_P, _P, _I64, _P, _P, _I],
 }
@@ -147,11 +149,13 @@ def disabled() -> Iterator[None]:
         _enabled = before
 
 
-def applies(*tensors: torch.Tensor, float_dtype: bool = False) -> bool:
+def applies(*tensors: torch.Tensor, float_dtype: bool = False, bf16: bool = False) -> bool:
     """Whether the kernels take these tensors: contiguous, on the CPU (real or fake), float32 where
-    ``float_dtype``, and the library built."""
+    ``float_dtype`` (or bfloat16 too with ``bf16``: the kernels that widen their input a block at a time,
+    ``encode``, ``act_mask``, ``channel_extremes``), and the library built."""
+    floats = (torch.float32, torch.bfloat16) if bf16 else (torch.float32,)
     for t in tensors:
-        if t.device.type != "cpu" or not t.is_contiguous() or (float_dtype and t.dtype != torch.float32):
+        if t.device.type != "cpu" or not t.is_contiguous() or (float_dtype and t.dtype not in floats):
             return False
         if type(t) not in (torch.Tensor, torch.nn.Parameter, FakeTensor):
             return False
@@ -243,24 +247,35 @@ def unpack(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     return out
 
 
+def _wide(x: torch.Tensor) -> int:
+    """The kernels' ``x_bf16`` flag: 1 for a bfloat16 input (widened a block at a time), 0 for float32; any other
+    dtype is refused (the kernels would read its bytes as float32)."""
+    if x.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"memopt.runtime.native: the input must be float32 or bfloat16, got {x.dtype}; convert it "
+                         f"or take the plain path (check native.applies(x, float_dtype=True, bf16=True) first)")
+    return int(x.dtype == torch.bfloat16)
+
+
 def encode(x: torch.Tensor, grid: torch.Tensor, bits: int, *, mean: Optional[torch.Tensor] = None,
            scale: Optional[torch.Tensor] = None, mask: Optional[torch.Tensor] = None,
            zero_code: Optional[torch.Tensor] = None, positive_not_le: bool = False,
            sums: Optional[torch.Tensor] = None, sum_stride: int = 1) -> torch.Tensor:
-    """Packed codes of ``(x - mean) * scale`` (or of ``x``) on ``grid`` (rows lo0, w0[, lo1, w1], widths already
-    clamped), split by ``mask``; with ``zero_code`` the sign fix of a z code (``memopt.stash.ops.BNActStash``);
+    """Packed codes of ``(x - mean) * scale`` (or of ``x``; float32 or bfloat16) on ``grid`` (rows lo0, w0[, lo1,
+    w1], widths already clamped), split by ``mask``; with ``zero_code`` the sign fix of a z code
+    (``memopt.stash.ops.BNActStash``);
     with ``sums`` (``memopt.stash.grid.new_bin_sums``) the fixed-point offset in its bin of each element whose
     index is a multiple of ``sum_stride``, and their counts, are added there (``memopt.stash.grid.add_bin_sums``,
     the same integers)."""
     n, channels, inner = _geometry(x.shape)
     nbytes = (n * bits + 7) // 8
     out = torch.empty(nbytes, dtype=torch.uint8)
+    wide = _wide(x)
     lo0, w0, lo1, w1 = _rows(grid)
     per = [None if t is None else t.float().contiguous() for t in (mean, scale)]
     zc = None if zero_code is None else zero_code.to(torch.int32).contiguous()
     m = _u8(mask) if lo1 is not None else None
     if _runs(x) and n:
-        _library().mo_encode(x.data_ptr(), n, channels, inner, _ptr(per[0]), _ptr(per[1]), _ptr(lo0), _ptr(w0),
+        _library().mo_encode(x.data_ptr(), wide, n, channels, inner, _ptr(per[0]), _ptr(per[1]), _ptr(lo0), _ptr(w0),
                              _ptr(lo1), _ptr(w1), _ptr(m), _ptr(zc), int(positive_not_le), bits, out.data_ptr(),
                              nbytes, _ptr(sums), int(sum_stride), _threads(n))
     return out
@@ -361,20 +376,24 @@ def bn_backward(packed: torch.Tensor, bits: int, shape: torch.Size, book: torch.
 
 
 def act_mask(z: torch.Tensor, act: str) -> torch.Tensor:
-    """``memopt.stash.grid._mask`` (ReLU / ReLU6 / LeakyReLU) of a float32 tensor in one pass, as bool."""
+    """``memopt.stash.grid._mask`` (ReLU / ReLU6 / LeakyReLU) of a float32 or bfloat16 tensor in one pass, as
+    bool."""
     out = torch.empty(z.shape, dtype=torch.uint8)
+    wide = _wide(z)
     if _runs(z) and z.numel():
-        _library().mo_act_mask(z.data_ptr(), z.numel(), _ACTS[act], out.data_ptr(), _threads(z.numel()))
+        _library().mo_act_mask(z.data_ptr(), wide, z.numel(), _ACTS[act], out.data_ptr(), _threads(z.numel()))
     return out.view(torch.bool)
 
 
 def channel_extremes(x: torch.Tensor, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Per channel of a float32 ``x``: rows (least, greatest where the mask is 0, least where it is 1, greatest)
-    in one pass (without a mask rows 1 and 2 are ±inf); an empty side gives ±inf, a NaN channel NaN."""
+    """Per channel of a float32 or bfloat16 ``x``: rows (least, greatest where the mask is 0, least where it is 1,
+    greatest) in one pass (without a mask rows 1 and 2 are ±inf); an empty side gives ±inf, a NaN channel NaN."""
     n, channels, inner = _geometry(x.shape)
     out = torch.empty(4, channels, dtype=torch.float32)
+    wide = _wide(x)
     if _runs(x) and n:
-        _library().mo_channel_extremes(x.data_ptr(), _ptr(_u8(mask)), n, channels, inner, out.data_ptr(), _threads(n))
+        _library().mo_channel_extremes(x.data_ptr(), wide, _ptr(_u8(mask)), n, channels, inner, out.data_ptr(),
+                                       _threads(n))
     return out
 
 

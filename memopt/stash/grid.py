@@ -371,7 +371,7 @@ def _mask(z: torch.Tensor, act: str, params: Tuple[float, ...]) -> Optional[torc
     """Where the activation passes the gradient (with slope 1), with ATen's own comparisons."""
     if act == "identity":
         return None
-    if native.applies(z, float_dtype=True):
+    if native.applies(z, float_dtype=True, bf16=True):
         return native.act_mask(z, act)
     if act == "relu6":
         return ~((z <= 0) | (z >= 6))
@@ -408,17 +408,18 @@ def x_code(x, weight, bias, mean, invstd, eps: float, mask, bits: int, act: str,
     (only with ``affine``): rows per side (β + γσ·lo, γσ·w) or, with the means, a code book of z, and the x̂
     code book (``code_book``: with ``means`` and K <= MEAN_BITS the bins' means, else None: the midpoints)).
     A residual chain's grid ends where each side's values end (``_ends`` inner); otherwise an outer end at the
-    window's edge moves to the data's end (``DATA_ENDS``). On a contiguous float32 CPU tensor: two fused passes
-    (extremes, codes and bin sums) and one call for the per-channel constants (``memopt/runtime/native.py``: the
-    extremes of x map to those of x̂ because x -> (x - mean) * scale is monotonic in float32), the same values as
-    the plain path below. ``xstd``: x̂'s std per channel (``xhat_std``, computed here when not given)."""
+    window's edge moves to the data's end (``DATA_ENDS``). On a contiguous float32 or bfloat16 CPU tensor (widened
+    a block at a time: what the plain path's type promotion reads): two fused passes (extremes, codes and bin sums)
+    and one call for the per-channel constants (``memopt/runtime/native.py``: the extremes of x map to those of x̂
+    because x -> (x - mean) * scale is monotonic in float32), the same values as the plain path below. ``xstd``:
+    x̂'s std per channel (``xhat_std``, computed here when not given)."""
     data = residual or reaches(bits, split)
     xstd = xhat_std(x, invstd, eps) if xstd is None else xstd  # ``xstd``: the caller's, which backward reads
     sides = 2 if split else 1
     per_channel = x.numel() // max(1, x.shape[1])
     sums = new_bin_sums(x.shape[1], sides, bits, x.device) if wants_means(means, bits, sides, per_channel) else None
     triton = kernels.stash_triton(x, "x̂ code")  # the codes and bin sums in one launch (the grid as below)
-    if not triton and native.applies(x, float_dtype=True) and (mask is None or mask.is_contiguous()):
+    if not triton and native.applies(x, float_dtype=True, bf16=True) and (mask is None or mask.is_contiguous()):
         raw = native.channel_extremes(x, mask if residual else None) if data else None
         scale, grid, enc, rows = native.chain_grid(invstd, xstd, weight, bias, mean, raw, residual, bits,
                                                    x_grid_half(bits, split), x_grid_reach(bits, split),

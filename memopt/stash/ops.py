@@ -135,7 +135,7 @@ def _or_empty(t: Optional[torch.Tensor], device) -> torch.Tensor:
 
 def _channel_max(z: torch.Tensor) -> torch.Tensor:
     """Per-channel greatest value (float32; NaN where the channel has one), in one pass on the CPU."""
-    if native.applies(z, float_dtype=True):
+    if native.applies(z, float_dtype=True, bf16=True):
         return native.channel_extremes(z)[3]
     return z.amax([d for d in range(z.dim()) if d != 1]).float()
 
@@ -208,7 +208,7 @@ class BNActStash(torch.autograd.Function):
             if kernels.stash_triton(z, "z code"):  # one launch, the same codes
                 y_codes = triton_stash.encode(z, torch.stack([origin, zwidth]), bits, zero_code=zero_code,
                                               positive_not_le=relu_like, sums=zsums, sum_stride=MEAN_STRIDE)
-            elif native.applies(z, float_dtype=True):  # one fused pass, the same codes
+            elif native.applies(z, float_dtype=True, bf16=True):  # one fused pass, the same codes
                 y_codes = native.encode(z, torch.stack([origin, zwidth]), bits, zero_code=zero_code,
                                         positive_not_le=relu_like, sums=zsums, sum_stride=MEAN_STRIDE)
             else:

@@ -58,9 +58,10 @@ def _chain(act, residual, bits, shape, dtype=torch.float32, tails=False, means=F
         extra = {}
         r = None
         if residual == "tensor":
-            r = torch.relu(torch.randn(shape) * (torch.randn(shape).exp() * 3 if tails else 1)).requires_grad_()
+            r = torch.relu(torch.randn(shape) * (torch.randn(shape).exp() * 3 if tails else 1)).to(dtype)
+            r.requires_grad_()
         elif residual == "bn":
-            x2 = torch.randn(shape).requires_grad_()
+            x2 = torch.randn(shape).to(dtype).requires_grad_()
             extra = dict(x2=x2, weight2=bn2.weight, bias2=bn2.bias, running_mean2=bn2.running_mean,
                          running_var2=bn2.running_var, num_batches_tracked2=bn2.num_batches_tracked)
         params = (0.1,) if act == "leaky_relu" else ()
@@ -135,6 +136,56 @@ def test_bin_means_are_bit_identical_on_both_paths(act, residual, bits, tails):
         assert outs[2].shape == (6, 1, 1 << bits)
     for a, b in zip(grads, grads_p):
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-5 * b.abs().max().item()), (a - b).abs().max()
+
+
+@pytest.mark.parametrize("act, residual, bits, means", [("relu", None, 4, False), ("relu", "tensor", 4, True),
+                                                        ("relu", "bn", 8, False), ("relu6", "tensor", 2, False),
+                                                        ("leaky_relu", None, 3, True)])
+def test_bfloat16_chains_take_the_kernels_and_code_what_the_plain_path_codes(act, residual, bits, means):
+    # autocast's bf16 activations go through the forward kernels (widened a block at a time): before, they took
+    # the plain path (several full-size passes per chain: 3.6x stock's step on ResNet-50 in bf16)
+    calls = []
+    real = native.encode
+
+    def counting(*args, **kwargs):
+        calls.append(args[0].dtype)
+        return real(*args, **kwargs)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(native, "encode", counting)
+        fused, plain = _chain(act, residual, bits, (8, 6, 33, 35), dtype=torch.bfloat16, tails=True, means=means)
+    assert torch.bfloat16 in calls
+    (y, outs, saved, grads, rebuilt, stats), (y_p, outs_p, saved_p, grads_p, rebuilt_p, stats_p) = fused, plain
+    assert y.dtype == torch.bfloat16 and torch.equal(y, y_p) and torch.equal(rebuilt, rebuilt_p)
+    for a, b in zip(outs + saved + stats, outs_p + saved_p + stats_p):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    for a, b in zip(grads, grads_p):
+        assert a.dtype == b.dtype
+        assert torch.allclose(a.float(), b.float(), rtol=1e-2, atol=1e-2 * b.abs().max().item()), (a - b).abs().max()
+
+
+@pytest.mark.parametrize("n", [1, 40001])
+def test_bfloat16_inputs_give_the_float32_copys_masks_extremes_and_codes(n):
+    torch.manual_seed(0)
+    x = (torch.randn(n, 3, 7, 5) * 4).to(torch.bfloat16)
+    x[0, 1, 2, 2], x[-1, 2, 0, 0], x[0, 0, 0, 0] = float("nan"), 6.0, 0.0
+    wide = x.float()
+    for act in ("relu", "relu6", "leaky_relu"):
+        assert torch.equal(native.act_mask(x, act), native.act_mask(wide, act))
+    mask = torch.rand(x.shape) > 0.5
+    torch.testing.assert_close(native.channel_extremes(x, mask), native.channel_extremes(wide, mask), rtol=0, atol=0,
+                               equal_nan=True)
+    grid = torch.stack([torch.full((3,), -2.0), torch.full((3,), 0.25), torch.full((3,), -1.0), torch.full((3,), 0.5)])
+    mean, scale = torch.randn(3), torch.rand(3) + 0.5
+    for rows, m in ((grid[:2], None), (grid, mask)):
+        sums, sums_w = (torch.zeros(2, 3, len(rows) // 2 * 16, dtype=torch.int64) for _ in range(2))
+        assert torch.equal(native.encode(x, rows, 4, mean=mean, scale=scale, mask=m, sums=sums, sum_stride=3),
+                           native.encode(wide, rows, 4, mean=mean, scale=scale, mask=m, sums=sums_w, sum_stride=3))
+        assert torch.equal(sums, sums_w)
+    zero = torch.tensor([3, 5, 8], dtype=torch.int32)
+    assert torch.equal(native.encode(x, grid[:2], 4, zero_code=zero, positive_not_le=True),
+                       native.encode(wide, grid[:2], 4, zero_code=zero, positive_not_le=True))
+    with pytest.raises(ValueError, match=r"must be float32 or bfloat16, got torch.float16; convert it"):
+        native.act_mask(x.half(), "relu")
 
 
 @pytest.mark.parametrize("means", [False, True], ids=["midpoints", "means"])
