@@ -373,11 +373,12 @@ static inline void rebuild_run(const uint8_t *restrict k, const uint8_t *restric
 
 /* act(z) from the code book, the exact mask deciding each element's side of the kink (stash._Stash.rebuild):
  * mask from `mask` (0/1 bytes), else from the code (k >= zero_code[c]), else none (identity). A split book
- * (split set: 2 sides per channel) needs the mask. */
+ * (split set: 2 sides per channel) needs the mask. With out_bf16 `out` is bfloat16: each block's float values are
+ * narrowed as they are written (what .to(torch.bfloat16) of the float result gives), no full-size float copy. */
 void mo_rebuild(const uint8_t *packed, int64_t nbytes, int bits, int64_t n, int64_t C, int64_t S,
                 const float *book, int is_book, int split_book, const uint8_t *mask, int mask_bits,
                 const int32_t *zero_code,
-                int act, float slope, float *out, int nthreads) {
+                int act, float slope, void *out, int out_bf16, int nthreads) {
     const int source = mask ? MASK_BYTES : (zero_code ? MASK_FROM_CODE : MASK_NONE);
     const int split = split_book && mask != NULL;
     const int bins = 1 << bits;
@@ -385,6 +386,7 @@ void mo_rebuild(const uint8_t *packed, int64_t nbytes, int bits, int64_t n, int6
 #pragma omp parallel num_threads(nthreads)
     {
         uint8_t *codes = (uint8_t *)malloc(BLOCK), *mbuf = (uint8_t *)malloc(BLOCK);
+        float *obuf = out_bf16 ? (float *)malloc(BLOCK * sizeof(float)) : NULL;  /* the block's values as float */
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < num_blocks(n); b++) {
             int64_t i0 = b * BLOCK, count = n - i0 < BLOCK ? n - i0 : BLOCK;
@@ -396,16 +398,18 @@ void mo_rebuild(const uint8_t *packed, int64_t nbytes, int bits, int64_t n, int6
                 const float *bk = book + c * T;
                 const uint8_t zc = zero_code ? (uint8_t)zero_code[c] : 0;
                 const uint8_t *k = codes + (s - i0), *mk = mb ? mb + (s - i0) : NULL;
-                float *o = out + s;
+                float *o = obuf ? obuf + (s - i0) : (float *)out + s;
                 const int64_t len = e - s;
                 if (act == ACT_RELU) { REBUILD_CASE(ACT_RELU) }
                 else if (act == ACT_RELU6) { REBUILD_CASE(ACT_RELU6) }
                 else if (act == ACT_LEAKY_RELU) { REBUILD_CASE(ACT_LEAKY_RELU) }
                 else { REBUILD_CASE(ACT_IDENTITY) }
             }
+            if (obuf) bf16_narrow_run(obuf, (uint16_t *)out + i0, count);
         }
         free(codes);
         free(mbuf);
+        free(obuf);
     }
 }
 

@@ -59,7 +59,7 @@ _SIGNATURES = {
     "mo_pack": [_P, _I64, _I, _P, _I64, _I],
     "mo_unpack": [_P, _I64, _I64, _I, _P, _I],
     "mo_encode": [_P, _I, _I64, _I64, _I64, _P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _P, _I64, _P, _I, _I],
-    "mo_rebuild": [_P, _I64, _I, _I64, _I64, _I64, _P, _I, _I, _P, _I, _P, _I, _F, _P, _I],
+    "mo_rebuild": [_P, _I64, _I, _I64, _I64, _I64, _P, _I, _I, _P, _I, _P, _I, _F, _P, _I, _I],
     "mo_mask_from_codes": [_P, _I64, _I, _I64, _I64, _I64, _P, _P, _I, _I],
     "mo_act_mask": [_P, _I, _I64, _I, _P, _I],
     "mo_bn_backward": [_P, _I64, _I, _I64, _I64, _I64, _P, _I, _I, _P, _I, _P, _P, _I, _F, _P, _P, _P, _P, _P, _P, _F, _P,
@@ -282,18 +282,23 @@ def encode(x: torch.Tensor, grid: torch.Tensor, bits: int, *, mean: Optional[tor
 
 
 def rebuild(packed: torch.Tensor, bits: int, shape: torch.Size, book: torch.Tensor, act: str, slope: float = 0.0,
-            *, mask: Optional[torch.Tensor] = None, zero_code: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """act(z) from z's code book or grid rows (``_book``; ``stash._Stash.rebuild``) as a new float32 tensor of
-    ``shape``: the side
-    and the activation's branch from ``mask``, else from the code (``k >= zero_code``)."""
+            *, mask: Optional[torch.Tensor] = None, zero_code: Optional[torch.Tensor] = None,
+            out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """act(z) from z's code book or grid rows (``_book``; ``stash._Stash.rebuild``) as a new tensor of ``shape``:
+    the side and the activation's branch from ``mask``, else from the code (``k >= zero_code``). ``out_dtype``
+    float32, or bfloat16 (the float32 values narrowed a block at a time: ``.to(torch.bfloat16)`` of the float32
+    result, without it: a consumer under autocast takes the rebuilt input in bf16)."""
+    if out_dtype not in _BN_DTYPES:
+        raise ValueError(f"native.rebuild: out_dtype must be float32 or bfloat16, got {out_dtype}; rebuild in "
+                         f"float32 and convert")
     n, channels, inner = _geometry(shape)
-    out = torch.empty(shape, dtype=torch.float32)
+    out = torch.empty(shape, dtype=out_dtype)
     table, is_book, split = _book(book)
     m, zc = _u8(mask), None if zero_code is None else zero_code.to(torch.int32).contiguous()
     if _runs(packed) and n:
         _library().mo_rebuild(packed.data_ptr(), packed.numel(), bits, n, channels, inner, table.data_ptr(), is_book,
                               split, _ptr(m), _is_bits(mask), _ptr(zc), _ACTS[act], float(slope), out.data_ptr(),
-                              _threads(n))
+                              int(out_dtype == torch.bfloat16), _threads(n))
     return out
 
 

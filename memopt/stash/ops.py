@@ -89,34 +89,44 @@ class _Stash:
 
     @staticmethod
     def rebuild(packed: torch.Tensor, mask_packed: torch.Tensor, affine: torch.Tensor, zero_code: torch.Tensor,
-                bits: int, shape: torch.Size, act: str, params: Tuple[float, ...]) -> torch.Tensor:
+                bits: int, shape: torch.Size, act: str, params: Tuple[float, ...],
+                dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """act(z) from ``affine`` (rows of z's grid: the bin midpoints, or a code book of z: ``stash_grid.code_book``),
-        built in place in one float buffer (backward peaks matter)."""
+        built in place in one float buffer (backward peaks matter), in ``dtype``: the C kernel writes a bf16 one
+        itself (no float32 copy beside it), other paths convert the float32 result."""
         if kernels.stash_triton(packed, "rebuild of a chain's activation"):  # one launch, the same values
             has_mask = act != "identity" and mask_packed.numel()
             return triton_stash.rebuild_act(packed, bits, shape, affine, act, params[0] if act == "leaky_relu" else
                                             0.0, mask=mask_packed if has_mask else None,
-                                            zero_code=zero_code if act != "identity" and not has_mask else None)
+                                            zero_code=zero_code if act != "identity" and not has_mask else None
+                                            ).to(dtype)
         if native.applies(packed):  # one fused pass, the same values
             has_mask = act != "identity" and mask_packed.numel()
             mask = native.PackedMask(mask_packed) if has_mask else None  # read a block at a time
             zero = zero_code if act != "identity" and not has_mask else None
             return native.rebuild(packed, bits, shape, affine, act, params[0] if act == "leaky_relu" else 0.0,
-                                  mask=mask, zero_code=zero)
-        codes = unpack_bits(packed, bits, shape.numel()).view(shape)
-        if act == "identity":
-            return _from_codes(codes, None, affine)
-        mask = _decode_mask(mask_packed, codes, zero_code, shape)
-        z = _from_codes(codes, mask, affine)
-        del codes
-        # the activation of the rebuilt z, with the (exact) mask deciding which side of the kink
-        if act == "relu6":  # outside the mask: 6 above the kinks' midpoint, else 0
-            high = z > 3
-            z = keep_where(z.clamp_(0, 6), mask, out=z)
-            return z.add_(high.logical_and_(~mask), alpha=6.0)
-        if act == "leaky_relu":
-            return torch.where(mask, z.clamp_min(0), z.clamp_max_(0).mul_(params[0]))
-        return keep_where(z.clamp_min_(0), mask, out=z)
+                                  mask=mask, zero_code=zero,
+                                  out_dtype=dtype if dtype == torch.bfloat16 else torch.float32).to(dtype)
+        return _plain_rebuild(packed, mask_packed, affine, zero_code, bits, shape, act, params).to(dtype)
+
+
+def _plain_rebuild(packed: torch.Tensor, mask_packed: torch.Tensor, affine: torch.Tensor, zero_code: torch.Tensor,
+                   bits: int, shape: torch.Size, act: str, params: Tuple[float, ...]) -> torch.Tensor:
+    """``_Stash.rebuild`` in plain PyTorch ops (no C kernels, not CUDA): float32."""
+    codes = unpack_bits(packed, bits, shape.numel()).view(shape)
+    if act == "identity":
+        return _from_codes(codes, None, affine)
+    mask = _decode_mask(mask_packed, codes, zero_code, shape)
+    z = _from_codes(codes, mask, affine)
+    del codes
+    # the activation of the rebuilt z, with the (exact) mask deciding which side of the kink
+    if act == "relu6":  # outside the mask: 6 above the kinks' midpoint, else 0
+        high = z > 3
+        z = keep_where(z.clamp_(0, 6), mask, out=z)
+        return z.add_(high.logical_and_(~mask), alpha=6.0)
+    if act == "leaky_relu":
+        return torch.where(mask, z.clamp_min(0), z.clamp_max_(0).mul_(params[0]))
+    return keep_where(z.clamp_min_(0), mask, out=z)
 
 
 def _split_x_codes(x, weight, bias, mean, invstd, eps, mask, bits: int, act: str, means: bool):
@@ -338,7 +348,7 @@ def _chain_rows(packed, mask_packed, affine, zero_code, bits: int, shape: torch.
     """A consumer's rebuild of the chain's output, whole or rows of its first dimension from their slice of the
     codes (``grads.Rows``; the codes and the 1-bit mask are in the output's logical order, a row's codes must
     end on a byte)."""
-    whole = lambda: _Stash.rebuild(packed, mask_packed, affine, zero_code, bits, shape, act, act_params).to(dtype)
+    whole = lambda: _Stash.rebuild(packed, mask_packed, affine, zero_code, bits, shape, act, act_params, dtype)
     m = shape[1:].numel()
     if (m * bits) % 8 or (mask_packed.numel() and m % 8):
         return Rows(whole, None)
@@ -346,7 +356,7 @@ def _chain_rows(packed, mask_packed, affine, zero_code, bits: int, shape: torch.
     def part(a: int, b: int) -> torch.Tensor:
         mask = mask_packed[a * m // 8:b * m // 8] if mask_packed.numel() else mask_packed
         return _Stash.rebuild(packed[a * m * bits // 8:b * m * bits // 8], mask, affine, zero_code, bits,
-                              torch.Size((b - a, *shape[1:])), act, act_params).to(dtype)
+                              torch.Size((b - a, *shape[1:])), act, act_params, dtype)
     return Rows(whole, part)
 
 

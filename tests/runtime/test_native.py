@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 import memopt
+from memopt.cost_model.storage import LiveStorageTracker
 from memopt.runtime import native
 from memopt.runtime.bitpack import pack_bits, unpack_bits
 from memopt.stash.ops import ChainSpec, _Stash, bn_act_stash
@@ -186,6 +187,34 @@ def test_bfloat16_inputs_give_the_float32_copys_masks_extremes_and_codes(n):
                        native.encode(wide, grid[:2], 4, zero_code=zero, positive_not_le=True))
     with pytest.raises(ValueError, match=r"must be float32 or bfloat16, got torch.float16; convert it"):
         native.act_mask(x.half(), "relu")
+
+
+@pytest.mark.parametrize("act, residual, means", [("relu", None, False), ("relu", "tensor", True),
+                                                  ("relu6", "tensor", False), ("leaky_relu", None, True),
+                                                  ("identity", "tensor", False)])
+def test_a_bf16_rebuild_is_the_float32_rebuild_narrowed_with_no_float32_copy(act, residual, means):
+    # a consumer under autocast reads its rebuilt input in bf16: the kernel narrows each block as it writes it
+    torch.manual_seed(0)
+    shape = (8, 6, 33, 35)  # several blocks
+    x = torch.randn(shape) * 3
+    r = torch.relu(torch.randn(shape)) if residual else None
+    bn = nn.BatchNorm2d(6)
+    params = (0.1,) if act == "leaky_relu" else ()
+    y, codes, mask, affine, zero = bn_act_stash(x, bn.weight, bn.bias, bn.running_mean, bn.running_var,
+                                                bn.num_batches_tracked, r,
+                                                ChainSpec(act, 4, act_params=params, residual=r is not None,
+                                                          means=means))
+    wide = _Stash.rebuild(codes, mask, affine, zero, 4, torch.Size(shape), act, params)
+    tracker = LiveStorageTracker(preexisting=[codes, mask, affine, zero])
+    with tracker:
+        narrow = _Stash.rebuild(codes, mask, affine, zero, 4, torch.Size(shape), act, params, torch.bfloat16)
+    assert narrow.dtype == torch.bfloat16 and torch.equal(narrow, wide.to(torch.bfloat16))
+    assert tracker.peak <= 2 * narrow.numel() + 4096, tracker.peak  # the bf16 tensor and per-channel tables only
+    with native.disabled():
+        assert torch.equal(_Stash.rebuild(codes, mask, affine, zero, 4, torch.Size(shape), act, params,
+                                          torch.bfloat16), narrow)
+    with pytest.raises(ValueError, match=r"out_dtype must be float32 or bfloat16, got torch.float16"):
+        native.rebuild(codes, 4, torch.Size(shape), affine, "relu", out_dtype=torch.float16)
 
 
 @pytest.mark.parametrize("means", [False, True], ids=["midpoints", "means"])
