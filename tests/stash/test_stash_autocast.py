@@ -42,3 +42,34 @@ def test_the_fused_kernel_takes_a_low_precision_output_gradient(dtype, act, resi
     for a, b in zip(fused, plain):
         assert a.dtype == b.dtype
         assert torch.allclose(a.float(), b.float(), rtol=1e-2, atol=1e-2 * b.float().abs().max().item())
+
+
+def _largest_allocation(fn) -> int:
+    """The largest single allocation ATen makes inside ``fn``, its ops' own internal buffers included (what a
+    ``TorchDispatchMode`` does not see: the profiler's memory events)."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    return max((e.self_cpu_memory_usage for e in prof.events()), default=0)
+
+
+@pytest.mark.skipif(not native.applies(torch.zeros(1)), reason="the C kernels are not built here")
+@pytest.mark.parametrize("residual", [False, True])
+def test_a_bf16_chains_forward_makes_no_full_size_float32_tensor(residual):
+    # a residual chain codes z with its per-channel std and mean; ATen's mean(dtype=float32) of a bf16 tensor first
+    # copies all of it to float32 (the forward's peak of a bf16 ResNet-50, unseen by the cost model's tracker):
+    # here every float32 temporary is a batch slice's
+    torch.manual_seed(0)
+    x = torch.randn(16, 64, 64, 64).to(torch.bfloat16)
+    c = x.shape[1]
+    r = torch.randn(x.shape).to(torch.bfloat16) if residual else None
+
+    def forward():
+        return bn_act_stash(x, torch.rand(c) + 0.5, torch.randn(c), torch.zeros(c), torch.ones(c),
+                            torch.tensor(0), r, ChainSpec("relu", 4, residual=residual))
+    full_float32 = x.numel() * 4
+    assert _largest_allocation(forward) <= full_float32 // 2  # bf16 outputs (half of it) and slices
+    y32 = bn_act_stash(x.float(), torch.rand(c) + 0.5, torch.randn(c), torch.zeros(c), torch.ones(c),
+                       torch.tensor(0), None if r is None else r.float(), ChainSpec("relu", 4, residual=residual))[0]
+    assert y32.dtype == torch.float32  # the check sees float32 tensors of that size where they are made:
+    assert _largest_allocation(lambda: y32.mean([0, 2, 3], dtype=torch.float32) + x.float().sum()) >= full_float32
