@@ -117,6 +117,18 @@ CHUNK = 1 << 20  # elements per slice of the backward gather: bounds its int64 i
 ENCODE_CHUNK = 1 << 20  # elements per slice of the forward's encode (a multiple of 8: whole bytes of packed codes)
 
 
+def _float_sum(dense: torch.Tensor) -> torch.Tensor:
+    """The float32 sum of ``dense`` (a tensor whose memory is dense in some order, ``memory_order``). On the CPU,
+    ATen's ``sum(dtype=float32)`` of a bf16 / fp16 tensor first copies all of it to float32, inside the op where no
+    tracker sees it: at a transformer's bf16 GELU, twice the activation at the forward's peak; there the sums of
+    ``ENCODE_CHUNK``-element slices instead."""
+    flat = dense.reshape(-1)
+    if dense.dtype == torch.float32 or dense.device.type != "cpu" or flat.numel() <= ENCODE_CHUNK:
+        return dense.sum(dtype=torch.float32)
+    return torch.stack([flat[a:a + ENCODE_CHUNK].sum(dtype=torch.float32)
+                        for a in range(0, flat.numel(), ENCODE_CHUNK)]).sum()
+
+
 def _packed_codes(dense: torch.Tensor, encode: Callable[[torch.Tensor], torch.Tensor], bits: int) -> torch.Tensor:
     """``pack_bits(encode(dense), bits)`` a slice of ``ENCODE_CHUNK`` elements at a time: the same bytes (packing
     is local to each 8 codes, and every slice but the last is a multiple of 8), but the encode's temporaries (a
@@ -162,7 +174,7 @@ class _FewBit(torch.autograd.Function):
             kwargs = dict(params)
             ctx.save_for_backward(_packed_codes(dense, lambda part: act.mask(part, kwargs), bits))
             return y
-        if len(borders) < 1 << bits and native_generic.applies(dense, float_dtype=True):  # one fused pass
+        if len(borders) < 1 << bits and native_generic.applies(dense, float_dtype=True, bf16=True):  # one pass
             packed = native_generic.fewbit_encode(dense.reshape(-1), list(_rounded(dense.dtype, tuple(borders))),
                                                   bits, nan_top=len(borders) > SCANNED_BORDERS)
         else:
@@ -173,7 +185,7 @@ class _FewBit(torch.autograd.Function):
                    else torch.tensor(levels, dtype=torch.float32, device=x.device))
         # One float32 sum, no host sync: NaN and inf propagate into it, so a non-finite input
         # poisons the levels with NaN (finite activations would need a sum above 3e38 to trip it).
-        finite = torch.isfinite(x.sum(dtype=torch.float32))
+        finite = torch.isfinite(_float_sum(dense))
         level_t = torch.where(finite, level_t, torch.full_like(level_t, float("nan")))
         ctx.save_for_backward(packed, level_t)
         return y

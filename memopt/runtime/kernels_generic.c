@@ -22,12 +22,25 @@
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #if defined(__AVX512F__) || defined(__AVX__)
 #include <immintrin.h>
 #endif
 
 #define GCHUNK 2048 /* elements whose codes are made (or unpacked) into a stack buffer at a time: a multiple of 8 */
+
+/* A bfloat16 input (autocast's CPU activations; `x_bf16` below) is widened into a float buffer a span or chunk at a
+ * time: exact, so the codes are those of its float32 copy, which the callers made whole before. */
+static inline const float *widened(const void *x, int x_bf16, int64_t i0, int64_t count, float *buf) {
+    if (!x_bf16) return (const float *)x + i0;
+    const uint16_t *in = (const uint16_t *)x + i0;
+    for (int64_t i = 0; i < count; i++) {
+        uint32_t u = (uint32_t)in[i] << 16;
+        memcpy(buf + i, &u, sizeof u);
+    }
+    return buf;
+}
 
 /* ---- packing: codes [0, count) are elements i0 + k (i0 a multiple of 8); the last byte zero-padded ---- */
 
@@ -188,17 +201,20 @@ static int64_t span_of(int64_t group) {
     return span;
 }
 
-void mo_group_encode(const float *x, int64_t n, int64_t group, int bits, uint8_t *out, float *params, int nthreads) {
+void mo_group_encode(const void *xv, int x_bf16, int64_t n, int64_t group, int bits, uint8_t *out, float *params,
+                     int nthreads) {
     const int64_t ngroups = (n + group - 1) / group, span = span_of(group), nspans = (n + span - 1) / span;
     const float top = (float)((1 << bits) - 1);
     float *lo_row = params, *step_row = params + ngroups;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t s = 0; s < nspans; s++) {
         const int64_t i0 = s * span, count = n - i0 < span ? n - i0 : span;
+        float *wide = x_bf16 ? (float *)malloc((size_t)count * sizeof(float)) : NULL;
+        const float *xs = widened(xv, x_bf16, i0, count, wide);  /* the span's values as float */
         for (int64_t k = 0; k < count; k += group) {  /* the span's groups: minimum and step */
             const int64_t g = (i0 + k) / group, m = count - k < group ? count - k : group;
             float lo, hi;
-            group_extremes(x + i0 + k, m, &lo, &hi);
+            group_extremes(xs + k, m, &lo, &hi);
             lo_row[g] = lo;
             step_row[g] = (hi - lo) / top;
         }
@@ -209,11 +225,12 @@ void mo_group_encode(const float *x, int64_t n, int64_t group, int bits, uint8_t
             for (int64_t k = c0; k < c0 + cc;) {
                 const int64_t g = (i0 + k) / group, end0 = (g + 1) * group - i0;
                 const int64_t end = end0 < c0 + cc ? end0 : c0 + cc;
-                code_run(x + i0 + k, end - k, lo_row[g], divisor_of(step_row[g]), top, dst + (k - c0));
+                code_run(xs + k, end - k, lo_row[g], divisor_of(step_row[g]), top, dst + (k - c0));
                 k = end;
             }
             if (bits != 8) pack_span(buf, cc, bits, i0 + c0, out);
         }
+        free(wide);
     }
 }
 
@@ -287,8 +304,8 @@ static inline int pieces_below(float v, const float *restrict borders, int nb, c
     return c;
 }
 
-void mo_fewbit_encode(const float *x, int64_t n, const float *borders, int nb, int bits, int nan_code, uint8_t *out,
-                      int nthreads) {
+void mo_fewbit_encode(const void *x, int x_bf16, int64_t n, const float *borders, int nb, int bits, int nan_code,
+                      uint8_t *out, int nthreads) {
     int cells[FEWBIT_CELLS + 1];
     const int *start = NULL;
     const float first = nb ? borders[0] : 0.0f, width = nb ? borders[nb - 1] - borders[0] : 0.0f;
@@ -306,7 +323,8 @@ void mo_fewbit_encode(const float *x, int64_t n, const float *borders, int nb, i
     for (int64_t c = 0; c < nchunks; c++) {
         const int64_t i0 = c * GCHUNK, cc = n - i0 < GCHUNK ? n - i0 : GCHUNK;
         uint8_t buf[GCHUNK];
-        const float *restrict v = x + i0;
+        float wide[GCHUNK];
+        const float *restrict v = widened(x, x_bf16, i0, cc, wide);
         for (int64_t i = 0; i < cc; i++)
             buf[i] = v[i] != v[i] ? (uint8_t)nan_code : (uint8_t)pieces_below(v[i], borders, nb, start, first, scale);
         pack_span(buf, cc, bits, i0, out);

@@ -30,10 +30,10 @@ __all__ = ["applies", "group_encode", "group_decode", "fewbit_scale", "fewbit_en
 
 _P, _I64, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _SIGNATURES = {
-    "mo_group_encode": [_P, _I64, _I64, _I, _P, _P, _I],
+    "mo_group_encode": [_P, _I, _I64, _I64, _I, _P, _P, _I],
     "mo_group_decode": [_P, _I64, _I64, _I, _P, _P, _P, _I],
     "mo_fewbit_scale": [_P, _I64, _I, _P, _P, _P, _I],
-    "mo_fewbit_encode": [_P, _I64, _P, _I, _I, _I, _P, _I],
+    "mo_fewbit_encode": [_P, _I, _I64, _P, _I, _I, _I, _P, _I],
 }
 _typed: Optional[ctypes.CDLL] = None
 
@@ -50,10 +50,10 @@ def _library() -> ctypes.CDLL:
     return lib
 
 
-def applies(*tensors: torch.Tensor, float_dtype: bool = False) -> bool:
-    """``native.applies``: contiguous CPU tensors (real or fake; float32 where ``float_dtype``) and the library
-    built, not under ``MEMOPT_KERNELS=torch``."""
-    return native.applies(*tensors, float_dtype=float_dtype)
+def applies(*tensors: torch.Tensor, float_dtype: bool = False, bf16: bool = False) -> bool:
+    """``native.applies``: contiguous CPU tensors (real or fake; float32 where ``float_dtype``, or bfloat16 too with
+    ``bf16``: ``group_encode``, ``fewbit_encode``) and the library built, not under ``MEMOPT_KERNELS=torch``."""
+    return native.applies(*tensors, float_dtype=float_dtype, bf16=bf16)
 
 
 def _valid(bits: int, group: int) -> bool:
@@ -61,9 +61,9 @@ def _valid(bits: int, group: int) -> bool:
 
 
 def encodable(flat: torch.Tensor, bits: int, group: int) -> bool:
-    """Whether ``group_encode`` takes ``flat`` (a 1-D float32 tensor in the memory order the codes follow); other
-    arguments (bits outside 1..8, a group under 1) take the plain path, which raises the error."""
-    return _valid(bits, group) and flat.dim() == 1 and applies(flat, float_dtype=True)
+    """Whether ``group_encode`` takes ``flat`` (a 1-D float32 or bfloat16 tensor in the memory order the codes
+    follow); other arguments (bits outside 1..8, a group under 1) take the plain path, which raises the error."""
+    return _valid(bits, group) and flat.dim() == 1 and applies(flat, float_dtype=True, bf16=True)
 
 
 def decodable(packed: torch.Tensor, params: torch.Tensor, bits: int, group: int, n: int) -> bool:
@@ -80,14 +80,16 @@ def _runs(*tensors: torch.Tensor) -> bool:
 
 
 def group_encode(flat: torch.Tensor, bits: int, group: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``memopt.stash.generic.group_quantize`` with nearest rounding, of a contiguous 1-D float32 CPU tensor: (packed
-    codes, float32 [2, groups] of min and step), groups of ``group`` elements, the last one short."""
+    """``memopt.stash.generic.group_quantize`` with nearest rounding, of a contiguous 1-D float32 or bfloat16 CPU
+    tensor (a bf16 one widened a span at a time: the codes of its float32 copy, without the copy): (packed codes,
+    float32 [2, groups] of min and step), groups of ``group`` elements, the last one short."""
+    wide = native._wide(flat)
     n = flat.numel()
     ngroups = -(-n // group)
     out = torch.empty((n * bits + 7) // 8, dtype=torch.uint8)
     params = torch.empty(2, ngroups, dtype=torch.float32)
     if _runs(flat) and n:
-        _library().mo_group_encode(flat.data_ptr(), n, group, bits, out.data_ptr(), params.data_ptr(),
+        _library().mo_group_encode(flat.data_ptr(), wide, n, group, bits, out.data_ptr(), params.data_ptr(),
                                    native._threads(n))
     return out, params
 
@@ -118,15 +120,17 @@ def fewbit_scale(packed: torch.Tensor, bits: int, grad: torch.Tensor, levels: to
 
 
 def fewbit_encode(flat: torch.Tensor, borders: Tuple[float, ...], bits: int, nan_top: bool) -> torch.Tensor:
-    """Few-bit forward's packed pieces of a contiguous 1-D float32 CPU tensor (``memopt.fewbit.ops._packed_codes`` of
+    """Few-bit forward's packed pieces of a contiguous 1-D float32 or bfloat16 (widened a chunk at a time) CPU tensor
+    (``memopt.fewbit.ops._packed_codes`` of
     ``_encode``): per value the number of ``borders`` (ascending, float32 values) strictly below it; NaN in the top
     piece where ``nan_top`` (as ``bucketize`` puts it), else in piece 0 (as comparisons do). One pass where the plain
     path makes a comparison and an add per border."""
+    wide = native._wide(flat)
     n = flat.numel()
     out = torch.empty((n * bits + 7) // 8, dtype=torch.uint8)
     if _runs(flat) and n:
         table = torch.tensor(borders, dtype=torch.float32)
-        _library().mo_fewbit_encode(flat.data_ptr(), n, table.data_ptr(), len(borders), bits,
+        _library().mo_fewbit_encode(flat.data_ptr(), wide, n, table.data_ptr(), len(borders), bits,
                                     len(borders) if nan_top else 0, out.data_ptr(), native._threads(n))
     return out
 

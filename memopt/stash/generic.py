@@ -99,9 +99,9 @@ def group_quantize(x: torch.Tensor, bits: int, group: int, stochastic: bool) -> 
         return triton_stash_extras.group_encode(x, bits, group, (lambda shape: _noise(shape, x.device))
                                                 if stochastic else None)
     flat = memory_order(x.detach())[0].reshape(-1)
-    flat = flat if flat.dtype == torch.float32 else flat.float()
     if not stochastic and native_generic.encodable(flat, bits, group):  # one fused pass, the same codes and params
-        return native_generic.group_encode(flat, bits, group)
+        return native_generic.group_encode(flat, bits, group)  # a bf16 one without its full-size float32 copy
+    flat = flat if flat.dtype == torch.float32 else flat.float()
     n = flat.numel()
     if not n:  # nothing to code (the C path gives the same empty codes and parameters)
         return torch.empty(0, dtype=torch.uint8, device=x.device), torch.empty(2, 0, device=x.device)

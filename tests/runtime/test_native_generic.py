@@ -268,3 +268,45 @@ def test_the_gates_comparison_sums_in_double_whatever_the_threads():
     with FakeTensorMode():
         f = torch.randn(4)
         assert native_generic.compare(f, f) is None
+
+
+def _largest_allocation(fn) -> int:
+    """The largest single allocation inside ``fn``, ATen's internal buffers included (the profiler's memory
+    events)."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    return max((e.self_cpu_memory_usage for e in prof.events()), default=0)
+
+
+@pytest.mark.parametrize("bits,group", [(8, 256), (4, 64), (3, 17)])
+def test_bf16_group_codes_are_the_float32_copys_with_no_float32_copy(bits, group):
+    # autocast's bf16 activations: the kernel widens a span at a time (before: a whole float32 copy first)
+    x = _values(70001, group).clamp(-3e38, 3e38).to(torch.bfloat16)
+    packed, params = native_generic.group_encode(x, bits, group)
+    packed32, params32 = native_generic.group_encode(x.float(), bits, group)
+    assert _same(packed, packed32) and _same(params, params32)
+    assert _largest_allocation(lambda: group_quantize(x, bits, group, False)) < x.numel() * 4 // 2
+    _check_codec(x, bits, group)  # and the plain path's bits
+
+
+@pytest.mark.parametrize("name,bits", [("gelu", 4), ("gelu", 8), ("silu", 2)])
+def test_bf16_fewbit_forward_codes_its_input_as_its_float32_copy_with_no_float32_copy(name, bits):
+    p = ACTIVATIONS[name].params({})
+    borders, _ = memopt.fewbit_table(name, bits, params=dict(p))
+    rounded = tuple(_round_to(torch.bfloat16, b) for b in borders.tolist())
+    g = torch.Generator().manual_seed(bits)
+    x = (torch.randn(3 * 2048 + 13, generator=g) * 4).to(torch.bfloat16)
+    x[:len(rounded)] = torch.tensor(rounded)
+    x[-6:] = torch.tensor([float("nan"), -float("nan"), float("inf"), -float("inf"), -0.0, 0.0])
+    fused = native_generic.fewbit_encode(x, rounded, bits, nan_top=len(rounded) > SCANNED_BORDERS)
+    assert torch.equal(fused, native_generic.fewbit_encode(x.float(), rounded, bits,
+                                                           nan_top=len(rounded) > SCANNED_BORDERS))
+    with kernels.forced("torch"):
+        plain = _packed_codes(x, lambda part: _encode(part, tuple(borders.tolist())), bits)
+    assert torch.equal(fused, plain)
+    # the whole op under autocast's dtype: no float32 tensor of the input's size, ATen's internal ones included
+    big = torch.randn(4, 1 << 20, generator=g).to(torch.bfloat16).requires_grad_()
+    borders_, levels = memopt.fewbit_table(name, bits, params=dict(p))
+    spec = FewBitSpec(name, p, bits, tuple(borders_.tolist()), tuple(levels.tolist()), "n")
+    assert _largest_allocation(lambda: fewbit_activation(big, spec)) <= big.numel() * 2
