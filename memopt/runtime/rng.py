@@ -38,6 +38,11 @@ def drawing_from(source) -> Iterator[None]:
         _SOURCES.pop(id(source), None)
 
 
+def drawing() -> bool:
+    """Whether a draw source (``drawing_from``) serves this thread's draws now."""
+    return getattr(_ACTIVE, "source", None) is not None
+
+
 def cuda_devices(tensors: Sequence[torch.Tensor]) -> List[int]:
     """Indices of the CUDA devices ``tensors`` live on, sorted."""
     return sorted({t.device.index or 0 for t in tensors if t.is_cuda})

@@ -23,10 +23,11 @@ re-traces with plain constants.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
-
+import math
 import operator
-from typing import Any, Callable, Dict, List, NamedTuple, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -34,10 +35,12 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from memopt.core.errors import MemoptError
 from memopt.core.leaf import graph_leaf, spec_of
+from memopt.recompute.draws import Recorder, Replayer
 from memopt.runtime.autocast import autocast_state, replayed_autocast
 from memopt.runtime.layout import rebuilt_stride
-from memopt.runtime.rng import replayed_rng, rng_state
+from memopt.runtime.rng import drawing, replayed_rng, rng_state
 from memopt.stash.generic import group_dequantize, group_quantize, own_output
+from memopt.stash.grads import PIECE_BYTES, row_ranges
 
 
 def gated(g: torch.Tensor, u: torch.Tensor, act: str, act_first: bool, approximate: str = "none") -> torch.Tensor:
@@ -129,6 +132,33 @@ def _layout(x: torch.Tensor) -> Tuple[torch.Size, Tuple[int, ...], torch.dtype]:
     return x.shape, rebuilt_stride(x), x.dtype
 
 
+SDPA = ("F.scaled_dot_product_attention", "aten.scaled_dot_product_attention.default")  # the same arguments
+
+
+def attention_pieces(spec: CodedSpec, tensors: Tuple[torch.Tensor, ...], dropout_p: float) -> int:
+    """Batch ranges a coded attention's backward runs over: on the CPU with dropout, enough that one range's score
+    matrix (batch x heads x queries x keys, in float32) is at most ``PIECE_BYTES``. CPU attention with dropout takes
+    the math path, and its backward runs the attention again under autograd, which makes several score-sized
+    tensors at once (the step's peak of a BERT-shaped encoder); samples do not mix in attention, so each range
+    gives its rows' gradients, and dropout's draws are kept as bits and served by rows
+    (``memopt.recompute.draws``). 1 (one call, the generator's state replayed) off the CPU, without dropout (the
+    fused kernel makes no score matrix), for other ops, inside a recomputed block's range (its draws are served
+    already) and for a batch of one."""
+    if spec.target not in SDPA or not spec.random or not dropout_p or len(tensors) < 2 or drawing():
+        return 1
+    q, k = tensors[0], tensors[1]
+    if q.device.type != "cpu" or q.dim() < 3 or q.shape[0] < 2 or k.dim() != q.dim():
+        return 1
+    scores = math.prod(q.shape[:-1]) * k.shape[-2] * 4
+    return max(1, min(q.shape[0], -(-scores // PIECE_BYTES)))
+
+
+def _dropout_p(args: tuple, kwargs: dict) -> float:
+    """``F.scaled_dot_product_attention``'s dropout probability in this call (positional after the mask)."""
+    p = kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0)
+    return float(p) if isinstance(p, (int, float)) else 1.0
+
+
 def _check_backward(node: str) -> None:
     if torch.is_grad_enabled():
         raise MemoptError(f"double backward (create_graph=True) through the coded op {node} is not supported; "
@@ -143,8 +173,14 @@ class _CodedCall(torch.autograd.Function):
         for i, t in zip(slots, tensors):
             full[i] = t
         args, kwargs = tree_unflatten(full, treedef)
-        rng = rng_state(tensors) if spec.random else []
-        out = resolve(spec.target)(*args, **kwargs)
+        pieces = attention_pieces(spec, tensors, _dropout_p(args, kwargs)) if spec.random else 1
+        recorder = Recorder(tensors[0].shape[0], spec.node) if spec.random and pieces > 1 else None
+        rng = rng_state(tensors) if spec.random and recorder is None else []
+        with recorder or contextlib.nullcontext():  # draws as eager's; their masks kept as bits
+            out = resolve(spec.target)(*args, **kwargs)
+        if recorder is not None:
+            rng, ctx.draw_shapes = recorder.kept, recorder.shapes
+        ctx.pieces = pieces
         coded, unsaved = set(spec.coded), set(spec.unsaved)
         exact = [t for i, t in zip(slots, tensors) if i not in coded and i not in unsaved]
         ctx.spec, ctx.treedef, ctx.leaves, ctx.slots = spec, treedef, leaves, slots
@@ -174,14 +210,55 @@ class _CodedCall(torch.autograd.Function):
             full[i] = t
             if need:
                 wanted.append(t)
-        args, kwargs = tree_unflatten(full, ctx.treedef)
-        with replayed_rng(rng if spec.random else None, exact), torch.enable_grad(), \
-                replayed_autocast(ctx.autocast):
-            out = resolve(spec.recompute or spec.target)(*args, **kwargs)
-        grads = iter(torch.autograd.grad(out, wanted, grad, allow_unused=True) if wanted else ())
-        del out
+        if ctx.pieces > 1:
+            grads = iter(_by_rows(ctx, full, wanted, grad, rng))
+        else:
+            args, kwargs = tree_unflatten(full, ctx.treedef)
+            with replayed_rng(rng if spec.random else None, exact), torch.enable_grad(), \
+                    replayed_autocast(ctx.autocast):
+                out = resolve(spec.recompute or spec.target)(*args, **kwargs)
+            grads = iter(torch.autograd.grad(out, wanted, grad, allow_unused=True) if wanted else ())
+            del out
         tensor_grads = [next(grads) if need and i not in spec.unsaved else None for i, need in zip(ctx.slots, needs)]
         return (None, None, None, None, *tensor_grads, *([None] * n_codes))
+
+
+def _by_rows(ctx, full: List[Any], wanted: List[torch.Tensor], grad: torch.Tensor, kept: List[torch.Tensor]
+             ) -> List[Optional[torch.Tensor]]:
+    """The gradients of ``wanted`` (leaves of ``full``, rebuilt or kept) from the op run again over
+    ``ctx.pieces`` ranges of the batch (``attention_pieces``): tensors whose first dimension is the batch are cut
+    by rows, the others (a broadcast mask) go whole to every range and sum their gradients; dropout gets each
+    range's rows of the forward's draws (``kept``)."""
+    spec, batch = ctx.spec, grad.shape[0]
+    fn = resolve(spec.recompute or spec.target)
+    out_grads: List[Optional[torch.Tensor]] = [None] * len(wanted)
+    for a, b in row_ranges(batch, ctx.pieces):
+        part, leaves = list(full), []
+        for i, t in enumerate(full):
+            if isinstance(t, torch.Tensor):
+                cut = t.dim() > 0 and t.shape[0] == batch
+                part[i] = (t[a:b] if cut else t).detach().requires_grad_(t.requires_grad)
+                if t.requires_grad:
+                    leaves.append((part[i], cut))
+        args, kwargs = tree_unflatten(part, ctx.treedef)
+        replayer = Replayer(kept, ctx.draw_shapes, a, b, spec.node) if spec.random else contextlib.nullcontext()
+        with replayer, torch.enable_grad(), replayed_autocast(ctx.autocast):
+            out = fn(*args, **kwargs)
+        if spec.random:
+            replayer.finish()
+        got = torch.autograd.grad(out, [t for t, _ in leaves], grad[a:b], allow_unused=True)
+        del out
+        for j, ((t, cut), g) in enumerate(zip(leaves, got)):
+            if g is None:
+                continue
+            if not cut:
+                out_grads[j] = g if out_grads[j] is None else out_grads[j].add_(g)
+                continue
+            if out_grads[j] is None:
+                out_grads[j] = g.new_zeros((batch, *g.shape[1:])) if a else g.new_empty((batch, *g.shape[1:]))
+            out_grads[j][a:b] = g
+        del got
+    return out_grads
 
 
 def _split(args: tuple, kwargs: dict):
