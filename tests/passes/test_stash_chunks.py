@@ -1,6 +1,11 @@
 """passes/stash/chunks.py: weight gradients over batch chunks, chosen by the cost model's step where the
 peak falls inside one (autocast's float32 rebuild of a bf16 input), left alone where it does not; estimate equal
-to the measurement, the forward bit-identical, the plan re-applied with its chunks."""
+to the measurement, the forward bit-identical, the plan re-applied with its chunks.
+
+The C kernels rebuild a chain's output straight in bf16 (no float32 copy, so the peak leaves the weight gradient);
+the plain-PyTorch rebuild, which a machine without a C compiler takes (and CUDA's Triton rebuild likewise), goes
+through float32: the bf16 tests run on that path (``plain_rebuild``: ``kernels.forced("torch")``), where chunks
+still lower the peak."""
 import pytest
 import torch
 from torch import nn
@@ -8,7 +13,14 @@ from torch import nn
 import memopt
 from memopt.cost_model.analysis import annotate
 from memopt.passes.stash.chunks import chunk_to_fit, chunks_of, consumers, set_chunks
+from memopt.runtime import kernels
 from memopt.testing.zoo import build
+
+
+@pytest.fixture
+def plain_rebuild():
+    with kernels.forced("torch"):
+        yield
 
 
 class Widening(nn.Module):
@@ -22,6 +34,19 @@ class Widening(nn.Module):
 
     def forward(self, x):
         return self.c2(torch.relu(self.bn(self.c1(x)))).mean((2, 3))
+
+
+class DeepWidening(Widening):
+    """Widening after four more conv-BN-ReLU layers: activations stock keeps in full and memopt codes, so the
+    step's peak (the widening conv's weight gradient) is one only chunks bring under stock's."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(*[m for _ in range(4) for m in (nn.Conv2d(16, 16, 3, padding=1),
+                                                                   nn.BatchNorm2d(16), nn.ReLU())])
+
+    def forward(self, x):
+        return self.c2(self.body(torch.relu(self.bn(self.c1(x))))).mean((2, 3))
 
 
 def _bf16():
@@ -46,7 +71,7 @@ def _grads(model, x):
     return out, {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def test_the_default_plan_chunks_where_the_peak_is_a_weight_gradient_and_measures_what_it_estimates():
+def test_the_default_plan_chunks_where_the_peak_is_a_weight_gradient_and_measures_what_it_estimates(plain_rebuild):
     torch.manual_seed(0)
     x = torch.randn(8, 3, 32, 32)
     om = _optimize(Widening(), x)
@@ -64,7 +89,7 @@ def test_the_default_plan_chunks_where_the_peak_is_a_weight_gradient_and_measure
     assert "weight gradients from codes in batch chunks" in om.report()
 
 
-def test_chunks_leave_the_forward_bit_identical_and_the_gradients_at_rounding():
+def test_chunks_leave_the_forward_bit_identical_and_the_gradients_at_rounding(plain_rebuild):
     torch.manual_seed(0)
     x = torch.randn(8, 3, 32, 32)
     model = Widening()
@@ -87,20 +112,26 @@ def test_no_chunks_where_the_peak_is_elsewhere():
     assert chunks_of(om.graph_module) == 1
 
 
-def test_a_budget_only_chunks_can_meet_is_met_with_them():
+def test_a_budget_only_chunks_can_meet_is_met_with_them(plain_rebuild):
     torch.manual_seed(0)
     x = torch.randn(8, 3, 32, 32)
-    om = _optimize(Widening(), x)
+    om = _optimize(DeepWidening(), x)
     chunked = om.plan.estimated_peak_bytes
     set_chunks(om.graph_module, 1)
     whole = _estimate(om.graph_module, x).peak_bytes
+    assert om.plan.baseline_peak_bytes > (chunked + whole) / 2  # stock does not fit the budget below either
     budget = (chunked + whole) / 2 / 2 ** 20
-    planned = _optimize(Widening(), x, budget_mb=budget)
-    assert planned.plan.weight_grad_chunks > 1
+    with _bf16():  # the budget for the step's tensors alone (no measured reserve beside them: a toy model's MiB)
+        planned = memopt.optimize(DeepWidening(), example_inputs=x, optimizer="sgd", budget_mb=budget,
+                                  config=memopt.Config(fidelity=None, workspace_mb=0))
     assert planned.plan.estimated_peak_bytes <= budget * 2 ** 20
+    # the budget is met either with chunks or by leaving the widening conv's input exact (no rebuild at all); a
+    # plan that rebuilds it in one piece is the ``whole`` estimate, over the budget
+    widening = [n.name for n in consumers(planned.graph_module) if n.name.startswith("c2")]
+    assert planned.plan.weight_grad_chunks > 1 or not widening, widening
 
 
-def test_a_plan_is_re_applied_with_its_chunks(tmp_path):
+def test_a_plan_is_re_applied_with_its_chunks(tmp_path, plain_rebuild):
     torch.manual_seed(0)
     x = torch.randn(8, 3, 32, 32)
     om = _optimize(Widening(), x)
