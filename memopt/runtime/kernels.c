@@ -44,6 +44,9 @@ static inline void bf16_widen_run(const uint16_t *restrict in, float *restrict o
         memcpy(out + i, &u, sizeof u);
     }
 }
+/* the widening above for kernels_generic.c (built into the same library) */
+void mo_bf16_widen(const uint16_t *in, float *out, int64_t count) { bf16_widen_run(in, out, count); }
+
 static inline void bf16_narrow_run(const float *restrict in, uint16_t *restrict out, int64_t count) {
     for (int64_t i = 0; i < count; i++) {
         uint32_t u;

@@ -31,14 +31,13 @@
 #define GCHUNK 2048 /* elements whose codes are made (or unpacked) into a stack buffer at a time: a multiple of 8 */
 
 /* A bfloat16 input (autocast's CPU activations; `x_bf16` below) is widened into a float buffer a span or chunk at a
- * time: exact, so the codes are those of its float32 copy, which the callers made whole before. */
+ * time (kernels.c's widening): exact, so the codes are those of its float32 copy, which the callers made whole
+ * before. */
+void mo_bf16_widen(const uint16_t *in, float *out, int64_t count);
+
 static inline const float *widened(const void *x, int x_bf16, int64_t i0, int64_t count, float *buf) {
     if (!x_bf16) return (const float *)x + i0;
-    const uint16_t *in = (const uint16_t *)x + i0;
-    for (int64_t i = 0; i < count; i++) {
-        uint32_t u = (uint32_t)in[i] << 16;
-        memcpy(buf + i, &u, sizeof u);
-    }
+    mo_bf16_widen((const uint16_t *)x + i0, buf, count);
     return buf;
 }
 

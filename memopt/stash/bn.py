@@ -6,7 +6,8 @@ import torch
 
 from memopt.runtime import kernels, native, triton_bn
 from memopt.runtime.bitpack import unpack_bits
-from memopt.stash.grid import _from_codes, _per_channel, batch_slices
+from memopt.stash.grid import _from_codes
+from memopt.stash.stats import _per_channel, batch_slices
 
 
 def gamma_invstd(weight, invstd):
@@ -22,7 +23,7 @@ def bn_backward(g, sum_g, x_codes, mask, grid, weight, invstd, xstd, bits: int, 
     rebuilt x̂ is centred per channel as the true one is, so the input gradient sums to zero per channel
     exactly as stock's does (a conv bias before a training-mode BN gets no quantisation noise:
     docs/results/stash/stash_gradients*.md). ``xstd``: x̂'s std per channel, the one the forward coded with
-    (``memopt.stash.grid.xhat_std``, saved: it cannot be recovered from invstd where var << eps)."""
+    (``memopt.stash.stats.xhat_std``, saved: it cannot be recovered from invstd where var << eps)."""
     nd, n = len(shape), shape.numel()
     scale = gamma_invstd(weight, invstd)
     packed_mask = isinstance(mask, native.PackedMask)

@@ -40,8 +40,8 @@ from memopt.core.leaf import graph_leaf
 
 from memopt.stash import grid as stash_grid
 from memopt.runtime.bitpack import unpack_bits
-from memopt.stash.grid import (_per_channel, batch_norm_train, batch_slices, kinks, x_grid_half, x_grid_past,
-                                   x_grid_reach)
+from memopt.stash.grid import kinks, x_grid_half, x_grid_past, x_grid_reach
+from memopt.stash.stats import _per_channel, batch_norm_train, batch_slices
 
 __all__ = ["bn_exact_link", "link_term", "solve_rows", "solved_weight_grad"]
 

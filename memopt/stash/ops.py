@@ -51,17 +51,16 @@ import torch.nn.functional as F
 from memopt.core.errors import MemoptError
 from memopt.core.leaf import graph_leaf, spec_of
 from memopt.runtime import kernels, native, triton_bn, triton_stash
-from memopt.runtime.bitpack import pack_bits, unpack_bits
+from memopt.runtime.bitpack import pack_bits
 from memopt.stash.grads import Rows, conv_grads, linear_grads
 from memopt.stash.bn import bn_backward as _bn_backward, gamma_invstd as _gamma_invstd
 from memopt.stash.pool import BNReLUMaxPoolStash
 from memopt.stash.residual import owned_gradient, residual_sum
 from memopt.stash.identity import link_term, solve_rows, solved_weight_grad
-from memopt.stash.grid import (MEAN_STRIDE, REACH, WINDOWS, _act_backward, _activation, _code_, _decode_mask,
-                                   _from_codes, _grid, _mask, _per_channel, add_bin_sums,
-                                   batch_norm_train, batch_slices, channel_std_mean, code_book, exact_mask,
-                                   keep_where, new_bin_sums, select_u8, wants_means, x_code, x_grid_half,
-                                   x_grid_past, x_grid_reach, xhat_std)
+from memopt.stash.grid import (MEAN_STRIDE, REACH, WINDOWS, _act_backward, _activation, _code_, _grid, _mask,
+                               add_bin_sums, code_book, exact_mask, new_bin_sums, plain_rebuild, wants_means, x_code,
+                               x_grid_half, x_grid_past, x_grid_reach)
+from memopt.stash.stats import _per_channel, batch_norm_train, batch_slices, channel_std_mean, select_u8, xhat_std
 
 __all__ = ["WINDOWS", "BNActStash", "ChainSpec", "FromStashSpec", "bn_act_stash", "conv_from_stash", "conv_grads",
            "linear_from_stash", "linear_grads", "positive_z_grid", "split_by_mask", "x_grid_half"]
@@ -107,32 +106,13 @@ class _Stash:
             return native.rebuild(packed, bits, shape, affine, act, params[0] if act == "leaky_relu" else 0.0,
                                   mask=mask, zero_code=zero,
                                   out_dtype=dtype if dtype == torch.bfloat16 else torch.float32).to(dtype)
-        return _plain_rebuild(packed, mask_packed, affine, zero_code, bits, shape, act, params).to(dtype)
-
-
-def _plain_rebuild(packed: torch.Tensor, mask_packed: torch.Tensor, affine: torch.Tensor, zero_code: torch.Tensor,
-                   bits: int, shape: torch.Size, act: str, params: Tuple[float, ...]) -> torch.Tensor:
-    """``_Stash.rebuild`` in plain PyTorch ops (no C kernels, not CUDA): float32."""
-    codes = unpack_bits(packed, bits, shape.numel()).view(shape)
-    if act == "identity":
-        return _from_codes(codes, None, affine)
-    mask = _decode_mask(mask_packed, codes, zero_code, shape)
-    z = _from_codes(codes, mask, affine)
-    del codes
-    # the activation of the rebuilt z, with the (exact) mask deciding which side of the kink
-    if act == "relu6":  # outside the mask: 6 above the kinks' midpoint, else 0
-        high = z > 3
-        z = keep_where(z.clamp_(0, 6), mask, out=z)
-        return z.add_(high.logical_and_(~mask), alpha=6.0)
-    if act == "leaky_relu":
-        return torch.where(mask, z.clamp_min(0), z.clamp_max_(0).mul_(params[0]))
-    return keep_where(z.clamp_min_(0), mask, out=z)
+        return plain_rebuild(packed, mask_packed, affine, zero_code, bits, shape, act, params).to(dtype)
 
 
 def _split_x_codes(x, weight, bias, mean, invstd, eps, mask, bits: int, act: str, means: bool):
     """A residual chain's x̂ code split by the exact mask, each side's window ending where its values end:
     (packed codes, the data-dependent grid: 4 rows per channel, saved; the code book with the bins' means, else
-    an empty tensor; x̂'s std per channel, saved: ``stash_grid.xhat_std``)."""
+    an empty tensor; x̂'s std per channel, saved: ``stats.xhat_std``)."""
     xstd = xhat_std(x, invstd, eps)
     codes, grid, _, _, book = x_code(x, weight, bias, mean, invstd, eps, mask, bits, act, True, True, means=means,
                                      xstd=xstd)
@@ -173,7 +153,7 @@ class BNActStash(torch.autograd.Function):
         nd, bins, half = x.dim(), 1 << bits, WINDOWS[bits]
         split = split_by_mask(act, has_residual)
         # x̂'s std, saved in the batch mean's place (backward never reads the mean): where var << eps it cannot be
-        # recovered from invstd (``stash_grid.xhat_std``)
+        # recovered from invstd (``stats.xhat_std``)
         xstd = xhat_std(x, invstd, eps)
         x_codes, grid, data, affine, xbook = x_code(x, weight, bias, mean, invstd, eps, mask, bits, act, split,
                                                     split and has_residual, affine=not has_residual, means=means,

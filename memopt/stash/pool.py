@@ -21,7 +21,8 @@ from memopt.runtime import kernels, triton_stash_extras
 from memopt.runtime.bitpack import pack_bits, unpack_bits
 from memopt.core.leaf import graph_leaf
 from memopt.stash.bn import bn_backward as _bn_backward
-from memopt.stash.grid import _per_channel, batch_norm_train, keep_where, x_code, xhat_std
+from memopt.stash.grid import x_code
+from memopt.stash.stats import _per_channel, batch_norm_train, keep_where, xhat_std
 
 
 class BNReLUMaxPoolStash(torch.autograd.Function):

@@ -9,7 +9,7 @@ A BatchNorm reaches the stash pass in one of three forms:
 - ``F.batch_norm(..., training=True)`` left in an fx graph (a model's own functional call that canonical could not
   give a module): no counter, as ``F.batch_norm`` updates none.
 ``BNForm`` hides the difference: the chain's Function (``bn_act_stash``) updates the running statistics and the
-counter itself with stock's kernel (``stash_grid.batch_norm_train``), so a rewrite of the export form erases
+counter itself with stock's kernel (``memopt.stash.stats.batch_norm_train``), so a rewrite of the export form erases
 the counter node with the BatchNorm: the counter still moves once per step, the running statistics are the same
 values, and the forward output is the same kernel's.
 

@@ -21,7 +21,7 @@ from memopt.testing.sync import no_host_sync, report, unwatched
 pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 
 # branches a CPU tensor takes and a CUDA one does not: (file, function) of the frame, and why it is not a CUDA sync
-CPU_ONLY = {("grid.py", "xhat_std"): "reduces only where needed on the CPU; `x.device.type != 'cpu'` runs the "
+CPU_ONLY = {("stats.py", "xhat_std"): "reduces only where needed on the CPU; `x.device.type != 'cpu'` runs the "
                                      "reduction on CUDA without reading anything back"}
 
 

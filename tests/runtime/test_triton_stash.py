@@ -14,6 +14,7 @@ from conftest import requires_cuda
 from memopt.runtime import kernels, triton_stash, triton_stash_extras as extras
 from memopt.runtime.bitpack import pack_bits, unpack_bits
 from memopt.stash import generic, grid as G
+from memopt.stash import stats as S
 from memopt.stash.pool import max_pool2d_indices_only, pool_indices, pool_offsets
 from triton_stash_helpers import FLOATS, _both, _chain_input, _same, _stats, interpret, requires_triton  # noqa: F401 (interpret: a fixture)
 
@@ -50,15 +51,15 @@ def test_x_code_matches_the_plain_path(interpret, bits, act, split, residual):
 def _x_plain(x, mean, invstd, xstd, grid, mask, bits, sums, stride):
     """memopt.stash.grid._x_codes in one slice, its bin sums taken every ``stride``-th element."""
     nd = x.dim()
-    scale = G._per_channel(invstd / xstd.clamp_min(1e-12), nd)
+    scale = S._per_channel(invstd / xstd.clamp_min(1e-12), nd)
 
     def code(lo, width):
-        v = (x - G._per_channel(mean, nd)).mul_(scale)
-        return G._code_(v, G._per_channel(lo, nd), G._per_channel(width.clamp_min(torch.finfo(torch.float32).tiny),
+        v = (x - S._per_channel(mean, nd)).mul_(scale)
+        return G._code_(v, S._per_channel(lo, nd), S._per_channel(width.clamp_min(torch.finfo(torch.float32).tiny),
                                                                    nd), 1 << bits, keep_r=True)
 
     (c1, r1), (c0, r0) = code(grid[2], grid[3]), code(grid[0], grid[1])
-    codes = G.select_u8(mask, c1, c0)
+    codes = S.select_u8(mask, c1, c0)
     G.add_bin_sums(sums, torch.where(mask, r1, r0), codes, mask, bits, stride=stride)
     return pack_bits(codes, bits)
 
@@ -68,7 +69,7 @@ def test_bin_sums_every_stride_and_non_finite_values(interpret):
     x = _chain_input((3, 4, 10, 10), torch.float32, "contiguous")
     x[0, 1, 2, 3], x[1, 2, 0, 0], x[2, 3, 1, 1] = float("nan"), float("inf"), -float("inf")
     weight, bias, mean, invstd, z = _stats(x)
-    xstd = G._xhat_std(invstd, 1e-5)
+    xstd = S._xhat_std(invstd, 1e-5)
     grid = G._grid(weight, bias, xstd, 4, "relu", True, G._ends(x, mean, invstd, xstd, z > 0, False))
     for stride in (1, 2, 4, 7):
         want, got = G.new_bin_sums(4, 2, 4, "cpu"), G.new_bin_sums(4, 2, 4, "cpu")
@@ -88,10 +89,10 @@ def _z_plain(z, origin, zwidth, zero_code, bits, relu_like, sums):
     """memopt.stash.ops.BNActStash's plain z code (one batch slice: the whole tensor)."""
     nd = z.dim()
     positive = ~(z <= 0) if relu_like else z > 0
-    code, r = G._code_(z.to(torch.float32, copy=True), G._per_channel(origin, nd), G._per_channel(zwidth, nd),
+    code, r = G._code_(z.to(torch.float32, copy=True), S._per_channel(origin, nd), S._per_channel(zwidth, nd),
                        1 << bits, keep_r=True)
-    zc = G._per_channel(zero_code, nd).to(torch.uint8)
-    codes = G.select_u8(positive, torch.maximum(code, zc), torch.minimum(code, zc - 1))
+    zc = S._per_channel(zero_code, nd).to(torch.uint8)
+    codes = S.select_u8(positive, torch.maximum(code, zc), torch.minimum(code, zc - 1))
     if sums is not None:
         G.add_bin_sums(sums, r, codes, None, bits)
     return pack_bits(codes, bits)

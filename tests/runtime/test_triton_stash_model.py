@@ -14,6 +14,7 @@ from memopt.testing.allocations import Allocations
 from memopt.cost_model.storage import LiveStorageTracker
 from memopt.runtime import kernels, native, triton_fewbit, triton_stash, triton_stash_extras as extras
 from memopt.stash import generic, grid as G
+from memopt.stash.stats import batch_norm_train
 from memopt.stash.ops import ChainSpec, bn_act_stash
 from triton_stash_helpers import _Net, _both, _chain_input, _same, interpret, requires_triton  # noqa: F401 (interpret: a fixture)
 
@@ -169,7 +170,7 @@ def test_fake_tensors_allocate_what_the_kernels_allocate_and_launch_nothing(inte
             x = make()
             c = x.shape[1]
             w, b = torch.ones(c), torch.zeros(c)
-            _, mean, invstd, _, _ = G.batch_norm_train(x, w, b, None, None, None, 0.1, 1e-5)
+            _, mean, invstd, _, _ = batch_norm_train(x, w, b, None, None, None, 0.1, 1e-5)
             outs = G.x_code(x, w, b, mean, invstd, 1e-5, x > 0, 4, "relu", True, False, affine=True, means=True)
             packed, params = generic.group_quantize(x, 3, 256, False)
             more = [packed, params, generic.group_dequantize(packed, params, 3, 256, x),

@@ -6,7 +6,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from memopt.runtime import kernels, native, triton_fewbit
-from memopt.stash import generic, grid as G
+from memopt.stash import generic
+from memopt.stash import stats as S
 
 
 requires_triton = pytest.mark.skipif(not triton_fewbit.AVAILABLE, reason=f"triton does not import here "
@@ -76,7 +77,7 @@ def _stats(x, affine_dtype=torch.float32):
     torch.manual_seed(1)
     weight = (torch.rand(c) + 0.5).to(device=x.device, dtype=affine_dtype)
     bias = (torch.randn(c) * 0.5).to(device=x.device, dtype=affine_dtype)
-    out, mean, invstd, _, _ = G.batch_norm_train(x, weight, bias, None, None, None, 0.1, 1e-5)
+    out, mean, invstd, _, _ = S.batch_norm_train(x, weight, bias, None, None, None, 0.1, 1e-5)
     return weight, bias, mean, invstd, out
 
 

@@ -305,7 +305,8 @@ def test_mask_split_grid_is_a_k_plus_1_bit_grid_on_each_side_of_the_kink(act):
 def test_residual_chain_splits_xhat_by_its_mask_and_codes_z_only_where_positive():
     """BN -> + r -> ReLU with r >= 0 (a ReLU output, as in a ResNet): every z <= 0 has x̂ <= -β/γσ, so the mask-0
     side of x̂ ends at the kink; the mask-1 side starts at its least value; relu(z) is coded on (0, top] only."""
-    from memopt.stash.ops import _from_codes, _Stash
+    from memopt.stash.grid import _from_codes
+    from memopt.stash.ops import _Stash
     from memopt.runtime.bitpack import unpack_bits
 
     torch.manual_seed(0)

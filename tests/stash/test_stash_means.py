@@ -10,7 +10,8 @@ import memopt
 from memopt.cost_model.storage import SavedTensorRecorder
 from memopt.runtime import native
 from memopt.stash.ops import ChainSpec, _Stash, bn_act_stash
-from memopt.stash.grid import MEAN_BITS, MEAN_STRIDE, _xhat_std, wants_means, x_code
+from memopt.stash.grid import MEAN_BITS, MEAN_STRIDE, wants_means, x_code
+from memopt.stash.stats import _xhat_std
 
 
 def _bn(c: int) -> nn.BatchNorm2d:

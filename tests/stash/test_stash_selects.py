@@ -15,13 +15,14 @@ def test_cpu_selects_and_gpu_selects_give_identical_gradients(name, monkeypatch)
     # lerp by a 0/1 mask) and sums and statistics go by batch slices; CUDA keeps where, std_mean and bigger slices.
     # This runs the CUDA branch on CPU tensors by forcing the switch: the selections are exact, so only summation
     # order differs (and a z code whose value sits on a bin edge), measured at most 1.7e-7 relative per parameter.
-    from memopt.stash import grid as stash_grid
+    from memopt.stash import grid as stash_grid, stats as stash_stats
 
     if name == "mobilenet_v2":
         pytest.importorskip("torchvision")
     grads = []
     for cpu in (True, False):
-        monkeypatch.setattr(stash_grid, "cpu_selects", lambda t, cpu=cpu: cpu)
+        for module in (stash_grid, stash_stats):  # the switch is read in both
+            monkeypatch.setattr(module, "cpu_selects", lambda t, cpu=cpu: cpu)
         model, x = build(name)
         om = memopt.optimize(model, example_inputs=x, config=STASH_ONLY)
         torch.manual_seed(0)

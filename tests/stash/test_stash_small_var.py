@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import memopt
-from memopt.stash.grid import xhat_std
+from memopt.stash.stats import xhat_std
 
 
 class TinyVariance(nn.Module):

@@ -16,7 +16,7 @@ import time
 import torch
 from tabulate import tabulate
 
-from memopt.stash.grid import batch_slices, channel_std_mean, keep_where, select_u8
+from memopt.stash.stats import batch_slices, channel_std_mean, keep_where, select_u8
 from tools.bench.common import RESULTS, write_results_file
 
 
