@@ -82,7 +82,7 @@ class Recorder(TorchDispatchMode):
             if func is not _DROPOUT and func not in _BERNOULLI:
                 raise _unsupported(func, self.where)
             mask = out[1] if func is _DROPOUT else out
-            self.kept.append(_pack_rows(mask, self.batch, func, self.where))
+            self.kept.append(pack_rows(mask, self.batch, func, self.where))
             self.shapes.append(tuple(mask.shape))
         return out
 
@@ -159,7 +159,7 @@ def _unsupported(func, where: str) -> DrawError:
     return DrawError(where, f"draws with {func}, whose values are not only 0 and 1 (not kept as bits)")
 
 
-def _pack_rows(mask: torch.Tensor, batch: int, func, where: str) -> torch.Tensor:
+def pack_rows(mask: torch.Tensor, batch: int, func, where: str) -> torch.Tensor:
     if mask.dim() == 0 or mask.shape[0] != batch:
         raise DrawError(where, f"draws {tuple(mask.shape)} with {func}, whose first dimension is not the batch "
                                f"({batch})")

@@ -33,6 +33,7 @@ from torch import nn
 
 from memopt.core import phase
 from memopt.core.leaf import graph_leaf, spec_of
+from memopt.recompute.attention_rows import RowAttention
 from memopt.recompute.draws import Recorder, Replayer, batch_of
 from memopt.runtime.autocast import autocast_state, replayed_autocast
 from memopt.runtime.rng import replayed_rng, rng_state
@@ -125,7 +126,8 @@ class _Recompute(torch.autograd.Function):
         recorder = Recorder(batch_of(inputs), spec.where) if spec.random and spec.chunks > 1 else None
         rng = rng_state(inputs) if spec.random and recorder is None else []
         versions = [b._version for b in block.buffers()]
-        with torch.no_grad(), recorder if recorder is not None else contextlib.nullcontext():
+        rows = RowAttention(spec.where) if spec.random else contextlib.nullcontext()  # attention over batch ranges
+        with torch.no_grad(), recorder if recorder is not None else contextlib.nullcontext(), rows:
             out = block(*_merged(values, [t.detach() for t in inputs]))  # hooks must not see inputs needing grad
         draws = recorder.kept if recorder is not None else []
         ctx.draw_shapes = recorder.shapes if recorder is not None else None

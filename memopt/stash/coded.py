@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 import operator
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
@@ -35,12 +34,13 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from memopt.core.errors import MemoptError
 from memopt.core.leaf import graph_leaf, spec_of
-from memopt.recompute.draws import Recorder, Replayer
+from memopt.recompute.attention_rows import by_rows, pieces_of
+from memopt.recompute.draws import Replayer
 from memopt.runtime.autocast import autocast_state, replayed_autocast
 from memopt.runtime.layout import rebuilt_stride
-from memopt.runtime.rng import drawing, replayed_rng, rng_state
+from memopt.runtime.rng import replayed_rng, rng_state
 from memopt.stash.generic import group_dequantize, group_quantize, own_output
-from memopt.stash.grads import PIECE_BYTES, row_ranges
+from memopt.stash.grads import row_ranges
 
 
 def gated(g: torch.Tensor, u: torch.Tensor, act: str, act_first: bool, approximate: str = "none") -> torch.Tensor:
@@ -135,28 +135,17 @@ def _layout(x: torch.Tensor) -> Tuple[torch.Size, Tuple[int, ...], torch.dtype]:
 SDPA = ("F.scaled_dot_product_attention", "aten.scaled_dot_product_attention.default")  # the same arguments
 
 
-def attention_pieces(spec: CodedSpec, tensors: Tuple[torch.Tensor, ...], dropout_p: float) -> int:
-    """Batch ranges a coded attention's backward runs over: on the CPU with dropout, enough that one range's score
-    matrix (batch x heads x queries x keys, in float32) is at most ``PIECE_BYTES``. CPU attention with dropout takes
-    the math path, and its backward runs the attention again under autograd, which makes several score-sized
-    tensors at once (the step's peak of a BERT-shaped encoder); samples do not mix in attention, so each range
-    gives its rows' gradients, and dropout's draws are kept as bits and served by rows
-    (``memopt.recompute.draws``). 1 (one call, the generator's state replayed) off the CPU, without dropout (the
-    fused kernel makes no score matrix), for other ops, inside a recomputed block's range (its draws are served
-    already) and for a batch of one."""
-    if spec.target not in SDPA or not spec.random or not dropout_p or len(tensors) < 2 or drawing():
-        return 1
-    q, k = tensors[0], tensors[1]
-    if q.device.type != "cpu" or q.dim() < 3 or q.shape[0] < 2 or k.dim() != q.dim():
-        return 1
-    scores = math.prod(q.shape[:-1]) * k.shape[-2] * 4
-    return max(1, min(q.shape[0], -(-scores // PIECE_BYTES)))
-
-
-def _dropout_p(args: tuple, kwargs: dict) -> float:
-    """``F.scaled_dot_product_attention``'s dropout probability in this call (positional after the mask)."""
-    p = kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0)
-    return float(p) if isinstance(p, (int, float)) else 1.0
+def attention_pieces(spec: CodedSpec, args: tuple, kwargs: dict) -> int:
+    """Batch ranges a coded attention's forward and backward run over (``memopt.recompute.attention_rows``): on
+    the CPU with dropout, enough that one range's score matrix (batch x heads x queries x keys, in float32) is at
+    most ``PIECE_BYTES``. CPU attention with dropout takes the math path, which makes several score-sized tensors
+    at once in its forward, and its backward runs that attention again under autograd (the step's peak of a
+    BERT-shaped encoder); samples do not mix in attention, so each range gives its rows' outputs and gradients,
+    and dropout's draws are kept as bits and served by rows (``memopt.recompute.draws``). 1 (one call, the
+    generator's state replayed) off the CPU, without dropout (the fused kernel makes no score matrix), for other
+    ops, inside a recomputed block's range (its draws are served already), for a batch of one, and where this
+    build's generator cannot draw by rows (``draws_split``)."""
+    return pieces_of(args, kwargs) if spec.target in SDPA and spec.random else 1
 
 
 def _check_backward(node: str) -> None:
@@ -173,13 +162,12 @@ class _CodedCall(torch.autograd.Function):
         for i, t in zip(slots, tensors):
             full[i] = t
         args, kwargs = tree_unflatten(full, treedef)
-        pieces = attention_pieces(spec, tensors, _dropout_p(args, kwargs)) if spec.random else 1
-        recorder = Recorder(tensors[0].shape[0], spec.node) if spec.random and pieces > 1 else None
-        rng = rng_state(tensors) if spec.random and recorder is None else []
-        with recorder or contextlib.nullcontext():  # draws as eager's; their masks kept as bits
+        pieces = attention_pieces(spec, args, kwargs)
+        if pieces > 1:  # over ranges, bit for bit; the batch's draws kept as bits
+            out, rng, ctx.draw_shapes = by_rows(resolve(spec.target), args, kwargs, pieces, spec.node)
+        else:
+            rng = rng_state(tensors) if spec.random else []
             out = resolve(spec.target)(*args, **kwargs)
-        if recorder is not None:
-            rng, ctx.draw_shapes = recorder.kept, recorder.shapes
         ctx.pieces = pieces
         coded, unsaved = set(spec.coded), set(spec.unsaved)
         exact = [t for i, t in zip(slots, tensors) if i not in coded and i not in unsaved]

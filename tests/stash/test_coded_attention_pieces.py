@@ -1,13 +1,14 @@
-"""A coded attention's backward over batch ranges on the CPU (``memopt.stash.coded.attention_pieces``): its
-second run of the attention makes several score-sized tensors, the backward peak of a BERT-shaped encoder; range
-by range they are a range's. Dropout's draws are kept as bits and served by rows, so the forward and the user's
-random stream are eager's and each range's gradients are its rows of the whole batch's."""
+"""A coded attention's forward and backward over batch ranges on the CPU (``memopt.stash.coded.attention_pieces``):
+the math path makes several score-sized tensors in the forward and again in the backward's second run, the peaks
+of a BERT-shaped encoder; range by range they are a range's. Dropout's draws are kept as bits and served by rows,
+so the forward and the user's random stream are eager's and each range's gradients are its rows of the whole
+batch's."""
 import pytest
 import torch
 import torch.nn.functional as F
 
 from memopt.cost_model.storage import LiveStorageTracker
-from memopt.stash import coded
+from memopt.recompute import attention_rows
 from memopt.stash.coded import CodedSpec, attention_pieces, coded_call
 from memopt.stash.generic import EncodeSpec, generic_encode
 
@@ -17,7 +18,7 @@ SDPA = "F.scaled_dot_product_attention"
 def _run(monkeypatch, piece_bytes, dropout, coded_slots=(), mask=None, seed=3):
     """(output, gradients of q, k, v (and the mask), the generator's state after forward, backward's tracked peak)
     of one coded attention with ``PIECE_BYTES`` set to ``piece_bytes``."""
-    monkeypatch.setattr(coded, "PIECE_BYTES", piece_bytes)
+    monkeypatch.setattr(attention_rows, "PIECE_BYTES", piece_bytes)
     torch.manual_seed(0)
     q, k, v = (torch.randn(8, 3, 48, 16, requires_grad=True) for _ in range(3))
     leaves = [q, k, v] + ([mask] if mask is not None else [])
@@ -34,17 +35,21 @@ def _run(monkeypatch, piece_bytes, dropout, coded_slots=(), mask=None, seed=3):
     return out, grads, after, tracker.peak
 
 
-def test_pieces_follow_the_score_matrix_and_stay_off_elsewhere():
+def test_pieces_follow_the_score_matrix_and_stay_off_elsewhere(monkeypatch):
     spec = CodedSpec(SDPA, (0, 1, 2), 8, 256, True, "s")
     q = torch.empty(64, 12, 128, 64)
-    assert attention_pieces(spec, (q, q, q), 0.1) == 3  # 48 MiB of float32 scores in 16 MiB ranges
-    assert attention_pieces(spec, (q, q, q), 0.0) == 1  # no dropout: the fused kernel, no score matrix
-    assert attention_pieces(spec._replace(random=False), (q, q, q), 0.1) == 1
-    assert attention_pieces(spec, (q[:1], q[:1], q[:1]), 0.1) == 1  # one sample
-    assert attention_pieces(spec._replace(target="F.layer_norm"), (q,), 0.1) == 1
-    assert attention_pieces(spec, (q.to("meta"), q, q), 0.1) == 1  # not the CPU
+    p = {"dropout_p": 0.1}
+    assert attention_pieces(spec, (q, q, q), p) == 3  # 48 MiB of float32 scores in 16 MiB ranges
+    assert attention_pieces(spec, (q, q, q, None, 0.1), {}) == 3  # dropout_p positional
+    assert attention_pieces(spec, (q, q, q), {"dropout_p": 0.0}) == 1  # no dropout: the fused kernel, no scores
+    assert attention_pieces(spec._replace(random=False), (q, q, q), p) == 1
+    assert attention_pieces(spec, (q[:1], q[:1], q[:1]), p) == 1  # one sample
+    assert attention_pieces(spec._replace(target="F.layer_norm"), (q,), p) == 1
+    assert attention_pieces(spec, (q.to("meta"), q, q), p) == 1  # not the CPU
     exported = spec._replace(target="aten.scaled_dot_product_attention.default")  # an exported graph's
-    assert attention_pieces(exported, (q, q, q), 0.1) == 3
+    assert attention_pieces(exported, (q, q, q), p) == 3
+    monkeypatch.setattr(attention_rows, "draws_split", lambda: False)  # a generator that cannot draw by rows
+    assert attention_pieces(spec, (q, q, q), p) == 1
 
 
 @pytest.mark.parametrize("dropout", [0.0, 0.3])
