@@ -39,8 +39,8 @@ from memopt.recompute.draws import Replayer
 from memopt.runtime.autocast import autocast_state, replayed_autocast
 from memopt.runtime.layout import rebuilt_stride
 from memopt.runtime.rng import replayed_rng, rng_state
-from memopt.stash.generic import group_dequantize, group_quantize, own_output
-from memopt.stash.grads import row_ranges
+from memopt.stash.generic import group_dequantize, group_quantize, own_output, rows_rebuild
+from memopt.stash.grads import Rows, row_ranges
 
 
 def gated(g: torch.Tensor, u: torch.Tensor, act: str, act_first: bool, approximate: str = "none") -> torch.Tensor:
@@ -185,8 +185,9 @@ class _CodedCall(torch.autograd.Function):
         saved = ctx.saved_tensors
         n_exact, n_codes, _ = ctx.counts
         exact, codes, rng = saved[:n_exact], saved[n_exact:n_exact + n_codes], list(saved[n_exact + n_codes:])
-        rebuilt = iter([group_dequantize(codes[2 * j], codes[2 * j + 1], spec.bits, spec.group,
-                                         _like(layout, grad.device)) for j, layout in enumerate(ctx.layouts)])
+        # over ranges, a coded input whose codes cut by rows is rebuilt a range at a time (RowsOf), else whole
+        rebuilt = iter([_rebuilt(codes[2 * j], codes[2 * j + 1], spec, layout, ctx.pieces, grad.shape[0])
+                        for j, layout in enumerate(ctx.layouts)])
         exact_it = iter(exact)
         full, wanted = list(ctx.leaves), []
         needs = ctx.needs_input_grad[4:4 + len(ctx.slots)]
@@ -194,12 +195,12 @@ class _CodedCall(torch.autograd.Function):
             if i in spec.unsaved:  # not kept: backward's function does not read it
                 continue
             t = next(rebuilt) if i in spec.coded else next(exact_it)
-            t = t.detach().requires_grad_(need)
+            t = RowsOf(t.part, need) if isinstance(t, Rows) else t.detach().requires_grad_(need)
             full[i] = t
             if need:
                 wanted.append(t)
         if ctx.pieces > 1:
-            grads = iter(_by_rows(ctx, full, wanted, grad, rng))
+            grads = iter(_by_rows(ctx, full, len(wanted), grad, rng))
         else:
             args, kwargs = tree_unflatten(full, ctx.treedef)
             with replayed_rng(rng if spec.random else None, exact), torch.enable_grad(), \
@@ -211,19 +212,40 @@ class _CodedCall(torch.autograd.Function):
         return (None, None, None, None, *tensor_grads, *([None] * n_codes))
 
 
-def _by_rows(ctx, full: List[Any], wanted: List[torch.Tensor], grad: torch.Tensor, kept: List[torch.Tensor]
+class RowsOf(NamedTuple):
+    """A coded input of a backward over ranges, rebuilt a range at a time: ``part(a, b)`` gives rows ``a:b``."""
+
+    part: Callable[[int, int], torch.Tensor]
+    requires_grad: bool
+
+
+def _rebuilt(packed: torch.Tensor, params: torch.Tensor, spec: CodedSpec, layout, pieces: int, batch: int):
+    """A coded input for backward: ``Rows`` whose ``part`` rebuilds rows of it, where the backward runs over
+    ranges and the codes cut by the batch's rows (``rows_rebuild``); else the whole tensor."""
+    shape, stride, dtype = layout
+    rows = rows_rebuild(packed, params, spec.bits, spec.group, shape, stride, dtype)
+    if pieces > 1 and rows.part is not None and len(shape) > 1 and shape[0] == batch:
+        return rows
+    return rows.whole()
+
+
+def _by_rows(ctx, full: List[Any], wanted: int, grad: torch.Tensor, kept: List[torch.Tensor]
              ) -> List[Optional[torch.Tensor]]:
-    """The gradients of ``wanted`` (leaves of ``full``, rebuilt or kept) from the op run again over
-    ``ctx.pieces`` ranges of the batch (``attention_pieces``): tensors whose first dimension is the batch are cut
-    by rows, the others (a broadcast mask) go whole to every range and sum their gradients; dropout gets each
-    range's rows of the forward's draws (``kept``)."""
+    """The gradients of the ``wanted`` leaves of ``full`` that need one (rebuilt or kept tensors, ``RowsOf``) from
+    the op run again over ``ctx.pieces`` ranges of the batch (``attention_pieces``): tensors whose first dimension
+    is the batch are cut by rows (a ``RowsOf`` rebuilds its rows), the others (a broadcast mask) go whole to every
+    range and sum their gradients; dropout gets each range's rows of the forward's draws (``kept``)."""
     spec, batch = ctx.spec, grad.shape[0]
     fn = resolve(spec.recompute or spec.target)
-    out_grads: List[Optional[torch.Tensor]] = [None] * len(wanted)
+    out_grads: List[Optional[torch.Tensor]] = [None] * wanted
     for a, b in row_ranges(batch, ctx.pieces):
         part, leaves = list(full), []
         for i, t in enumerate(full):
-            if isinstance(t, torch.Tensor):
+            if isinstance(t, RowsOf):
+                part[i] = t.part(a, b).requires_grad_(t.requires_grad)
+                if t.requires_grad:
+                    leaves.append((part[i], True))
+            elif isinstance(t, torch.Tensor):
                 cut = t.dim() > 0 and t.shape[0] == batch
                 part[i] = (t[a:b] if cut else t).detach().requires_grad_(t.requires_grad)
                 if t.requires_grad:

@@ -178,17 +178,12 @@ def _check_backward(node: str) -> None:
                           f"exclude it with memopt.StashConfig(deny=(...)) or set StashConfig(generic=False)")
 
 
-def _rebuild(ctx, packed, params, compute: Optional[torch.dtype] = None) -> Rows:
-    """The consumer's input rebuilt whole, or rows of its first dimension from their slice of the codes: where
-    that dimension is outermost in the codes' memory order and a row's codes end on a group and a byte.
-
-    ``compute``: the dtype the consumer's backward reads the input in (the gradient's). A float32 input that
-    autocast cast to bf16 / fp16 for the op is rebuilt straight into that dtype, through float32 a slice at a time
-    (``group_dequantize``): the same values as the float32 rebuild cast down, without the full-size float32
-    tensor and its copy."""
-    shape, stride, bits, group = ctx.shape, ctx.stride, ctx.bits, ctx.group
-    dtype = compute if ctx.dtype == torch.float32 and compute in (torch.bfloat16, torch.float16) else ctx.dtype
-
+def rows_rebuild(packed: torch.Tensor, params: torch.Tensor, bits: int, group: int, shape, stride,
+                 dtype: torch.dtype) -> Rows:
+    """The tensor ``group_quantize`` coded (``shape``, ``stride``), rebuilt in ``dtype`` whole, or rows
+    ``[a, b)`` of its first dimension from their slice of the codes (``part``: the same values as those rows of
+    the whole rebuild), where that dimension is outermost in the codes' memory order and a row's codes end on a
+    group and a byte (``part`` None elsewhere)."""
     def whole() -> torch.Tensor:
         like = torch.empty_strided(shape, stride, dtype=dtype, device=packed.device)
         return group_dequantize(packed, params, bits, group, like)
@@ -201,6 +196,17 @@ def _rebuild(ctx, packed, params, compute: Optional[torch.dtype] = None) -> Rows
         return group_dequantize(packed[a * m * bits // 8:b * m * bits // 8],
                                 params[:, a * m // group:b * m // group].contiguous(), bits, group, like)
     return Rows(whole, part)
+
+
+def _rebuild(ctx, packed, params, compute: Optional[torch.dtype] = None) -> Rows:
+    """The consumer's input rebuilt whole, or by rows (``rows_rebuild``).
+
+    ``compute``: the dtype the consumer's backward reads the input in (the gradient's). A float32 input that
+    autocast cast to bf16 / fp16 for the op is rebuilt straight into that dtype, through float32 a slice at a time
+    (``group_dequantize``): the same values as the float32 rebuild cast down, without the full-size float32
+    tensor and its copy."""
+    dtype = compute if ctx.dtype == torch.float32 and compute in (torch.bfloat16, torch.float16) else ctx.dtype
+    return rows_rebuild(packed, params, ctx.bits, ctx.group, ctx.shape, ctx.stride, dtype)
 
 
 def _keep(ctx, x: torch.Tensor, bits: int, group: int, node: str, chunks: int) -> None:
