@@ -19,10 +19,10 @@ from memopt.core.errors import MemoptError, TraceError
 from memopt.core.state import module_flags, restore_flags, train_as_user
 from memopt.record.export import GRAPH_HEADER, graph_code
 from memopt.builder.optimized import OptimizedModule
-from memopt.builder.pipeline import validate_budget
+from memopt.builder.request import validate_budget
 from memopt.record.plan import Plan
 from memopt.record.report import render
-from memopt.builder.pipeline import input_signature
+from memopt.builder.request import input_signature
 from memopt.record.plan import node_plans
 from memopt.builder.per_submodule import estimate_partial
 

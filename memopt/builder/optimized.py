@@ -36,7 +36,8 @@ from memopt.core.heap import release_autocast_cache, release_free_heap
 from memopt.core.inputs import normalize_inputs
 from memopt.config import Config
 from memopt.core.errors import MemoptError, TraceError
-from memopt.builder.pipeline import Built, build, input_signature
+from memopt.builder.pipeline import Built, build
+from memopt.builder.request import input_signature
 from memopt.builder.request import Request
 from memopt.record.plan import Plan
 from memopt.core.state import module_flags, preserved_buffers, preserved_rng, restore_flags, share_module_state, \

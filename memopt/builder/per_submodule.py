@@ -39,7 +39,8 @@ from memopt.config import Config
 from memopt.core.errors import BudgetError, MemoptError, TraceError
 from memopt.core.state import preserved_state, train_as_user
 from memopt.record.measure import measure
-from memopt.builder.pipeline import build, input_signature
+from memopt.builder.pipeline import build
+from memopt.builder.request import input_signature
 from memopt.builder.request import Request
 from memopt.record.plan import PartialPlan
 from memopt.core.units import fmt_bytes

@@ -10,7 +10,7 @@ from typing import Any, Callable, Dict, FrozenSet, List, Optional, Tuple
 
 import torch
 from torch import fx, nn
-from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path
+from torch.utils._pytree import tree_flatten
 
 from memopt.cost_model.analysis import Estimate
 from memopt.capture.trace import Captured, capture, check_inputs, export_capture, flat_inputs, opaque_functions
@@ -20,7 +20,7 @@ from memopt.core.heap import ResidentGrowth
 from memopt.record.plan import Plan, node_plans, option_label
 from memopt.fidelity.gate import has_lossy_units
 from memopt.builder.budget_message import budget_message
-from memopt.builder.request import Request, Session
+from memopt.builder.request import Request, Session, input_signature
 from memopt.capture.soundness import Soundness, check_capture
 from memopt.passes.planning.candidates import copy_graph_module
 from memopt.core.meta import DECISION_KEY, decided_nodes
@@ -54,38 +54,6 @@ class Built:
     captured: Optional[fx.GraphModule] = None
     method: str = ""
     initial: FrozenSet[Tuple[str, str, Optional[int]]] = frozenset()
-
-
-def input_signature(args: tuple, kwargs: dict) -> List[str]:
-    """One readable line per input leaf, and one per device type autocast is on for; two calls with
-    equal signatures share a plan (autocast changes the dtypes and so the bytes of every node)."""
-    out = []
-    for path, leaf in tree_flatten_with_path((args, kwargs))[0]:
-        if isinstance(leaf, torch.Tensor):
-            shape = ",".join(map(str, leaf.shape))
-            out.append(f"{keystr(path)}: {str(leaf.dtype).replace('torch.', '')}[{shape}] {leaf.device}"
-                       f"{' requires_grad' if leaf.requires_grad else ''}")
-        else:
-            out.append(f"{keystr(path)}: {type(leaf).__name__} {leaf!r:.40}")
-    return out + autocast_state()
-
-
-def autocast_state() -> List[str]:
-    """``["autocast cpu: bfloat16", ...]`` for each device type autocast is enabled for now ([] when off)."""
-    return [f"autocast {device}: {str(torch.get_autocast_dtype(device)).replace('torch.', '')}"
-            for device in ("cpu", "cuda") if torch.is_autocast_enabled(device)]
-
-
-def validate_budget(budget_mb: Any) -> Optional[int]:
-    """``budget_mb`` (MiB, None for no budget) -> bytes; anything else than a positive finite number is refused."""
-    if budget_mb is None:
-        return None
-    if isinstance(budget_mb, bool) or not isinstance(budget_mb, (int, float)):
-        raise TypeError(f"budget_mb must be a positive number of MiB or None, got "
-                        f"{type(budget_mb).__name__}: {budget_mb!r:.40}")
-    if not math.isfinite(budget_mb) or budget_mb <= 0:
-        raise ValueError(f"budget_mb must be a positive finite number of MiB or None, got {budget_mb!r}")
-    return int(budget_mb * 1024 * 1024)
 
 
 def _without_opaque_functions(model: nn.Module, args: tuple, kwargs: dict,
@@ -189,11 +157,44 @@ def build(request: Request, whole: bool = True, capture_fn: Callable[[nn.Module,
 
 
 def _rewrite_and_gate(session: Session, gm: fx.GraphModule, gated: bool) -> Tuple[Built, FrozenSet]:
-    """The plan of ``gm`` (``_rewrite``), gated where it is lossy; with the decision before the gate."""
-    built = _rewrite(session, gm)
-    initial = decision_set(built.graph_module)
-    if gated and has_lossy_units(built.plan.units):
-        built = _gate(session, built)
+    """The plan of ``gm`` (``_rewrite``), gated where it is lossy; with the decision before the gate. A budget
+    that planning and the gate refuse is met by the default plan where that fits it (``_default_within``)."""
+    ctx = session.ctx
+    try:
+        built = _rewrite(session, gm)
+        initial = decision_set(built.graph_module)
+        if gated and has_lossy_units(built.plan.units):
+            built = _gate(session, built)
+        return built, initial
+    except BudgetError:
+        session.ctx = ctx  # the refused plan's repairs are not the default plan's
+        found = _default_within(session, gated)
+        if found is None:
+            raise
+        return found
+
+
+def _default_within(session: Session, gated: bool) -> Optional[Tuple[Built, FrozenSet]]:
+    """The plan ``memopt.optimize`` makes without a budget (peak first, within the step-time allowance), gated, where
+    it fits the budget the budget's planning refused, else None. The budget planner buys bytes with bits and the gate
+    can refuse what it bought (a unit's gradient error grows with the batch it was planned at) and then finds the
+    least peak by making units exact and recomputing blocks, where the default plan's 8-bit codes pass: a user
+    asking for a budget must not be refused one that the plan they get without asking meets."""
+    request, target = session.request, session.target
+    if request.plan is not None or target is None:
+        return None
+    session.request = dataclasses.replace(request, budget_bytes=None)
+    try:
+        built, initial = _rewrite_and_gate(session, copy_graph_module(session.pristine), gated)
+    finally:
+        session.request = request
+    fidelity = built.plan.fidelity or {}
+    if built.plan.estimated_peak_bytes > target or not fidelity.get("passed", True):
+        return None
+    log.info("memopt: %s: budget_mb=%.1f is met by the default plan (estimated peak %s), where the budget's own "
+             "planning was refused by the fidelity gate", request.name, request.budget_bytes / 2**20,
+             fmt_bytes(built.plan.estimated_peak_bytes))
+    built.plan.budget_bytes = request.budget_bytes
     return built, initial
 
 

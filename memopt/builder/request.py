@@ -1,4 +1,5 @@
-"""What one build was asked for (``Request``), and what its steps share once the model is captured (``Session``).
+"""What one build was asked for (``Request``), and what its steps share once the model is captured (``Session``);
+the budget and the input signature a request is keyed by.
 
 A build's steps (rewrite, fidelity gate, the gate's re-fit under a budget, the plan record) all need the model, its
 example inputs, the config, the budget, the optimizer and the loss, and, once captured, the capture method, the
@@ -9,10 +10,13 @@ is frozen (a step cannot change what the user asked), the session is made once p
 from __future__ import annotations
 
 import gc
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+import torch
 from torch import fx, nn
+from torch.utils._pytree import keystr, tree_flatten_with_path
 
 from memopt.config import Config
 from memopt.cost_model.analysis import Estimate
@@ -94,3 +98,35 @@ class Session:
             # its return the gate's reference gradients (several copies of the parameters' gradients). Collected
             # here, once a gate, they do not sit on top of the user's first training steps.
             gc.collect()
+
+
+def input_signature(args: tuple, kwargs: dict) -> List[str]:
+    """One readable line per input leaf, and one per device type autocast is on for; two calls with
+    equal signatures share a plan (autocast changes the dtypes and so the bytes of every node)."""
+    out = []
+    for path, leaf in tree_flatten_with_path((args, kwargs))[0]:
+        if isinstance(leaf, torch.Tensor):
+            shape = ",".join(map(str, leaf.shape))
+            out.append(f"{keystr(path)}: {str(leaf.dtype).replace('torch.', '')}[{shape}] {leaf.device}"
+                       f"{' requires_grad' if leaf.requires_grad else ''}")
+        else:
+            out.append(f"{keystr(path)}: {type(leaf).__name__} {leaf!r:.40}")
+    return out + autocast_state()
+
+
+def autocast_state() -> List[str]:
+    """``["autocast cpu: bfloat16", ...]`` for each device type autocast is enabled for now ([] when off)."""
+    return [f"autocast {device}: {str(torch.get_autocast_dtype(device)).replace('torch.', '')}"
+            for device in ("cpu", "cuda") if torch.is_autocast_enabled(device)]
+
+
+def validate_budget(budget_mb: Any) -> Optional[int]:
+    """``budget_mb`` (MiB, None for no budget) -> bytes; anything else than a positive finite number is refused."""
+    if budget_mb is None:
+        return None
+    if isinstance(budget_mb, bool) or not isinstance(budget_mb, (int, float)):
+        raise TypeError(f"budget_mb must be a positive number of MiB or None, got "
+                        f"{type(budget_mb).__name__}: {budget_mb!r:.40}")
+    if not math.isfinite(budget_mb) or budget_mb <= 0:
+        raise ValueError(f"budget_mb must be a positive finite number of MiB or None, got {budget_mb!r}")
+    return int(budget_mb * 1024 * 1024)

@@ -51,8 +51,8 @@ from memopt.passes.planning.candidates import copy_graph_module
 from memopt.passes.manager import passes_for, run_passes
 from memopt.passes.stash.chunks import apply_chunks
 from memopt.passes.planning.planner import apply_decision
-from memopt.builder.pipeline import Built, autocast_state, build, decision_set, make_plan
-from memopt.builder.request import Request, Session
+from memopt.builder.pipeline import Built, build, decision_set, make_plan
+from memopt.builder.request import Request, Session, autocast_state
 from memopt.reversible.check import real_examples
 
 log = logging.getLogger("memopt")
