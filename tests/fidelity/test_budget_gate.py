@@ -1,6 +1,6 @@
 """The fidelity gate under a budget: a plan whose crushed bits miss the gate is repaired, the bytes the repair
-gives back are found again by exact recomputation, and a budget that cannot be met at the gate's cosine raises
-BudgetError with the least peak that can."""
+gives back are found again by exact recomputation, a budget the repairs cannot meet is met by the default plan where
+that fits it, and one neither meets at the gate's cosine raises BudgetError with the least peak that can."""
 import copy
 
 import pytest
@@ -44,6 +44,16 @@ def case():
     return model, x, (baseline + least.value.minimum_bytes) / 2 / 2 ** 20
 
 
+@pytest.fixture(scope="module")
+def default_peak(case):
+    """The estimated peak of the default plan (no budget) under the refusal tests' config, gated."""
+    model, x, _ = case
+    om = memopt.optimize(copy.deepcopy(model), example_inputs=x, optimizer="sgd",
+                         config=memopt.Config(stash=NO_STASH, fewbit=ONE_BIT, recompute=None))
+    assert om.plan.fidelity["passed"]
+    return om.plan.estimated_peak_bytes
+
+
 def test_a_budget_plan_that_misses_the_gate_is_repaired_by_recomputation_within_the_budget(case):
     model, x, budget = case
     ungated = memopt.optimize(copy.deepcopy(model), budget, example_inputs=x, optimizer="sgd",
@@ -62,8 +72,21 @@ def test_a_budget_plan_that_misses_the_gate_is_repaired_by_recomputation_within_
     assert memopt.measure(om, x, optimizer="sgd").peak_bytes == om.plan.estimated_peak_bytes
 
 
-def test_a_budget_the_gate_cannot_meet_raises_with_the_least_peak_that_can(case):
+def test_a_budget_the_repairs_cannot_meet_is_met_by_the_default_plan_where_it_fits(case, default_peak, caplog):
+    model, x, budget = case  # the budget planner crushes to 1 bit and cannot recompute; the default's bits pass
+    assert default_peak <= budget * 2 ** 20
+    with caplog.at_level("INFO", logger="memopt"):
+        om = memopt.optimize(copy.deepcopy(model), budget, example_inputs=x, optimizer="sgd",
+                             config=memopt.Config(stash=NO_STASH, fewbit=ONE_BIT, recompute=None))
+    assert om.plan.fidelity["passed"] and om.plan.estimated_peak_bytes == default_peak
+    assert om.plan.budget_bytes == int(budget * 2 ** 20)
+    assert any("is met by the default plan" in r.getMessage() for r in caplog.records)
+    assert memopt.measure(om, x, optimizer="sgd").peak_bytes == om.plan.estimated_peak_bytes
+
+
+def test_a_budget_the_gate_cannot_meet_raises_with_the_least_peak_that_can(case, default_peak):
     model, x, budget = case
+    budget = min(budget, (default_peak - 2 ** 10) / 2 ** 20)  # below the default plan's peak too
     with pytest.raises(memopt.BudgetError, match=r"cannot be met for Net with every parameter's gradient at cosine "
                                                  r">= 0.99 \(Config.fidelity\): the planner's plan reaches .* but its "
                                                  r"gradients miss \(worst blocks\.\d\.fc\d\.(weight|bias) at cosine "
