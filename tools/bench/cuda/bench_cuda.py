@@ -19,10 +19,11 @@ and the steps), the decoder under bf16 only. Rows per model and precision:
   label that says whether one step's gradients are bit-identical to the default's, or equal to float32 rounding
   (the Triton BN backward sums in another order), in deterministic mode for that check.
 Before the rows: every kernel family's first-use check on the device, float32 and bf16 (``kernels.prepare``),
-its verdicts and the time it took. After them, within ``--largest-s`` seconds: the largest batch of ResNet-50
-224 whose step peak fits ``--cap-mb`` (doubling from batch 32, then bisection, at most ``--largest-probes``
-steps each), for stock, checkpointing, memopt default and memopt with ``budget_mb`` at the cap, with samples/s
-at that batch (3 timed steps after a warm-up; absolute, batches differ).
+its verdicts and the time it took. After them, within ``--largest-s`` seconds each: the largest batch of ResNet-50
+224 (and with ``--largest-models resnet50,bert,llama`` of the CPU peak benchmark's BERT-shaped encoder and Llama)
+whose step peak fits ``--cap-mb`` (doubling from batch 32, then bisection, at most ``--largest-probes`` steps
+each), for stock, checkpointing, memopt default and memopt with ``budget_mb`` at the cap, with samples/s at that
+batch (3 timed steps after a warm-up; absolute, batches differ).
 Saved bytes from ``memopt.measure`` (saved-tensor hooks; asserted equal to the cost model's estimate for memopt's
 rows in float32), measured peak from the caching allocator (``torch.cuda.max_memory_allocated`` during the
 step, less other tensors' memory), step time as a ratio to stock (interleaved step by step in one process, each
@@ -82,15 +83,15 @@ def _bert(batch: int, seq: int, layers: int, hidden: int, heads: int) -> Case:
                 torch.randint(0, cfg.vocab_size, (batch, seq)), list(m.encoder.layer), ("float32", "bf16"))
 
 
-def _llama(seq: int, layers: int, hidden: int, heads: int, intermediate: int, vocab: int) -> Case:
+def _llama(seq: int, layers: int, hidden: int, heads: int, intermediate: int, vocab: int, batch: int = 1) -> Case:
     import transformers as T
 
     cfg = T.LlamaConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
                         num_key_value_heads=heads, intermediate_size=intermediate, max_position_embeddings=seq,
                         use_cache=False, attn_implementation="sdpa")
     m = T.LlamaForCausalLM(cfg)
-    return Case(f"Llama decoder, {layers} layers, hidden {hidden}, 1 x {seq}", m,
-                torch.randint(0, vocab, (1, seq)), list(m.model.layers), ("bf16",))
+    return Case(f"Llama decoder, {layers} layers, hidden {hidden}, {batch} x {seq}", m,
+                torch.randint(0, vocab, (batch, seq)), list(m.model.layers), ("bf16",))
 
 
 def models(smoke: bool) -> Dict[str, Callable[[], Case]]:
@@ -378,6 +379,8 @@ def main() -> None:
     parser.add_argument("--cap-mb", type=float, default=8192.0, help="the largest-batch rows' peak cap, MiB")
     parser.add_argument("--largest-s", type=float, default=90.0, help="no largest-batch probe starts after this")
     parser.add_argument("--largest-probes", type=int, default=5, help="steps per largest-batch search")
+    parser.add_argument("--largest-models", default="resnet50",
+                        help="comma-separated largest-batch searches, each within --largest-s: resnet50,bert,llama")
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("tools.bench.cuda.bench_cuda needs a CUDA GPU (torch.cuda.is_available() is False)")
@@ -393,8 +396,25 @@ def main() -> None:
         for precision in case.precisions:
             bench_case(case, precision, bench, triton_row=i == 0 and precision == "float32")
     if args.largest_s > 0:
-        size = 64 if args.smoke else 224
-        largest_rows(bench, f"ResNet-50, {size}x{size}", lambda b: _resnet50(b, size), 2 if args.smoke else 32)
+        searches = largest_searches(args.smoke)
+        for key in args.largest_models.split(","):
+            if key not in searches:
+                raise SystemExit(f"--largest-models: unknown key {key!r}; choose from {', '.join(searches)}")
+            largest_rows(bench, *searches[key])
+
+
+def largest_searches(smoke: bool) -> Dict[str, Tuple[str, Callable[[int], Case], int]]:
+    """(title, batch -> case, first batch) of each model's largest-batch search: the CPU peak benchmark's shapes
+    (tools/bench/peak: ResNet-50, the BERT-base-shaped encoder of 4 layers at seq 128, the 4-layer Llama at seq
+    256), at 224x224 for ResNet-50; tiny ones with ``smoke``."""
+    if smoke:
+        return {"resnet50": ("ResNet-50, 64x64", lambda b: _resnet50(b, 64), 2),
+                "bert": ("BERT encoder, 2 layers, hidden 64, seq 32", lambda b: _bert(b, 32, 2, 64, 2), 2),
+                "llama": ("Llama decoder, 2 layers, hidden 64, seq 64", lambda b: _llama(64, 2, 64, 2, 176, 256, b), 2)}
+    return {"resnet50": ("ResNet-50, 224x224", lambda b: _resnet50(b, 224), 32),
+            "bert": ("BERT encoder, 4 layers, hidden 768, seq 128", lambda b: _bert(b, 128, 4, 768, 12), 32),
+            "llama": ("Llama decoder, 4 layers, hidden 256, seq 256", lambda b: _llama(256, 4, 256, 4, 688, 4096, b),
+                      32)}
 
 
 if __name__ == "__main__":
