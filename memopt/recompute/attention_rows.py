@@ -103,21 +103,17 @@ def by_rows(fn: Callable, args: tuple, kwargs: dict, pieces: int, where: str = "
     kept = [pack_rows(drawn, q.shape[0], torch.ops.aten.bernoulli_.float, where)]
     del drawn
     leaves, treedef = tree_flatten((tuple(args), dict(kwargs)))
-    out: Optional[torch.Tensor] = None
-    parts: List[torch.Tensor] = []
+    out: Optional[torch.Tensor] = None  # contiguous, as the math path's output is
     for start, stop in row_ranges(q.shape[0], pieces):
         part_args, part_kwargs = tree_unflatten(_cut(leaves, q.shape[0], q.dim(), start, stop), treedef)
         replayer = Replayer(kept, [shape], start, stop, where)
         with replayer:
             part = fn(*part_args, **part_kwargs)
         replayer.finish()
-        if out is None and part.is_contiguous():
+        if out is None:
             out = part.new_empty((q.shape[0], *part.shape[1:]))
-        if out is not None and part.is_contiguous():
-            out[start:stop] = part
-        else:
-            parts.append(part)
-    return (torch.cat(parts) if parts else out), kept, [shape]
+        out[start:stop] = part
+    return out, kept, [shape]
 
 
 class RowAttention(TorchFunctionMode):
